@@ -1,0 +1,24 @@
+"""fairseq-softtopk: differentiable top-k (SOFT top-k, Xie et al., NeurIPS 2020) for fairseq.
+
+``fairseq-train --user-dir fairseq_softtopk`` imports this package after fairseq, and that
+import registers the package's models and criterions and lets fairseq's checkpoints load
+under torch's weights-only unpickler. The operator library :mod:`fairseq_softtopk.ops` is
+pure PyTorch: importing it alone does not import fairseq (call :func:`register` to register
+the fairseq components from a script that imports this package before fairseq).
+"""
+
+import sys
+
+__version__ = "0.1.0"
+
+
+def register() -> None:
+    """Registers the models and criterions with fairseq and allowlists checkpoint globals."""
+    from .checkpoint_safety import allow_fairseq_checkpoint_globals
+
+    allow_fairseq_checkpoint_globals()
+    from . import criterions, models  # noqa: F401  (importing registers the components)
+
+
+if sys.modules.get("fairseq") is not None:  # loaded as fairseq's --user-dir (or after `import fairseq`)
+    register()

@@ -1,0 +1,8 @@
+"""fairseq criterions of this package; importing a module registers it."""
+
+import importlib
+import pkgutil
+
+for _module in pkgutil.iter_modules(__path__):
+    if not _module.name.startswith("_"):
+        importlib.import_module(f"{__name__}.{_module.name}")

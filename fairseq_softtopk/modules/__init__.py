@@ -1,0 +1,1 @@
+"""nn.Modules built on :mod:`fairseq_softtopk.ops` (no fairseq registration here)."""

@@ -1,0 +1,23 @@
+"""Differentiable top-k operators in pure PyTorch (no fairseq import).
+
+``soft_topk`` and ``sorted_soft_topk`` are the SOFT top-k operators of Xie et al. (NeurIPS
+2020), solved to a tolerance (threshold root-finding / Newton on the semi-dual) and
+differentiated implicitly. ``sinkhorn_log`` is the log-domain Sinkhorn reference, and
+:mod:`fairseq_softtopk.ops.paper_algorithm` a re-implementation of the published algorithm,
+kept as baselines for tests and benchmarks.
+"""
+
+from ._common import COSTS, SolverInfo
+from .sinkhorn import sinkhorn_log
+from .soft_topk import SoftTopKFunction, soft_topk
+from .sorted_soft_topk import SortedSoftTopKFunction, sorted_soft_topk
+
+__all__ = [
+    "COSTS",
+    "SolverInfo",
+    "SoftTopKFunction",
+    "SortedSoftTopKFunction",
+    "sinkhorn_log",
+    "soft_topk",
+    "sorted_soft_topk",
+]

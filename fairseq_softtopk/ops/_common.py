@@ -1,0 +1,175 @@
+"""Input checks, cost scalings and reshaping shared by :func:`soft_topk` and :func:`sorted_soft_topk`.
+
+Every cost the package offers reduces to one canonical problem that the solvers work on:
+entropic OT between the valid scores ``z`` of a row (uniform mass) and anchors
+``y_r = A, A-1, ..., 0`` (``A = 1`` unsorted, ``A = k`` sorted) with the *linear* cost
+``-z_i * y_r`` and a per-row temperature ``eps_eff``. Why this is exact:
+
+* squared distance ``(z_i - y_r)**2 = z_i**2 - 2 z_i y_r + y_r**2``; the ``z_i**2`` and
+  ``y_r**2`` terms only shift the row and column potentials, so the plan at ``epsilon``
+  equals the linear-cost plan at ``epsilon / 2``;
+* the paper divides the squared distance by its maximum ``s`` (detached), which multiplies
+  the temperature by ``s``: ``eps_eff = epsilon * s / 2``;
+* ``largest=False`` is the mirror image: the plan for ``x`` with anchors ``0, 1, ..., A``
+  (the paper's section 2.3) equals the plan for ``z = -x`` with anchors ``A, ..., 0``, up to
+  a term linear in ``x_i`` that the row potential absorbs.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+COSTS = ("linear", "sqeuclidean", "paper")
+
+
+@dataclass
+class SolverInfo:
+    """What the forward solver reached (returned with ``return_info=True``).
+
+    Attributes:
+        converged: every row reached ``marginal_error <= tol``.
+        n_iter: iterations used (the largest over rows).
+        marginal_error: the largest relative violation of the anchor marginals over rows,
+            ``max_r |sum_i A_ir - m_r| / m_r`` with ``m_r`` the number of elements anchor ``r``
+            must receive (1 per rank, ``k`` or ``n - k`` otherwise). Row marginals are exact.
+    """
+
+    converged: bool
+    n_iter: int
+    marginal_error: float
+
+
+@dataclass
+class PreparedScores:
+    """Scores flattened to rows and oriented so that the solvers always select the largest.
+
+    Attributes:
+        z: ``(rows, n)`` working-dtype oriented scores, centred per row; 0 where excluded.
+        valid: ``(rows, n)`` bool, True where the entry takes part.
+        n_valid: ``(rows,)`` working-dtype number of valid entries.
+        eps: ``(rows, 1)`` working-dtype effective temperature of the linear cost.
+        sign: +1 (largest) or -1 (smallest): ``d out / d x = sign * d out / d z``.
+    """
+
+    z: Tensor
+    valid: Tensor
+    n_valid: Tensor
+    eps: Tensor
+    sign: float
+
+
+def log_floor(dtype: torch.dtype) -> float:
+    """Largest-magnitude exponent whose ``exp`` is still a normal number of ``dtype``.
+
+    Clamping logits there changes results by less than the dtype's smallest normal number,
+    and keeps ``exp``/``sigmoid`` off their slow underflow path (3-10x slower on CPUs).
+    """
+    return math.log(torch.finfo(dtype).tiny) + 1.0
+
+
+def working_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Half precision inputs are solved in float32; float32/float64 as they are."""
+    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
+
+
+def check_inputs(scores: Tensor, k: int, epsilon: float, mask: Optional[Tensor], cost: str,
+                 tol: float, max_iter: int) -> None:
+    """Raises ``ValueError`` naming the problem for bad arguments (not data-dependent ones)."""
+    if not isinstance(scores, Tensor):
+        raise ValueError(f"scores must be a torch.Tensor, got {type(scores).__name__}")
+    if not scores.is_floating_point():
+        raise ValueError(f"scores must have a floating dtype, got {scores.dtype}")
+    if scores.dim() == 0:
+        raise ValueError("scores must have at least one dimension, got a scalar")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"k must be an integer >= 1, got {k!r}")
+    if not (isinstance(epsilon, (int, float)) and epsilon > 0 and epsilon != float("inf")):
+        raise ValueError(f"epsilon must be a finite number > 0, got {epsilon!r}")
+    if cost not in COSTS:
+        raise ValueError(f"cost must be one of {COSTS}, got {cost!r}")
+    if not tol > 0:
+        raise ValueError(f"tol must be > 0, got {tol!r}")
+    if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 1:
+        raise ValueError(f"max_iter must be an integer >= 1, got {max_iter!r}")
+    if mask is not None:
+        if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
+            raise ValueError(f"mask must be a bool tensor (True = excluded), got {getattr(mask, 'dtype', type(mask))}")
+        if mask.shape != scores.shape:
+            raise ValueError(f"mask shape {tuple(mask.shape)} differs from scores shape {tuple(scores.shape)}")
+
+
+def prepare_scores(scores: Tensor, k: int, dim: int, largest: bool, epsilon: float,
+                   mask: Optional[Tensor], cost: str, n_anchor_steps: int) -> PreparedScores:
+    """Flattens ``scores`` to rows along ``dim``, checks the data and computes ``eps_eff``.
+
+    Args:
+        scores: ``(*, n, *)`` floating scores, ``n`` along ``dim``.
+        n_anchor_steps: ``A``, the largest anchor (1 for top-k, k for sorted top-k).
+
+    Raises:
+        ValueError: NaN scores, the winning infinity (``+inf`` with ``largest=True``), or fewer
+            than ``k`` valid entries in a row.
+    """
+    x = scores.detach().movedim(dim, -1)
+    n = x.shape[-1]
+    x = x.reshape(-1, n).to(working_dtype(scores.dtype))
+    if torch.isnan(x).any():
+        raise ValueError("scores contain NaN")
+    losing_inf, winning_inf = (-float("inf"), float("inf")) if largest else (float("inf"), -float("inf"))
+    if (x == winning_inf).any():
+        raise ValueError(f"scores contain {winning_inf}; only {losing_inf} (= excluded) is allowed "
+                         f"with largest={largest}")
+    valid = x != losing_inf
+    if mask is not None:
+        valid &= ~mask.detach().movedim(dim, -1).reshape(-1, n)
+    n_valid = valid.sum(-1)
+    if x.shape[0] > 0 and int(n_valid.min()) < k:
+        raise ValueError(f"k={k} exceeds the number of valid (unmasked, finite) entries in a row "
+                         f"(smallest such count: {int(n_valid.min())}, n={n})")
+    x = torch.where(valid, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    eps = _effective_epsilon(x, valid, epsilon, cost, n_anchor_steps)
+    sign = 1.0 if largest else -1.0
+    z = sign * x
+    # Centring does not change the plan (a shift of z is absorbed by the anchor potentials).
+    # Centred between the best and the (k+1)-th best score, the elements near the rank
+    # boundaries have small |z|, so their logits z * y / eps keep full floating-point precision.
+    top = hard_topk_indices(z, min(k + 1, n), valid, largest=True)
+    ends = z.gather(-1, top[:, [0, -1]])
+    centre = 0.5 * (ends[:, :1] + ends[:, 1:])
+    z = torch.where(valid, z - centre, torch.zeros_like(z))
+    return PreparedScores(z=z, valid=valid, n_valid=n_valid.to(x.dtype), eps=eps, sign=sign)
+
+
+def _effective_epsilon(x: Tensor, valid: Tensor, epsilon: float, cost: str, n_anchor_steps: int) -> Tensor:
+    """``(rows, 1)`` temperature of the equivalent linear-cost problem (see module docstring)."""
+    if cost == "linear":
+        return torch.full((x.shape[0], 1), float(epsilon), dtype=x.dtype, device=x.device)
+    if cost == "sqeuclidean":
+        return torch.full((x.shape[0], 1), 0.5 * epsilon, dtype=x.dtype, device=x.device)
+    # paper: max over valid entries and anchors {0, ..., A} of (x - a)^2, attained at a = 0 or A
+    neg_inf = x.new_tensor(-float("inf"))
+    far_low = torch.where(valid, x * x, neg_inf).amax(-1, keepdim=True)
+    far_high = torch.where(valid, (x - n_anchor_steps) ** 2, neg_inf).amax(-1, keepdim=True)
+    return 0.5 * epsilon * torch.maximum(far_low, far_high)
+
+
+def restore_shape(rows: Tensor, scores: Tensor, dim: int, extra: Tuple[int, ...] = ()) -> Tensor:
+    """Inverse of the flattening in :func:`prepare_scores`.
+
+    Args:
+        rows: ``(rows, n, *extra)``.
+    Returns:
+        ``scores.shape`` with ``*extra`` appended, ``n`` back at ``dim``.
+    """
+    moved = scores.movedim(dim, -1).shape
+    out = rows.reshape(*moved, *extra)
+    return out.movedim(len(moved) - 1, dim if dim >= 0 else scores.dim() + dim)
+
+
+def hard_topk_indices(scores: Tensor, k: int, valid: Tensor, largest: bool) -> Tensor:
+    """``(rows, k)`` indices of the k best valid entries of ``(rows, n)`` scores, best first."""
+    fill = -float("inf") if largest else float("inf")
+    return torch.where(valid, scores, scores.new_tensor(fill)).topk(k, dim=-1, largest=largest, sorted=True).indices

@@ -1,0 +1,176 @@
+"""SOFT top-k (Xie et al., NeurIPS 2020, section 2.2): the smoothed top-k indicator.
+
+With two anchors the entropic OT plan has a closed form: every row of the plan sums to
+``1/n``, so the share of element ``i`` that goes to the "selected" anchor is a sigmoid,
+
+    A_i = sigmoid((z_i - t) / eps_eff),
+
+of the (oriented) score against one scalar threshold ``t`` per row. The column constraint
+``sum_i A_i = k`` makes ``t`` the root of a monotone function, found by safeguarded Newton
+(bisection when a Newton step leaves the bracket): O(n) per iteration, a handful of
+iterations at any epsilon. This is the same fixed point the paper's Sinkhorn iterations
+approach; here it is solved to a tolerance.
+"""
+
+import math
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ._common import (PreparedScores, SolverInfo, check_inputs, hard_topk_indices, log_floor, prepare_scores,
+                      restore_shape)
+
+
+def _threshold_solve(z: Tensor, valid: Tensor, n_valid: Tensor, eps: Tensor, k: int, tol: float,
+                     max_iter: int) -> Tuple[Tensor, SolverInfo]:
+    """Finds ``t`` with ``sum_i sigmoid((z_i - t) / eps) = k`` over the valid entries of each row.
+
+    Args:
+        z: ``(rows, n)`` oriented, centred scores (0 where invalid).
+        valid: ``(rows, n)`` bool.
+        n_valid: ``(rows,)`` count of valid entries.
+        eps: ``(rows, 1)`` temperature.
+    Returns:
+        ``(rows, n)`` logits ``(z - t) / eps`` (``-inf`` where invalid, ``+inf`` everywhere valid
+        when ``k == n_valid``) and the solver info.
+    """
+    rows = z.shape[0]
+    full = n_valid == k  # every valid entry is selected: A = 1, no threshold exists
+    dtype = torch.float64  # the scalar threshold is kept in float64; the O(n) work stays in z.dtype
+    top = hard_topk_indices(z, min(k + 1, z.shape[-1]), valid, largest=True)
+    top_vals = z.gather(-1, top).to(dtype)
+    kth = top_vals[:, k - 1]
+    next_val = top_vals[:, k] if top_vals.shape[-1] > k else kth - 1.0
+    next_val = torch.where(full, kth - 1.0, next_val)
+    t = 0.5 * (kth + next_val)  # the hard threshold: exact as eps -> 0
+    # A bracket that always holds: sum_i sigmoid > k at lo and < k at hi (see README's derivation).
+    span = eps.squeeze(-1).to(dtype) * (torch.log(n_valid.to(dtype)) + 2.0)
+    z_valid_max = torch.where(valid, z, z.new_tensor(-math.inf)).amax(-1).to(dtype)
+    z_valid_min = torch.where(valid, z, z.new_tensor(math.inf)).amin(-1).to(dtype)
+    lo, hi = z_valid_min - span, z_valid_max + span
+    # The O(n) work uses t rounded to z's dtype: a bracket narrower than that cannot improve.
+    resolution = 4 * torch.finfo(z.dtype).eps
+    denom = torch.minimum(n_valid.to(dtype) - k, torch.full_like(n_valid, k, dtype=dtype)).clamp_min(1.0)
+    zero = z.new_zeros(())
+    err = torch.zeros(rows, dtype=dtype, device=z.device)
+    n_iter = 0
+    limit = -log_floor(z.dtype)
+    for n_iter in range(1, max_iter + 1):
+        a = ((z - t.to(z.dtype).unsqueeze(-1)) / eps).clamp(-limit, limit)
+        sig = torch.where(valid, torch.sigmoid(a), zero)
+        excess = sig.sum(-1).to(dtype) - k  # decreasing in t
+        err = torch.where(full, torch.zeros_like(err), excess.abs() / denom)
+        done = (err <= tol) | (hi - lo <= resolution * (1.0 + t.abs()))
+        if bool(done.all()):
+            break
+        lo = torch.where(excess > 0, torch.maximum(lo, t), lo)
+        hi = torch.where(excess < 0, torch.minimum(hi, t), hi)
+        slope = (torch.where(valid, sig * torch.sigmoid(-a), zero).sum(-1).to(dtype)
+                 / eps.squeeze(-1).to(dtype))
+        newton = t + excess / slope.clamp_min(1e-300)
+        inside = (newton > lo) & (newton < hi) & (slope > 0)
+        t_new = torch.where(inside, newton, 0.5 * (lo + hi))
+        t = torch.where(done, t, t_new)
+    a = ((z - t.to(z.dtype).unsqueeze(-1)) / eps).clamp(-limit, limit)
+    a = torch.where(full.unsqueeze(-1), a.new_tensor(math.inf), a)
+    a = torch.where(valid, a, a.new_tensor(-math.inf))
+    max_err = float(err.max()) if rows else 0.0
+    return a, SolverInfo(converged=max_err <= tol, n_iter=n_iter, marginal_error=max_err)
+
+
+class SoftTopKFunction(torch.autograd.Function):
+    """Soft top-k indicator from the threshold logits; backward by implicit differentiation.
+
+    Forward takes the oriented scores ``z`` only to attach the gradient; the solve happened
+    outside (no autograd graph through it).
+    """
+
+    @staticmethod
+    def forward(z: Tensor, logits: Tensor, eps: Tensor) -> Tensor:
+        return torch.sigmoid(logits)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, logits, eps = inputs
+        ctx.save_for_backward(logits, eps)
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor):
+        # A_i = s((z_i - t)/eps) with t(z) defined by sum_i A_i = k. With w_i = A_i (1 - A_i):
+        #   dA_i/dz_j = (w_i / eps) (delta_ij - dt/dz_j),   dt/dz_j = w_j / sum_l w_l
+        # so the vector-Jacobian product is O(n):
+        #   grad_z_j = (w_j / eps) (g_j - sum_i w_i g_i / sum_i w_i).
+        logits, eps = ctx.saved_tensors
+        grad_z = None
+        if ctx.needs_input_grad[0]:
+            w = torch.sigmoid(logits) * torch.sigmoid(-logits)  # 0 where excluded (logit -inf)
+            g = grad_output.to(w.dtype)
+            w_sum = w.sum(-1, keepdim=True)
+            mean_g = (w * g).sum(-1, keepdim=True) / torch.where(w_sum > 0, w_sum, torch.ones_like(w_sum))
+            grad_z = w / eps * (g - mean_g)
+        return grad_z, None, None
+
+
+def soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = True, epsilon: float = 0.1,
+              mask: Optional[Tensor] = None, tol: float = 1e-5, max_iter: int = 100,
+              cost: str = "linear", hard: bool = False, return_info: bool = False):
+    """Smoothed top-k indicator (SOFT top-k, Xie et al. 2020), a differentiable ``torch.topk``.
+
+    ``torch.topk(scores, k).indices`` marks k entries; ``soft_topk`` returns, for every entry,
+    how much of it is selected: a value in ``[0, 1]``, summing to ``k`` along ``dim``, that
+    tends to the hard indicator as ``epsilon -> 0`` and is smooth in ``scores`` for
+    ``epsilon > 0``. Rows (all positions of the other dimensions) are solved independently.
+
+    Args:
+        scores: ``(*, n, *)`` floating tensor (float16/bfloat16 are solved in float32).
+        k: number of entries to select, ``1 <= k <= `` valid entries per row.
+        dim: dimension holding the ``n`` candidates.
+        largest: select the largest (True) or the smallest (False) scores.
+        epsilon: entropic regularisation, > 0. Its unit depends on ``cost``.
+        mask: optional bool tensor of ``scores``' shape, True = excluded. Entries equal to
+            ``-inf`` (``+inf`` when ``largest=False``) are excluded too. Excluded entries get
+            exactly 0 and zero gradient.
+        tol: relative marginal error at which the solver stops (see :class:`SolverInfo`).
+        max_iter: safeguarded Newton iterations at most.
+        cost: ``"linear"`` (default): cost ``-x_i * y_j`` with anchors ``{1, 0}``, so that
+            ``A_i = sigmoid((x_i - t) / epsilon)``: epsilon is in the units of the scores (nats
+            for log-probabilities) and means the same at any ``n``. ``"sqeuclidean"``: the
+            paper's squared distance to the anchors without normalisation (same plan as
+            ``"linear"`` at ``epsilon / 2``). ``"paper"``: squared distance divided by its row
+            maximum (treated as a constant), the paper's meaning of epsilon; the output is
+            then ``n`` times the selected column of the paper's plan. With ``largest=False``
+            the k smallest go to anchor 0 (the authors' code); ``largest=True`` is its mirror.
+        hard: return the exact top-k indicator instead (no gradient through the selection).
+        return_info: also return a :class:`SolverInfo`.
+
+    Returns:
+        Tensor of ``scores``' shape and dtype, values in ``[0, 1]``, summing to ``k`` along
+        ``dim``; with ``return_info=True``, ``(tensor, info)``.
+
+    Example::
+
+        >>> soft_topk(torch.tensor([3.0, 1.0, 2.0, 0.0]), k=2, epsilon=0.1)
+        tensor([1.0000, 0.0067, 0.9933, 0.0000])
+    """
+    check_inputs(scores, k, epsilon, mask, cost, tol, max_iter)
+    prep = prepare_scores(scores, k, dim, largest, epsilon, mask, cost, n_anchor_steps=1)
+    if hard:
+        out, info = _hard_indicator(prep, k), SolverInfo(True, 0, 0.0)
+    else:
+        logits, info = _threshold_solve(prep.z, prep.valid, prep.n_valid, prep.eps, k, tol, max_iter)
+        out = SoftTopKFunction.apply(_oriented_rows(scores, dim, prep), logits, prep.eps)
+    out = restore_shape(out, scores, dim).to(scores.dtype)
+    return (out, info) if return_info else out
+
+
+def _hard_indicator(prep: PreparedScores, k: int) -> Tensor:
+    idx = hard_topk_indices(prep.z, k, prep.valid, largest=True)
+    return torch.zeros_like(prep.z).scatter_(-1, idx, 1.0)
+
+
+def _oriented_rows(scores: Tensor, dim: int, prep: PreparedScores) -> Tensor:
+    """``(rows, n)`` view of ``sign * scores`` that carries autograd back to ``scores``."""
+    n = scores.shape[dim]
+    rows = scores.movedim(dim, -1).reshape(-1, n).to(prep.z.dtype)
+    return prep.sign * torch.where(prep.valid, rows, torch.zeros_like(rows))

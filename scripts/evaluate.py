@@ -1,0 +1,164 @@
+#!/usr/bin/env python
+"""Evaluate a fairseq checkpoint with sacrebleu against a raw reference file.
+
+fairseq-generate -> hypotheses in corpus order -> remove BPE (fairseq's ``--post-process``)
+-> detokenise (sacremoses, optional) -> sacrebleu BLEU and chrF against the untouched reference.
+Every source line must get exactly one hypothesis: fairseq-generate has been seen to drop long
+inputs without a word, so a missing or duplicated id is an error, not a silently lower BLEU.
+
+Example::
+
+    python scripts/evaluate.py data-bin/multi30k_en_de checkpoints/checkpoint_best.pt \\
+        --ref raw/test.de --post-process sentencepiece --detok-lang de --json out/test.json
+"""
+
+import argparse
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+from fairseq_commands import fairseq_command
+
+logger = logging.getLogger("evaluate")
+
+_HYPOTHESIS_LINE = re.compile(r"^D-(\d+)\t([^\t]*)\t(.*)$")
+
+
+def run_fairseq_generate(data_bin: str, checkpoint: str, subset: str = "test", beam: int = 5,
+                         batch_size: int = 64, post_process: Optional[str] = None,
+                         extra_args: Sequence[str] = ()) -> str:
+    """Runs ``fairseq-generate`` with this package as ``--user-dir``; returns its stdout."""
+    # fairseq's main branch drops the last batch when its size is not a multiple of
+    # --required-batch-size-multiple (default 8); batches are sorted by length, so the
+    # longest sentences vanish silently. A multiple of 1 keeps every sentence.
+    args = [data_bin, "--path", checkpoint, "--gen-subset", subset, "--beam", beam,
+            "--batch-size", batch_size, "--required-batch-size-multiple", 1, "--no-progress-bar"]
+    if not _has_cuda():
+        args.append("--cpu")
+    if post_process:
+        args += ["--post-process", post_process]
+    proc = subprocess.run(fairseq_command("generate", [*args, *extra_args]), capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"fairseq-generate failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return proc.stdout
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def parse_hypotheses(generate_stdout: str, n_sentences: int) -> List[str]:
+    """Hypotheses (``D-`` lines, best beam) in corpus order.
+
+    Raises:
+        ValueError: if any id in ``[0, n_sentences)`` is missing, duplicated or out of range.
+    """
+    by_id: Dict[int, str] = {}
+    duplicated = []
+    for line in generate_stdout.splitlines():
+        match = _HYPOTHESIS_LINE.match(line)
+        if not match:
+            continue
+        idx = int(match.group(1))
+        if idx in by_id:
+            duplicated.append(idx)
+        by_id[idx] = match.group(3)
+    missing = [i for i in range(n_sentences) if i not in by_id]
+    extra = sorted(i for i in by_id if not 0 <= i < n_sentences)
+    if missing or duplicated or extra:
+        raise ValueError(
+            f"fairseq-generate returned {len(by_id)} hypotheses for {n_sentences} source lines: "
+            f"missing ids {missing[:10]}{'...' if len(missing) > 10 else ''} ({len(missing)} in all), "
+            f"duplicated ids {duplicated[:10]}, out-of-range ids {extra[:10]}. fairseq drops inputs longer "
+            f"than --max-source-positions, and the last batch unless --required-batch-size-multiple is 1.")
+    return [by_id[i] for i in range(n_sentences)]
+
+
+def detokenize(lines: Sequence[str], lang: Optional[str]) -> List[str]:
+    """Moses detokenisation for ``lang`` (None: lines unchanged)."""
+    if not lang:
+        return list(lines)
+    from sacremoses import MosesDetokenizer
+
+    detok = MosesDetokenizer(lang=lang)
+    return [detok.detokenize(line.split()) for line in lines]
+
+
+def score(hypotheses: Sequence[str], references: Sequence[str]) -> Dict[str, object]:
+    """Corpus BLEU and chrF with sacrebleu's default (13a) tokenisation, plus signatures."""
+    import sacrebleu
+
+    if len(hypotheses) != len(references):
+        raise ValueError(f"{len(hypotheses)} hypotheses but {len(references)} references")
+    bleu = sacrebleu.metrics.BLEU()
+    chrf = sacrebleu.metrics.CHRF()
+    bleu_score = bleu.corpus_score(list(hypotheses), [list(references)])
+    chrf_score = chrf.corpus_score(list(hypotheses), [list(references)])
+    return {
+        "bleu": round(bleu_score.score, 2),
+        "chrf": round(chrf_score.score, 2),
+        "bleu_signature": str(bleu.get_signature()),
+        "chrf_signature": str(chrf.get_signature()),
+        "n_sentences": len(hypotheses),
+    }
+
+
+def read_lines(path: str) -> List[str]:
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"reference file not found: {path}")
+    with open(path, encoding="utf-8") as f:
+        return [line.rstrip("\n") for line in f]
+
+
+def evaluate_checkpoint(data_bin: str, checkpoint: str, ref: str, subset: str = "test", beam: int = 5,
+                        batch_size: int = 64, post_process: Optional[str] = None,
+                        detok_lang: Optional[str] = None, hyp_out: Optional[str] = None,
+                        extra_args: Sequence[str] = ()) -> Dict[str, object]:
+    """Generates, checks completeness, detokenises and scores one checkpoint."""
+    if not os.path.exists(checkpoint):
+        raise FileNotFoundError(f"checkpoint not found: {checkpoint}")
+    references = read_lines(ref)
+    stdout = run_fairseq_generate(data_bin, checkpoint, subset, beam, batch_size, post_process, extra_args)
+    hypotheses = detokenize(parse_hypotheses(stdout, len(references)), detok_lang)
+    if hyp_out:
+        Path(hyp_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(hyp_out).write_text("".join(h + "\n" for h in hypotheses), encoding="utf-8")
+    result = score(hypotheses, references)
+    result.update({"checkpoint": str(checkpoint), "subset": subset, "beam": beam})
+    return result
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("data_bin", help="fairseq-preprocess output directory")
+    parser.add_argument("checkpoint", help="checkpoint .pt file")
+    parser.add_argument("--ref", required=True, help="raw (untokenised) reference file of the subset")
+    parser.add_argument("--subset", default="test", help="fairseq split to translate (default: test)")
+    parser.add_argument("--beam", type=int, default=5)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--post-process", default=None,
+                        help="fairseq --post-process (e.g. sentencepiece, subword_nmt) to remove BPE")
+    parser.add_argument("--detok-lang", default=None, help="sacremoses detokeniser language (omit: none)")
+    parser.add_argument("--hyp-out", default=None, help="write detokenised hypotheses here")
+    parser.add_argument("--json", default=None, help="write the scores as JSON here")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s | %(levelname)s | %(name)s | %(message)s")
+    result = evaluate_checkpoint(args.data_bin, args.checkpoint, args.ref, args.subset, args.beam,
+                                 args.batch_size, args.post_process, args.detok_lang, args.hyp_out)
+    print(f"BLEU {result['bleu']:.2f}  chrF {result['chrf']:.2f}  ({result['n_sentences']} sentences)")
+    print(f"signature: {result['bleu_signature']}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""Running fairseq's command-line tools from scripts, with this package as ``--user-dir``."""
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+PACKAGE_DIR = Path(__file__).resolve().parent.parent / "fairseq_softtopk"
+
+
+def fairseq_command(tool: str, args: Sequence[str], user_dir: bool = True) -> List[str]:
+    """``[python, -m, fairseq_cli.<tool>, *args]`` (tool: preprocess, train, generate)."""
+    cmd = [sys.executable, "-m", f"fairseq_cli.{tool}", *map(str, args)]
+    if user_dir and tool != "preprocess":
+        cmd += ["--user-dir", str(PACKAGE_DIR)]
+    return cmd
+
+
+def run_logged(cmd: Sequence[str], log_path: Optional[Path] = None, echo: bool = True) -> str:
+    """Runs ``cmd``, echoing its output (fairseq's progress logging) and keeping a copy.
+
+    Raises:
+        RuntimeError: on a non-zero exit, with the tail of the output.
+    """
+    lines: List[str] = []
+    log = open(log_path, "a", encoding="utf-8") if log_path else None
+    try:
+        with subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+            for line in proc.stdout:
+                lines.append(line)
+                if log:
+                    log.write(line)
+                if echo:
+                    sys.stdout.write(line)
+                    sys.stdout.flush()
+        if proc.returncode != 0:
+            tail = "".join(lines[-40:])
+            raise RuntimeError(f"command failed with exit code {proc.returncode}: {' '.join(cmd)}\n{tail}")
+    finally:
+        if log:
+            log.close()
+    return "".join(lines)

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Create or reuse the virtualenv at .venv/ and install the pinned dependencies.
+# Idempotent: a stamp holding the hash of the dependency files skips a finished install.
+# About 2 minutes on a fresh machine here (torch comes from local disk, the rest from PyPI).
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${root}/.venv"
+python="${PYTHON:-python3.11}"
+command -v "${python}" >/dev/null 2>&1 || python=python3
+
+stamp_value="$(cat "${root}/constraints.txt" "${root}/requirements.txt" "${root}/pyproject.toml" | sha256sum | cut -d' ' -f1)"
+stamp_file="${venv}/.fairseq_softtopk_installed"
+if [[ -f "${stamp_file}" && "$(cat "${stamp_file}")" == "${stamp_value}" ]]; then
+    exit 0
+fi
+
+echo "[setup] creating/updating ${venv} (one-time, about 2 minutes)" >&2
+[[ -x "${venv}/bin/python" ]] || "${python}" -m venv "${venv}"
+pip=("${venv}/bin/python" -m pip install --quiet --disable-pip-version-check -c "${root}/constraints.txt")
+# torch first, alone: the CPU build 2.13.0 lies on this machine's disk; a CUDA user keeps their own.
+"${pip[@]}" torch numpy cython
+# fairseq main-branch build for Python 3.11, without its declared deps (torchaudio would pull another torch).
+"${pip[@]}" --no-deps ve-fairseq
+"${pip[@]}" -r "${root}/requirements.txt"
+"${pip[@]}" --no-deps --no-build-isolation -e "${root}"
+"${venv}/bin/python" -c "import torch, fairseq, fairseq_softtopk; print('[setup] torch', torch.__version__, 'fairseq', fairseq.__version__)" >&2
+echo "${stamp_value}" > "${stamp_file}"

@@ -1,0 +1,189 @@
+"""soft_topk: values and gradients against independent computations, limits, masks, errors."""
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fairseq_softtopk.ops as ops
+from fairseq_softtopk.ops import soft_topk
+from fairseq_softtopk.ops.paper_algorithm import paper_soft_topk
+from ot_reference import sinkhorn_topk
+
+
+def test_all_exports_exist():
+    assert set(ops.__all__) >= {"soft_topk", "sorted_soft_topk", "SolverInfo"}
+    for name in ops.__all__:
+        assert hasattr(ops, name), name
+
+
+def test_ops_import_without_fairseq(repo_root):
+    code = ("import sys; sys.modules['fairseq'] = None\n"
+            "from fairseq_softtopk.ops import soft_topk, sorted_soft_topk\n"
+            "import torch; print(float(soft_topk(torch.tensor([3., 1., 2.]), 1, epsilon=1e-3).sum()))\n"
+            "assert 'fairseq_softtopk.models' not in sys.modules\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=repo_root)
+    assert out.returncode == 0, out.stderr
+    assert float(out.stdout) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("epsilon", [2.0, 0.5, 0.1])
+def test_forward_and_gradient_match_unrolled_sinkhorn(rng, epsilon):
+    x = torch.randn(3, 17, generator=rng, dtype=torch.float64, requires_grad=True)
+    weights = torch.randn(3, 17, generator=rng, dtype=torch.float64)
+    ours = soft_topk(x, 5, epsilon=epsilon, tol=1e-14)
+    ref = sinkhorn_topk(x, 5, epsilon, sorted=False)
+    torch.testing.assert_close(ours, ref, rtol=0, atol=1e-10)
+    g_ours, = torch.autograd.grad((ours * weights).sum(), x)
+    g_ref, = torch.autograd.grad((ref * weights).sum(), x)
+    assert float((g_ours - g_ref).norm() / g_ref.norm()) <= 1e-6
+
+
+@pytest.mark.parametrize("cost", ["linear", "sqeuclidean"])
+@pytest.mark.parametrize("largest", [True, False])
+def test_gradcheck_float64(rng, cost, largest):
+    x = torch.randn(2, 9, generator=rng, dtype=torch.float64, requires_grad=True)
+    mask = torch.zeros(2, 9, dtype=torch.bool)
+    mask[1, -2:] = True
+    assert torch.autograd.gradcheck(
+        lambda v: soft_topk(v, 3, epsilon=0.3, tol=1e-14, cost=cost, largest=largest, mask=mask), (x,))
+
+
+@pytest.mark.parametrize("epsilon", [0.5, 0.1, 0.02])
+def test_paper_cost_matches_published_algorithm(rng, epsilon):
+    """cost='paper', largest=False is Algorithm 1 on one row (run to convergence)."""
+    x = torch.randn(1, 12, generator=rng, dtype=torch.float64, requires_grad=True)
+    weights = torch.randn(1, 12, generator=rng, dtype=torch.float64)
+    ref, _ = paper_soft_topk(x, 4, epsilon, n_iter=20000, sorted=False)
+    ours = soft_topk(x, 4, epsilon=epsilon, cost="paper", largest=False, tol=1e-14)
+    torch.testing.assert_close(ours, ref, rtol=0, atol=1e-10)
+    g_ref, = torch.autograd.grad((ref * weights).sum(), x)
+    g_ours, = torch.autograd.grad((ours * weights).sum(), x)
+    torch.testing.assert_close(g_ours, g_ref, rtol=1e-7, atol=1e-10)
+
+
+def test_largest_is_the_mirror_of_smallest(rng):
+    x = torch.randn(4, 10, generator=rng, dtype=torch.float64)
+    for cost in ("linear", "sqeuclidean"):
+        torch.testing.assert_close(soft_topk(x, 3, epsilon=0.2, cost=cost),
+                                   soft_topk(-x, 3, epsilon=0.2, cost=cost, largest=False))
+    # paper cost: the mirror x -> 1 - x maps anchors {0, 1} onto {1, 0}
+    torch.testing.assert_close(soft_topk(x, 3, epsilon=0.2, cost="paper"),
+                               soft_topk(1 - x, 3, epsilon=0.2, cost="paper", largest=False))
+
+
+@pytest.mark.parametrize("epsilon", [1e-1, 3e-2, 1e-2, 3e-3])
+def test_tends_to_hard_topk_within_theorem_2(rng, epsilon):
+    """||Gamma* - Gamma_eps||_F <= eps (ln n + ln 2) / (n (x_(k+1) - x_(k))), squared cost."""
+    n, k = 30, 6
+    x = torch.randn(n, generator=rng, dtype=torch.float64)
+    soft = soft_topk(x, k, epsilon=epsilon, cost="sqeuclidean", largest=False, tol=1e-13)
+    hard = soft_topk(x, k, largest=False, hard=True)
+    # the plan's two columns are A/n and (1 - A)/n
+    frobenius = math.sqrt(2.0) * float((soft - hard).norm()) / n
+    xs = x.sort().values
+    bound = epsilon * (math.log(n) + math.log(2)) / (n * float(xs[k] - xs[k - 1]))
+    assert frobenius <= bound
+    assert frobenius > 0
+
+
+def test_marginals_and_range_across_epsilon_and_size(rng):
+    for n in (10, 1000, 100000):
+        x = torch.randn(2, n, generator=rng) * 3
+        for epsilon in (10.0, 1.0, 1e-2, 1e-4):
+            out, info = soft_topk(x, 5, epsilon=epsilon, return_info=True)
+            assert torch.isfinite(out).all()
+            assert info.converged, (n, epsilon, info)
+            assert float(out.min()) >= 0 and float(out.max()) <= 1
+            torch.testing.assert_close(out.sum(-1, dtype=torch.float64), torch.full((2,), 5.0, dtype=torch.float64),
+                                       rtol=0, atol=5 * 1e-4)
+
+
+def test_rows_are_independent(rng):
+    """Unlike the published code (cost normalised over the batch), each row is its own problem."""
+    x = torch.randn(3, 8, generator=rng, dtype=torch.float64)
+    x[2] *= 100
+    batched = soft_topk(x, 2, epsilon=0.1, cost="paper")
+    for i in range(3):
+        torch.testing.assert_close(batched[i], soft_topk(x[i], 2, epsilon=0.1, cost="paper"))
+
+
+def test_mask_and_negative_infinity_equal_truncation(rng):
+    x = torch.randn(2, 10, generator=rng, dtype=torch.float64, requires_grad=True)
+    mask = torch.zeros(2, 10, dtype=torch.bool)
+    mask[:, 7:] = True
+    out = soft_topk(x, 3, epsilon=0.2, mask=mask)
+    truncated = soft_topk(x[:, :7], 3, epsilon=0.2)
+    torch.testing.assert_close(out[:, :7], truncated)
+    assert bool((out[:, 7:] == 0).all())
+    (out * torch.arange(10.0, dtype=torch.float64)).sum().backward()
+    assert bool((x.grad[:, 7:] == 0).all())
+    padded = x.detach().masked_fill(mask, -float("inf"))
+    torch.testing.assert_close(soft_topk(padded, 3, epsilon=0.2), out.detach())
+
+
+def test_k_equal_to_valid_count_selects_everything():
+    x = torch.tensor([[0.3, -1.0, 2.0, -float("inf")]], requires_grad=True)
+    out = soft_topk(x, 3, epsilon=0.1)
+    assert out.tolist() == [[1.0, 1.0, 1.0, 0.0]]
+    (out * torch.tensor([1.0, 2.0, 3.0, 4.0])).sum().backward()
+    assert bool((x.grad == 0).all())
+
+
+def test_ties_share_the_selection_equally():
+    out = soft_topk(torch.tensor([1.0, 1.0, 0.0, -1.0], dtype=torch.float64), 1, epsilon=1e-3)
+    torch.testing.assert_close(out, torch.tensor([0.5, 0.5, 0.0, 0.0], dtype=torch.float64), atol=1e-9, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_dtypes(rng, dtype):
+    x = torch.randn(4, 50, generator=rng, dtype=torch.float64)
+    ref = soft_topk(x, 7, epsilon=0.3)
+    out = soft_topk(x.to(dtype), 7, epsilon=0.3)
+    assert out.dtype == dtype
+    tol = {torch.float16: 2e-2, torch.bfloat16: 5e-2}.get(dtype, 1e-5)
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=0)
+
+
+def test_dim_argument_and_hard_mode(rng):
+    x = torch.randn(3, 6, 4, generator=rng)
+    out = soft_topk(x, 2, dim=1, epsilon=1e-4)
+    hard = soft_topk(x, 2, dim=1, hard=True)
+    expected = torch.zeros_like(x).scatter_(1, x.topk(2, dim=1).indices, 1.0)
+    assert torch.equal(hard, expected)
+    torch.testing.assert_close(out, expected, atol=1e-3, rtol=0)
+    assert not soft_topk(x.requires_grad_(), 2, dim=1, hard=True).requires_grad
+
+
+def test_linear_cost_is_translation_invariant(rng):
+    x = torch.randn(2, 11, generator=rng, dtype=torch.float64, requires_grad=True)
+    out = soft_topk(x, 4, epsilon=0.3)
+    torch.testing.assert_close(out, soft_topk(x + 7.5, 4, epsilon=0.3))
+    grad, = torch.autograd.grad((out * torch.randn(2, 11, generator=rng, dtype=torch.float64)).sum(), x)
+    torch.testing.assert_close(grad.sum(-1), torch.zeros(2, dtype=torch.float64), atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(k=0), "k must be an integer >= 1"),
+    (dict(k=9), "exceeds the number of valid"),
+    (dict(k=2, epsilon=0.0), "epsilon must be"),
+    (dict(k=2, epsilon=-1.0), "epsilon must be"),
+    (dict(k=2, cost="euclid"), "cost must be one of"),
+    (dict(k=2, mask=torch.ones(3, dtype=torch.bool)), "mask shape"),
+])
+def test_bad_arguments_raise(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        soft_topk(torch.randn(8), **kwargs)
+
+
+def test_bad_scores_raise():
+    with pytest.raises(ValueError, match="NaN"):
+        soft_topk(torch.tensor([1.0, float("nan"), 0.0]), 1)
+    with pytest.raises(ValueError, match="floating dtype"):
+        soft_topk(torch.tensor([1, 2, 3]), 1)
+    with pytest.raises(ValueError, match=r"contain inf"):
+        soft_topk(torch.tensor([1.0, float("inf"), 0.0]), 1)
+    with pytest.raises(ValueError, match="exceeds the number of valid"):
+        soft_topk(torch.tensor([1.0, -float("inf"), -float("inf")]), 2)

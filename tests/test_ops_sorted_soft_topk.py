@@ -1,0 +1,133 @@
+"""sorted_soft_topk: values and gradients against independent computations, limits, masks."""
+
+import pytest
+import torch
+
+from fairseq_softtopk.ops import sorted_soft_topk
+from fairseq_softtopk.ops.paper_algorithm import paper_soft_topk
+from ot_reference import sinkhorn_topk
+
+
+@pytest.mark.parametrize("epsilon", [2.0, 0.5, 0.1])
+def test_forward_and_gradient_match_unrolled_sinkhorn(rng, epsilon):
+    x = torch.randn(3, 13, generator=rng, dtype=torch.float64, requires_grad=True)
+    weights = torch.randn(3, 13, 4, generator=rng, dtype=torch.float64)
+    ours = sorted_soft_topk(x, 4, epsilon=epsilon, tol=1e-14)
+    ref = sinkhorn_topk(x, 4, epsilon, sorted=True)
+    torch.testing.assert_close(ours, ref, rtol=0, atol=1e-10)
+    g_ours, = torch.autograd.grad((ours * weights).sum(), x)
+    g_ref, = torch.autograd.grad((ref * weights).sum(), x)
+    assert float((g_ours - g_ref).norm() / g_ref.norm()) <= 1e-6
+
+
+@pytest.mark.parametrize("cost", ["linear", "sqeuclidean"])
+@pytest.mark.parametrize("largest", [True, False])
+def test_gradcheck_float64(rng, cost, largest):
+    x = torch.randn(2, 8, generator=rng, dtype=torch.float64, requires_grad=True)
+    mask = torch.zeros(2, 8, dtype=torch.bool)
+    mask[0, :2] = True
+    assert torch.autograd.gradcheck(
+        lambda v: sorted_soft_topk(v, 3, epsilon=0.4, tol=1e-14, cost=cost, largest=largest, mask=mask), (x,))
+
+
+def test_gradcheck_when_k_equals_valid_count(rng):
+    """No rest anchor: a full soft sort of the valid entries."""
+    x = torch.randn(1, 5, generator=rng, dtype=torch.float64, requires_grad=True)
+    mask = torch.tensor([[False, False, False, True, True]])
+    out = sorted_soft_topk(x, 3, epsilon=0.5, mask=mask, tol=1e-14)
+    torch.testing.assert_close(out.sum(-1)[0, :3], torch.ones(3, dtype=torch.float64))
+    assert torch.autograd.gradcheck(lambda v: sorted_soft_topk(v, 3, epsilon=0.5, mask=mask, tol=1e-14), (x,))
+
+
+@pytest.mark.parametrize("epsilon", [0.5, 0.1, 0.02])
+def test_paper_cost_matches_published_algorithm(rng, epsilon):
+    """cost='paper' is the appendix code (TopK_custom) on one row, run to convergence."""
+    x = torch.randn(1, 11, generator=rng, dtype=torch.float64, requires_grad=True)
+    weights = torch.randn(1, 11, 3, generator=rng, dtype=torch.float64)
+    ref, _ = paper_soft_topk(x, 3, epsilon, n_iter=20000, sorted=True)
+    ours = sorted_soft_topk(x, 3, epsilon=epsilon, cost="paper", tol=1e-14)
+    torch.testing.assert_close(ours, ref, rtol=0, atol=1e-10)
+    g_ref, = torch.autograd.grad((ref * weights).sum(), x)
+    g_ours, = torch.autograd.grad((ours * weights).sum(), x)
+    torch.testing.assert_close(g_ours, g_ref, rtol=1e-7, atol=1e-10)
+
+
+def test_smallest_is_section_2_3(rng):
+    """largest=False: anchors 0, 1, ..., k as in the paper's section 2.3 (smallest first)."""
+    x = torch.randn(2, 9, generator=rng, dtype=torch.float64)
+    torch.testing.assert_close(sorted_soft_topk(x, 3, epsilon=0.3, largest=False),
+                               sorted_soft_topk(-x, 3, epsilon=0.3))
+    torch.testing.assert_close(sorted_soft_topk(x, 3, epsilon=0.3, largest=False, cost="paper"),
+                               sorted_soft_topk(3 - x, 3, epsilon=0.3, cost="paper"))
+
+
+@pytest.mark.parametrize("epsilon", [1e-2, 1e-3, 1e-4])
+def test_tends_to_the_hard_permutation(rng, epsilon):
+    x = torch.randn(4, 40, generator=rng, dtype=torch.float64)
+    gaps = x.sort(-1, descending=True).values.diff(dim=-1).abs()[:, :5].min()
+    soft = sorted_soft_topk(x, 5, epsilon=epsilon, tol=1e-12)
+    hard = sorted_soft_topk(x, 5, hard=True)
+    expected = torch.zeros(4, 40, 5, dtype=torch.float64).scatter_(1, x.topk(5, dim=-1).indices.unsqueeze(1), 1.0)
+    assert torch.equal(hard, expected)
+    # entropic error decays like exp(-gap / eps); with the smallest gap in the top ranks:
+    err = float((soft - hard).abs().max())
+    assert err <= max(2 * torch.exp(-gaps / (2 * epsilon)).item() * 40, 1e-9)
+
+
+def test_marginals_across_epsilon_and_size(rng):
+    for n in (10, 1000, 100000):
+        x = torch.randn(2, n, generator=rng) * 3
+        for epsilon in (10.0, 1.0, 1e-2, 1e-4):
+            out, info = sorted_soft_topk(x, 5, epsilon=epsilon, return_info=True)
+            assert torch.isfinite(out).all() and info.converged, (n, epsilon, info)
+            col = out.sum(-2, dtype=torch.float64)
+            torch.testing.assert_close(col, torch.ones_like(col), rtol=0, atol=1e-4)
+            assert float(out.sum(-1).max()) <= 1 + 1e-5 and float(out.min()) >= 0
+
+
+def test_rows_independent_and_dim_argument(rng):
+    x = torch.randn(3, 7, 2, generator=rng, dtype=torch.float64)
+    out = sorted_soft_topk(x, 2, dim=1, epsilon=0.2, cost="paper")
+    assert out.shape == (3, 7, 2, 2)
+    for b in range(3):
+        for c in range(2):
+            torch.testing.assert_close(out[b, :, c], sorted_soft_topk(x[b, :, c], 2, epsilon=0.2, cost="paper"))
+
+
+def test_mask_and_negative_infinity_equal_truncation(rng):
+    x = torch.randn(2, 9, generator=rng, dtype=torch.float64, requires_grad=True)
+    mask = torch.zeros(2, 9, dtype=torch.bool)
+    mask[:, 6:] = True
+    out = sorted_soft_topk(x, 2, epsilon=0.3, mask=mask)
+    torch.testing.assert_close(out[:, :6], sorted_soft_topk(x[:, :6], 2, epsilon=0.3))
+    assert bool((out[:, 6:] == 0).all())
+    (out * torch.randn(2, 9, 2, generator=rng, dtype=torch.float64)).sum().backward()
+    assert bool((x.grad[:, 6:] == 0).all())
+    torch.testing.assert_close(sorted_soft_topk(x.detach().masked_fill(mask, -float("inf")), 2, epsilon=0.3),
+                               out.detach())
+
+
+def test_ties_split_ranks_equally():
+    out = sorted_soft_topk(torch.tensor([2.0, 2.0, 0.0, -3.0], dtype=torch.float64), 2, epsilon=1e-3)
+    torch.testing.assert_close(out[:2], torch.full((2, 2), 0.5, dtype=torch.float64), atol=1e-9, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_dtypes(rng, dtype):
+    x = torch.randn(3, 40, generator=rng, dtype=torch.float64)
+    ref = sorted_soft_topk(x, 3, epsilon=0.3)
+    out = sorted_soft_topk(x.to(dtype), 3, epsilon=0.3)
+    assert out.dtype == dtype
+    tol = {torch.float16: 3e-2, torch.bfloat16: 8e-2}.get(dtype, 1e-5)
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=0)
+
+
+def test_errors():
+    with pytest.raises(ValueError, match="exceeds the number of valid"):
+        sorted_soft_topk(torch.randn(4), 5)
+    with pytest.raises(ValueError, match="NaN"):
+        sorted_soft_topk(torch.tensor([0.0, float("nan"), 1.0]), 1)
+    with pytest.raises(ValueError, match="epsilon"):
+        sorted_soft_topk(torch.randn(4), 2, epsilon=0)
+    with pytest.raises(ValueError, match="k must be"):
+        sorted_soft_topk(torch.randn(4), 1.5)
