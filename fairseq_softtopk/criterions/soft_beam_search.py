@@ -1,0 +1,137 @@
+"""Criterion ``soft_beam_search``: teacher forcing mixed with (soft or hard) beam-search training.
+
+``loss = p * L_tf + (1 - p) * L_beam`` (Xie et al. 2020, section 5.2), where ``L_tf`` is the
+label-smoothed NLL of the gold target under teacher forcing and ``L_beam`` the label-smoothed
+NLL of the gold tokens along the best beam of a beam search unrolled for as many steps as the
+target has tokens (:mod:`fairseq_softtopk.modules.soft_beam_search`). ``--topk-mode hard`` is
+the paper's ablation: the same unrolling with the exact top-k.
+
+The model must accept ``beam_search=`` in ``forward`` (``softtopk_lstm`` does): the unrolling
+then runs inside the model's forward, so that DistributedDataParallel sees it.
+"""
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from fairseq import metrics, utils
+from fairseq.criterions import FairseqCriterion, register_criterion
+from fairseq.dataclass import ChoiceEnum, FairseqDataclass
+from omegaconf import II
+
+from ..modules.soft_beam_search import BeamSearchConfig, unroll_beam_search
+
+
+@dataclass
+class SoftBeamSearchConfig(FairseqDataclass):
+    train_beam: int = field(default=5, metadata={"help": "beam size k of the unrolled search"})
+    topk_epsilon: float = field(default=0.1, metadata={
+        "help": "entropic regularisation of the sorted SOFT top-k; with --topk-cost linear it is in nats "
+                "of cumulative log-likelihood (0.1: candidates 0.1 nats apart split about 73/27)"})
+    topk_cost: ChoiceEnum(["linear", "sqeuclidean", "paper"]) = field(default="linear", metadata={
+        "help": "cost scaling: linear (epsilon in nats, the same at any vocabulary size) or paper (squared "
+                "distance / its max: epsilon 0.1 selects nothing once there are thousands of candidates)"})
+    topk_tol: float = field(default=1e-4, metadata={"help": "marginal tolerance of the top-k solver"})
+    topk_max_iter: int = field(default=50, metadata={"help": "Newton iterations at most per top-k solve"})
+    teacher_forcing_ratio: float = field(default=0.8, metadata={
+        "help": "p in loss = p * L_tf + (1 - p) * L_beam (paper: 0.8)"})
+    topk_mode: ChoiceEnum(["soft", "hard"]) = field(default="soft", metadata={
+        "help": "soft: sorted SOFT top-k (gradient through the selection); hard: exact top-k (ablation)"})
+    candidate_pool: int = field(default=0, metadata={
+        "help": "keep only the m best of the k*V candidates (hard selection) before the soft top-k; 0 = all"})
+    label_smoothing: float = field(default=0.0, metadata={"help": "label smoothing of both loss terms"})
+    sentence_avg: bool = II("optimization.sentence_avg")
+
+
+def smoothed_nll(gold_lprobs: torch.Tensor, sum_lprobs: torch.Tensor, mask: torch.Tensor, epsilon: float,
+                 vocab: int):
+    """Label-smoothed NLL summed over unmasked positions, as fairseq's label_smoothed_nll_loss.
+
+    Args:
+        gold_lprobs: ``(...)`` log-probability of the gold token.
+        sum_lprobs: ``(...)`` sum of the log-probabilities over the vocabulary.
+        mask: ``(...)`` bool, True where the position counts.
+    Returns:
+        ``(loss, nll_loss)`` scalars.
+    """
+    nll = -(gold_lprobs * mask).sum()
+    smooth = -(sum_lprobs * mask).sum()
+    eps_i = epsilon / (vocab - 1)
+    return (1.0 - epsilon - eps_i) * nll + eps_i * smooth, nll
+
+
+@register_criterion("soft_beam_search", dataclass=SoftBeamSearchConfig)
+class SoftBeamSearchCriterion(FairseqCriterion):
+    def __init__(self, task, train_beam, topk_epsilon, topk_cost, topk_tol, topk_max_iter, teacher_forcing_ratio,
+                 topk_mode, candidate_pool, label_smoothing, sentence_avg):
+        super().__init__(task)
+        if not 0.0 <= teacher_forcing_ratio <= 1.0:
+            raise ValueError(f"--teacher-forcing-ratio must be in [0, 1], got {teacher_forcing_ratio}")
+        if train_beam < 1:
+            raise ValueError(f"--train-beam must be >= 1, got {train_beam}")
+        if candidate_pool and candidate_pool < train_beam:
+            raise ValueError(f"--candidate-pool ({candidate_pool}) must be 0 or >= --train-beam ({train_beam})")
+        self.search = BeamSearchConfig(beam=train_beam, mode=str(topk_mode), epsilon=topk_epsilon,
+                                       cost=str(topk_cost), tol=topk_tol, max_iter=topk_max_iter,
+                                       candidate_pool=candidate_pool)
+        self.p = teacher_forcing_ratio
+        self.label_smoothing = label_smoothing
+        self.sentence_avg = sentence_avg
+
+    def forward(self, model, sample, reduce=True):
+        target = sample["target"]
+        bos = sample["net_input"]["prev_output_tokens"][0, 0].item()
+
+        def beam_search(encoder, decoder, encoder_out):
+            return unroll_beam_search(decoder, encoder_out, encoder.reorder_encoder_out, target, self.padding_idx,
+                                      bos, self.search)
+
+        run_beam = self.p < 1.0
+        if run_beam:
+            net_output, beam = model(**sample["net_input"], beam_search=beam_search)
+        else:
+            net_output = model(**sample["net_input"])
+        lprobs = model.get_normalized_probs(net_output, log_probs=True)
+        vocab = lprobs.shape[-1]
+        mask = target.ne(self.padding_idx)
+        gold = lprobs.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+        tf_loss, tf_nll = smoothed_nll(gold, lprobs.sum(-1), mask, self.label_smoothing, vocab)
+        if run_beam:
+            beam_loss, beam_nll = smoothed_nll(beam.gold_lprobs, beam.smooth_lprobs, mask, self.label_smoothing, vocab)
+        else:
+            beam_loss = beam_nll = tf_loss.new_zeros(())
+        loss = self.p * tf_loss + (1.0 - self.p) * beam_loss
+        ntokens = sample["ntokens"]
+        sample_size = target.size(0) if self.sentence_avg else ntokens
+        logging_output = {
+            "loss": loss.data, "nll_loss": tf_nll.data, "tf_loss": tf_loss.data, "beam_loss": beam_loss.data,
+            "beam_nll_loss": beam_nll.data, "ntokens": ntokens, "nsentences": target.size(0),
+            "sample_size": sample_size,
+        }
+        if run_beam:
+            steps = mask.unsqueeze(-1).expand_as(beam.sharpness)
+            logging_output["topk_sharpness_sum"] = beam.sharpness[steps].sum().data
+            logging_output["topk_sharpness_count"] = int(steps.sum())
+            logging_output["topk_unconverged"] = beam.n_unconverged
+        return loss, sample_size, logging_output
+
+    @staticmethod
+    def reduce_metrics(logging_outputs) -> None:
+        def total(key):
+            return sum(log.get(key, 0) for log in logging_outputs)
+
+        sample_size, ntokens = total("sample_size"), total("ntokens")
+        metrics.log_scalar("loss", total("loss") / sample_size / math.log(2), sample_size, round=3)
+        for key in ("tf_loss", "beam_loss"):
+            metrics.log_scalar(key, total(key) / sample_size / math.log(2), sample_size, round=3)
+        metrics.log_scalar("nll_loss", total("nll_loss") / ntokens / math.log(2), ntokens, round=3)
+        metrics.log_scalar("beam_nll_loss", total("beam_nll_loss") / ntokens / math.log(2), ntokens, round=3)
+        metrics.log_derived("ppl", lambda meters: utils.get_perplexity(meters["nll_loss"].avg))
+        count = total("topk_sharpness_count")
+        if count:
+            metrics.log_scalar("topk_sharpness", total("topk_sharpness_sum") / count, count, round=3)
+            metrics.log_scalar("topk_unconverged", total("topk_unconverged"), round=0)
+
+    @staticmethod
+    def logging_outputs_can_be_summed() -> bool:
+        return True

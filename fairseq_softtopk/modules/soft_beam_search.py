@@ -1,0 +1,202 @@
+"""Differentiable beam search (Xie et al., NeurIPS 2020, section 5.2, Algorithm 2, appendix C.2).
+
+Beam search is unrolled for as many steps as the gold target has tokens, batched over
+sentences and beams. At each step the k x V extensions of the k beams are scored by their
+cumulative log-likelihood and the *sorted* top-k of these scores picks the next beams:
+
+* soft mode: ``A = sorted_soft_topk(scores)`` of shape ``(k*V, k)``; the next input of beam
+  ``l`` is ``sum_{i,j} A[(i,j), l] w_j`` (embedding-weighted tokens), its recurrent state is
+  ``sum_i (sum_j A[(i,j), l]) h_i`` (mixed predecessors), and its likelihood is that of the
+  candidate ``argmax A[:, l]`` (appendix C.2);
+* hard mode: the exact top-k (ordinary beam search); the ablation of the paper, where no
+  gradient flows through the selection.
+
+The loss along the search is the gold-token negative log-likelihood along the beam that
+ends with the largest likelihood, backtracked through the argmax predecessors.
+
+The decoder only needs the "step on embeddings" interface of
+:class:`fairseq_softtopk.models.softtopk_lstm.SoftTopKLSTMDecoder`: ``initial_state``,
+``embed``, ``embedding_matrix`` and ``step``; states are NamedTuples of batch-first tensors.
+"""
+
+from dataclasses import dataclass
+from typing import Callable, List, NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+from ..ops import sorted_soft_topk
+
+
+@dataclass
+class BeamSearchConfig:
+    """Options of :func:`unroll_beam_search` (the criterion's flags map onto these)."""
+
+    beam: int = 5
+    mode: str = "soft"  # "soft" | "hard"
+    epsilon: float = 0.1
+    cost: str = "linear"
+    tol: float = 1e-4
+    max_iter: int = 50
+    candidate_pool: int = 0  # 0: all k*V candidates; m > 0: the m best by hard selection
+
+
+class BeamSearchOutput(NamedTuple):
+    """Results of one unrolled search over a batch.
+
+    Attributes:
+        gold_lprobs: ``(batch, T)`` log-probability of the gold token at each step along the
+            backtracked best beam (0 at padding).
+        smooth_lprobs: ``(batch, T)`` sum over the vocabulary of the log-probabilities along
+            the same path (for label smoothing; 0 at padding).
+        final_scores: ``(batch, beam)`` cumulative log-likelihoods of the final beams.
+        best_beam: ``(batch,)`` index of the final beam the loss follows.
+        tokens: ``(batch, beam, T)`` token sequence of each final beam (argmax candidates,
+            backtracked; undefined after a sentence's length).
+        sharpness: ``(batch, T, beam)`` largest weight in each column of A (1 = hard selection).
+        n_unconverged: number of steps whose top-k solve missed its tolerance.
+    """
+
+    gold_lprobs: Tensor
+    smooth_lprobs: Tensor
+    final_scores: Tensor
+    best_beam: Tensor
+    tokens: Tensor
+    sharpness: Tensor
+    n_unconverged: int
+
+
+def mix_state(state: NamedTuple, weights: Tensor) -> NamedTuple:
+    """New beam states as weighted sums of the old ones.
+
+    Args:
+        state: NamedTuple of ``(batch * beam, ...)`` tensors.
+        weights: ``(batch, beam_old, beam_new)``; new ``l`` = ``sum_i weights[:, i, l] * old i``.
+    """
+    batch, beam, _ = weights.shape
+    mixed = []
+    for tensor in state:
+        flat = tensor.reshape(batch, beam, -1)  # B x k x (rest)
+        mixed.append(torch.bmm(weights.transpose(1, 2).to(flat.dtype), flat).reshape(tensor.shape))
+    return type(state)(*mixed)
+
+
+def _select(scores: Tensor, beam: int, config: BeamSearchConfig):
+    """Top-k of the candidates ``(batch, n)``: candidate ids ``(batch, m)`` and A ``(batch, m, beam)``.
+
+    With a pool (or in hard mode) only the m best candidates are kept (hard selection), and
+    A is computed over them; otherwise all n candidates are kept.
+    """
+    pool = beam if config.mode == "hard" else config.candidate_pool
+    if pool and pool < scores.shape[-1]:
+        pool_scores, ids = scores.topk(pool, dim=-1, sorted=True)
+    else:
+        pool_scores, ids = scores, None
+    if config.mode == "hard":
+        A = torch.eye(beam, dtype=scores.dtype, device=scores.device).expand(scores.shape[0], beam, beam)
+        return ids, A, True
+    A, info = sorted_soft_topk(pool_scores, beam, epsilon=config.epsilon, cost=config.cost, tol=config.tol,
+                               max_iter=config.max_iter, return_info=True)
+    return ids, A, info.converged
+
+
+def unroll_beam_search(decoder, encoder_out, reorder_encoder_out: Callable, target: Tensor, pad: int, bos: int,
+                       config: BeamSearchConfig) -> BeamSearchOutput:
+    """Unrolls (soft or hard) beam search for ``T = target.shape[1]`` steps.
+
+    Args:
+        decoder: a decoder with ``initial_state``, ``embed``, ``embedding_matrix`` and ``step``.
+        encoder_out: the encoder output for ``batch`` sentences.
+        reorder_encoder_out: ``(encoder_out, new_order) -> encoder_out`` (to repeat each sentence
+            ``beam`` times).
+        target: ``(batch, T)`` gold tokens, right-padded with ``pad`` (EOS included).
+        bos: the token that starts decoding (fairseq feeds EOS).
+    """
+    batch, T = target.shape
+    k = config.beam
+    device = target.device
+    order = torch.arange(batch, device=device).repeat_interleave(k)
+    enc = reorder_encoder_out(encoder_out, order)
+    state = decoder.initial_state(enc)
+    inputs = decoder.embed(torch.full((batch * k,), bos, dtype=torch.long, device=device))
+    embeddings = decoder.embedding_matrix()  # V x D
+    lengths = target.ne(pad).sum(-1)
+    # Only beam 0 is live at the first step: the others would duplicate it.
+    cum = torch.full((batch, k), -float("inf"), device=device)
+    cum[:, 0] = 0.0
+    history_pred: List[Tensor] = []
+    history_token: List[Tensor] = []
+    history_gold: List[Tensor] = []
+    history_smooth: List[Tensor] = []
+    history_cum: List[Tensor] = []
+    sharpness: List[Tensor] = []
+    n_unconverged = 0
+    for t in range(T):
+        lprobs, new_state = decoder.step(inputs, state, enc)  # (B*k) x V
+        V = lprobs.shape[-1]
+        lprobs = lprobs.view(batch, k, V)
+        gold = target[:, t].clamp_min(0).view(batch, 1, 1).expand(batch, k, 1)
+        history_gold.append(lprobs.gather(-1, gold).squeeze(-1))
+        history_smooth.append(lprobs.sum(-1))
+        scores = (cum.unsqueeze(-1) + lprobs.float()).view(batch, k * V)  # candidate (i, j) -> i*V + j
+        ids, A, converged = _select(scores, k, config)
+        n_unconverged += int(not converged)
+        cand = ids if ids is not None else torch.arange(k * V, device=device).expand(batch, -1)
+        best = A.argmax(1)  # (B, k): the candidate each new beam follows
+        best_cand = cand.gather(1, best)
+        history_pred.append(best_cand // V)
+        history_token.append(best_cand % V)
+        cum = scores.gather(1, best_cand)
+        history_cum.append(cum)
+        sharpness.append(A.detach().amax(1))
+        # Next inputs and states: token weights (B x V x k) and predecessor weights (B x k x k).
+        beam_of = cand // V
+        token_of = cand % V
+        state_weights = torch.zeros(batch, k, k, dtype=A.dtype, device=device).scatter_add_(
+            1, beam_of.unsqueeze(-1).expand(-1, -1, k), A)
+        if ids is None:
+            token_weights = A.view(batch, k, V, k).sum(1)  # B x V x k
+            inputs = torch.einsum("bvl,vd->bld", token_weights.to(embeddings.dtype), embeddings)
+        else:
+            inputs = torch.einsum("bml,bmd->bld", A.to(embeddings.dtype), embeddings[token_of])
+        inputs = inputs.reshape(batch * k, -1)
+        state = mix_state(new_state, state_weights)
+    gold, smooth, best_beam = _backtrack(history_pred, history_gold, history_smooth, history_cum, lengths)
+    tokens = _beam_tokens(history_pred, history_token)
+    return BeamSearchOutput(gold, smooth, cum, best_beam, tokens, torch.stack(sharpness, 1), n_unconverged)
+
+
+def _beam_tokens(pred: List[Tensor], token: List[Tensor]) -> Tensor:
+    """``(batch, beam, T)`` sequences of the final beams, following argmax predecessors."""
+    beam = torch.arange(pred[-1].shape[1], device=pred[-1].device).expand_as(pred[-1])
+    out = []
+    for t in range(len(pred) - 1, -1, -1):
+        out.append(token[t].gather(1, beam))
+        beam = pred[t].gather(1, beam)
+    return torch.stack(out[::-1], -1)
+
+
+def _backtrack(pred: List[Tensor], gold: List[Tensor], smooth: List[Tensor], cum: List[Tensor], lengths: Tensor):
+    """Follows the argmax predecessors back from the best final beam of each sentence.
+
+    Step ``t`` scored the extensions of the beams alive before it, so the gold token ``t``
+    is read from the predecessor that the path's beam after step ``t`` came from.
+    """
+    batch = lengths.shape[0]
+    T = len(pred)
+    rows = torch.arange(batch, device=lengths.device)
+    beam = torch.zeros(batch, dtype=torch.long, device=lengths.device)
+    gold_path = [None] * T
+    smooth_path = [None] * T
+    best_beam = torch.zeros_like(beam)
+    for t in range(T - 1, -1, -1):
+        ends_here = lengths == t + 1
+        start = cum[t].argmax(-1)
+        beam = torch.where(ends_here, start, beam)
+        best_beam = torch.where(ends_here, start, best_beam)
+        predecessor = pred[t][rows, beam]
+        inside = t < lengths
+        gold_path[t] = torch.where(inside, gold[t][rows, predecessor], torch.zeros_like(gold[t][:, 0]))
+        smooth_path[t] = torch.where(inside, smooth[t][rows, predecessor], torch.zeros_like(smooth[t][:, 0]))
+        beam = predecessor
+    return torch.stack(gold_path, 1), torch.stack(smooth_path, 1), best_beam

@@ -1,0 +1,171 @@
+"""Unrolled beam search (modules/soft_beam_search.py) on a small recurrent decoder."""
+
+import itertools
+from typing import NamedTuple
+
+import pytest
+import torch
+from torch import nn
+
+from fairseq_softtopk.modules.soft_beam_search import BeamSearchConfig, mix_state, unroll_beam_search
+
+BOS, PAD = 0, 1
+
+
+class TinyState(NamedTuple):
+    hidden: torch.Tensor  # (batch, 1, H)
+    input_feed: torch.Tensor  # (batch, H)
+
+
+class TinyDecoder(nn.Module):
+    """An Elman RNN decoder with the step-on-embeddings interface of softtopk_lstm."""
+
+    def __init__(self, vocab: int, dim: int = 6, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed_tokens = nn.Embedding(vocab, dim)
+        self.cell = nn.RNNCell(2 * dim, dim)
+        self.out = nn.Linear(dim, vocab)
+        with torch.no_grad():
+            self.out.weight.mul_(4.0)  # peaked distributions, so that beams differ clearly
+
+    def initial_state(self, encoder_out):
+        return TinyState(encoder_out.unsqueeze(1), torch.zeros_like(encoder_out))
+
+    def embed(self, tokens):
+        return self.embed_tokens(tokens)
+
+    def embedding_matrix(self):
+        return self.embed_tokens.weight
+
+    def step(self, inputs, state, encoder_out):
+        h = self.cell(torch.cat([inputs, state.input_feed], -1), state.hidden[:, 0])
+        return torch.log_softmax(self.out(h), -1), TinyState(h.unsqueeze(1), h + encoder_out)
+
+    def sequence_logprob(self, encoder_out, tokens):
+        """Log-probability of one token sequence, decoded from scratch (the reference)."""
+        state = self.initial_state(encoder_out)
+        inputs = self.embed(torch.tensor([BOS]))
+        total = 0.0
+        for tok in tokens:
+            lprobs, state = self.step(inputs, state, encoder_out)
+            total += float(lprobs[0, tok])
+            inputs = self.embed(torch.tensor([tok]))
+        return total
+
+
+def reorder(encoder_out, order):
+    return encoder_out.index_select(0, order)
+
+
+def run(decoder, enc, target, **kwargs):
+    return unroll_beam_search(decoder, enc, reorder, target, PAD, BOS, BeamSearchConfig(**kwargs))
+
+
+@pytest.fixture
+def setup(rng):
+    vocab = 5
+    decoder = TinyDecoder(vocab)
+    enc = torch.randn(2, 6, generator=rng)
+    target = torch.tensor([[2, 3, 4, 2], [4, 4, 3, PAD]])
+    return decoder, enc, target
+
+
+def test_mix_state_weights_predecessors():
+    state = TinyState(torch.arange(12.0).view(4, 1, 3), torch.arange(12.0).view(4, 3))
+    weights = torch.tensor([[[0.0, 1.0], [1.0, 0.0]], [[0.5, 0.0], [0.5, 1.0]]])  # batch 2, beam 2
+    mixed = mix_state(state, weights)
+    torch.testing.assert_close(mixed.input_feed[0], state.input_feed[1])
+    torch.testing.assert_close(mixed.input_feed[1], state.input_feed[0])
+    torch.testing.assert_close(mixed.input_feed[2], 0.5 * (state.input_feed[2] + state.input_feed[3]))
+    torch.testing.assert_close(mixed.hidden[3], state.hidden[3])
+
+
+def test_hard_mode_keeping_everything_is_exhaustive_search(rng):
+    """With beam >= V^(T-1) nothing is pruned: the final beams are the exact top sequences."""
+    vocab, T = 3, 3
+    decoder = TinyDecoder(vocab, seed=3)
+    enc = torch.randn(1, 6, generator=rng)
+    beam = vocab ** (T - 1)
+    with torch.no_grad():
+        out = run(decoder, enc, torch.zeros(1, T, dtype=torch.long) + 2, beam=beam, mode="hard")
+        all_seqs = sorted(((decoder.sequence_logprob(enc, s), s) for s in itertools.product(range(vocab), repeat=T)),
+                          reverse=True)[:beam]
+    torch.testing.assert_close(out.final_scores[0], torch.tensor([s for s, _ in all_seqs]), atol=1e-5, rtol=0)
+    assert [tuple(seq) for seq in out.tokens[0].tolist()] == [seq for _, seq in all_seqs]
+
+
+def test_hard_mode_equals_reference_beam_search(setup):
+    """Each step keeps the k best of the k x V extensions, rescored from scratch per sequence."""
+    decoder, enc, target = setup
+    k, T = 3, target.shape[1]
+    with torch.no_grad():
+        out = run(decoder, enc, target, beam=k, mode="hard")
+        for b in range(2):
+            beams = [((), 0.0)]
+            for _ in range(T):
+                ext = [(seq + (j,), decoder.sequence_logprob(enc[b:b + 1], seq + (j,))) for seq, _ in beams
+                       for j in range(decoder.out.out_features)]
+                beams = sorted(ext, key=lambda e: -e[1])[:k]
+            torch.testing.assert_close(out.final_scores[b], torch.tensor([s for _, s in beams]), atol=1e-5, rtol=0)
+            assert [tuple(s) for s in out.tokens[b].tolist()] == [s for s, _ in beams]
+
+
+def test_loss_follows_the_best_beam(setup):
+    """gold_lprobs are the gold-token log-probs along the backtracked best final beam."""
+    decoder, enc, target = setup
+    with torch.no_grad():
+        out = run(decoder, enc, target, beam=2, mode="hard")
+        for b, length in enumerate([4, 3]):
+            prefix = out.tokens[b, out.best_beam[b], :length].tolist()
+            expected = []
+            state = decoder.initial_state(enc[b:b + 1])
+            inputs = decoder.embed(torch.tensor([BOS]))
+            for t in range(length):
+                lprobs, state = decoder.step(inputs, state, enc[b:b + 1])
+                expected.append(float(lprobs[0, target[b, t]]))
+                inputs = decoder.embed(torch.tensor([prefix[t]]))
+            torch.testing.assert_close(out.gold_lprobs[b, :length], torch.tensor(expected), atol=1e-5, rtol=0)
+            assert bool((out.gold_lprobs[b, length:] == 0).all())
+
+
+def test_soft_mode_tends_to_hard_mode(setup):
+    decoder, enc, target = setup
+    with torch.no_grad():
+        hard = run(decoder, enc, target, beam=3, mode="hard")
+        gaps = []
+        for epsilon in (1e-1, 1e-2, 1e-4):
+            soft = run(decoder, enc, target, beam=3, mode="soft", epsilon=epsilon, tol=1e-6)
+            gaps.append(float((soft.gold_lprobs - hard.gold_lprobs).abs().max()))
+        assert torch.equal(soft.tokens, hard.tokens)
+        assert float(soft.sharpness.min()) > 0.999
+    assert gaps[-1] < 1e-4 and gaps[-1] <= gaps[0]
+
+
+def test_candidate_pool_matches_full_soft_search_when_it_holds_the_mass(setup):
+    decoder, enc, target = setup
+    with torch.no_grad():
+        full = run(decoder, enc, target, beam=2, mode="soft", epsilon=1e-3, tol=1e-7)
+        pooled = run(decoder, enc, target, beam=2, mode="soft", epsilon=1e-3, tol=1e-7, candidate_pool=6)
+    torch.testing.assert_close(pooled.gold_lprobs, full.gold_lprobs, atol=1e-5, rtol=0)
+
+
+def _embedding_grad(decoder, enc, target, **kwargs):
+    decoder.zero_grad()
+    out = run(decoder, enc, target, **kwargs)
+    (-out.gold_lprobs.sum()).backward()
+    return decoder.embed_tokens.weight.grad.clone(), out
+
+
+def test_gradients_flow_through_the_selection_only_in_soft_mode(setup):
+    _, enc, target = setup
+    decoder = TinyDecoder(12)  # more tokens than two beams can use in four steps
+    grad_hard, hard = _embedding_grad(decoder, enc, target, beam=2, mode="hard")
+    used = set(hard.tokens.flatten().tolist()) | {BOS}
+    unused = [v for v in range(12) if v not in used]
+    assert unused, "the test needs a token that no beam selected"
+    assert bool((grad_hard[unused] == 0).all())
+    grad_soft, _ = _embedding_grad(decoder, enc, target, beam=2, mode="soft", epsilon=1.0)
+    assert float(grad_soft[unused].abs().sum()) > 0
+    # and gradient reaches the decoder's recurrent weights in both modes
+    assert decoder.cell.weight_hh.grad is not None and float(decoder.cell.weight_hh.grad.abs().sum()) > 0
