@@ -121,9 +121,7 @@ def unroll_beam_search(decoder, encoder_out, reorder_encoder_out: Callable, targ
     inputs = decoder.embed(torch.full((batch * k,), bos, dtype=torch.long, device=device))
     embeddings = decoder.embedding_matrix()  # V x D
     lengths = target.ne(pad).sum(-1)
-    # Only beam 0 is live at the first step: the others would duplicate it.
-    cum = torch.full((batch, k), -float("inf"), device=device)
-    cum[:, 0] = 0.0
+    cum = None
     history_pred: List[Tensor] = []
     history_token: List[Tensor] = []
     history_gold: List[Tensor] = []
@@ -138,7 +136,11 @@ def unroll_beam_search(decoder, encoder_out, reorder_encoder_out: Callable, targ
         gold = target[:, t].clamp_min(0).view(batch, 1, 1).expand(batch, k, 1)
         history_gold.append(lprobs.gather(-1, gold).squeeze(-1))
         history_smooth.append(lprobs.sum(-1))
-        scores = (cum.unsqueeze(-1) + lprobs.float()).view(batch, k * V)  # candidate (i, j) -> i*V + j
+        lprobs = lprobs.to(torch.promote_types(lprobs.dtype, torch.float32))  # scores in >= float32
+        if cum is None:  # only beam 0 is live at the first step: the others would duplicate it
+            cum = torch.full((batch, k), -float("inf"), dtype=lprobs.dtype, device=device)
+            cum[:, 0] = 0.0
+        scores = (cum.unsqueeze(-1) + lprobs).view(batch, k * V)  # candidate (i, j) -> i*V + j
         ids, A, converged = _select(scores, k, config)
         n_unconverged += int(not converged)
         cand = ids if ids is not None else torch.arange(k * V, device=device).expand(batch, -1)

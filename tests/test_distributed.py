@@ -1,0 +1,87 @@
+"""Data-parallel training with the soft_beam_search criterion (torch DDP, gloo, 2 processes).
+
+fairseq's --cpu cannot run multi-process training, so this builds the model and criterion
+with fairseq's own task/config machinery and wraps the model as fairseq does
+(``DistributedDataParallel`` inside ``ModuleProxyWrapper``). The gradient averaged over two
+processes, each on half a batch, must equal the single-process gradient of the whole batch
+(the criterion's loss is a sum, so the full-batch gradient is twice the average).
+"""
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+pytestmark = pytest.mark.slow
+
+
+def _build(data_bin, user_dir, mode):
+    from fairseq import options, tasks
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+    import fairseq_softtopk
+
+    fairseq_softtopk.register()  # the parser's --arch choices are fixed when it is built
+    parser = options.get_training_parser()
+    args = options.parse_args_and_arch(parser, [
+        str(data_bin), "--user-dir", str(user_dir), "--arch", "softtopk_lstm_tiny", "--dropout", "0",
+        "--criterion", "soft_beam_search", "--train-beam", "3", "--topk-mode", mode, "--topk-epsilon", "0.5",
+        "--topk-tol", "1e-9", "--teacher-forcing-ratio", "0.5", "--cpu"])
+    cfg = convert_namespace_to_omegaconf(args)
+    task = tasks.setup_task(cfg.task)
+    task.load_dataset("train")
+    torch.manual_seed(0)
+    model = task.build_model(cfg.model).double()
+    criterion = task.build_criterion(cfg.criterion)
+    dataset = task.dataset("train")
+    return model, criterion, dataset
+
+
+def _grads(model):
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+def _worker(rank, world, port, data_bin, user_dir, mode, out_path):
+    from fairseq.distributed import ModuleProxyWrapper
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    model, criterion, dataset = _build(data_bin, user_dir, mode)
+    indices = list(range(rank * 6, rank * 6 + 6))  # each rank: its half of sentences 0..11
+    sample = dataset.collater([dataset[i] for i in indices])
+    wrapped = ModuleProxyWrapper(DistributedDataParallel(model))
+    loss, _, _ = criterion(wrapped, sample)
+    loss.backward()
+    if rank == 0:
+        torch.save(_grads(model), out_path)
+    dist.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("mode", ["soft", "hard"])
+def test_ddp_gradients_match_single_process(toy_data_bin, repo_root, tmp_path, mode):
+    import fairseq  # noqa: F401  (so that importing the plugin registers it)
+
+    _, data_bin = toy_data_bin
+    user_dir = repo_root / "fairseq_softtopk"
+    out_path = tmp_path / "ddp_grads.pt"
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.spawn(_worker, args=(2, _free_port(), data_bin, user_dir, mode, out_path), nprocs=2, join=True)
+    ddp_average = torch.load(out_path)
+
+    model, criterion, dataset = _build(data_bin, user_dir, mode)
+    sample = dataset.collater([dataset[i] for i in range(12)])
+    loss, _, _ = criterion(model, sample)
+    loss.backward()
+    single = _grads(model)
+    assert float(single.abs().max()) > 0
+    torch.testing.assert_close(2 * ddp_average, single, rtol=1e-6, atol=1e-9)
