@@ -52,6 +52,8 @@ class PreparedScores:
         n_valid: ``(rows,)`` working-dtype number of valid entries.
         eps: ``(rows, 1)`` working-dtype effective temperature of the linear cost.
         sign: +1 (largest) or -1 (smallest): ``d out / d x = sign * d out / d z``.
+        top: ``(rows, min(k + 1, n))`` the largest valid ``z``, in decreasing order (entries
+            past a row's valid count are not meaningful).
     """
 
     z: Tensor
@@ -59,6 +61,7 @@ class PreparedScores:
     n_valid: Tensor
     eps: Tensor
     sign: float
+    top: Tensor
 
 
 def log_floor(dtype: torch.dtype) -> float:
@@ -136,11 +139,10 @@ def prepare_scores(scores: Tensor, k: int, dim: int, largest: bool, epsilon: flo
     # Centring does not change the plan (a shift of z is absorbed by the anchor potentials).
     # Centred between the best and the (k+1)-th best score, the elements near the rank
     # boundaries have small |z|, so their logits z * y / eps keep full floating-point precision.
-    top = hard_topk_indices(z, min(k + 1, n), valid, largest=True)
-    ends = z.gather(-1, top[:, [0, -1]])
-    centre = 0.5 * (ends[:, :1] + ends[:, 1:])
+    top = z.gather(-1, hard_topk_indices(z, min(k + 1, n), valid, largest=True))
+    centre = 0.5 * (top[:, :1] + top[:, -1:])
     z = torch.where(valid, z - centre, torch.zeros_like(z))
-    return PreparedScores(z=z, valid=valid, n_valid=n_valid.to(x.dtype), eps=eps, sign=sign)
+    return PreparedScores(z=z, valid=valid, n_valid=n_valid.to(x.dtype), eps=eps, sign=sign, top=top - centre)
 
 
 def _effective_epsilon(x: Tensor, valid: Tensor, epsilon: float, cost: str, n_anchor_steps: int) -> Tensor:

@@ -22,43 +22,37 @@ from ._common import (PreparedScores, SolverInfo, check_inputs, hard_topk_indice
                       restore_shape)
 
 
-def _threshold_solve(z: Tensor, valid: Tensor, n_valid: Tensor, eps: Tensor, k: int, tol: float,
-                     max_iter: int) -> Tuple[Tensor, SolverInfo]:
+def _threshold_solve(prep: PreparedScores, k: int, tol: float, max_iter: int) -> Tuple[Tensor, SolverInfo]:
     """Finds ``t`` with ``sum_i sigmoid((z_i - t) / eps) = k`` over the valid entries of each row.
 
-    Args:
-        z: ``(rows, n)`` oriented, centred scores (0 where invalid).
-        valid: ``(rows, n)`` bool.
-        n_valid: ``(rows,)`` count of valid entries.
-        eps: ``(rows, 1)`` temperature.
     Returns:
-        ``(rows, n)`` logits ``(z - t) / eps`` (``-inf`` where invalid, ``+inf`` everywhere valid
-        when ``k == n_valid``) and the solver info.
+        ``(rows, n)`` logits ``(z - t) / eps`` clamped to the dtype's exp range (``-inf``
+        where invalid, ``+inf`` everywhere valid when ``k == n_valid``) and the solver info.
     """
+    z, valid, n_valid, eps = prep.z, prep.valid, prep.n_valid, prep.eps
     rows = z.shape[0]
     full = n_valid == k  # every valid entry is selected: A = 1, no threshold exists
     dtype = torch.float64  # the scalar threshold is kept in float64; the O(n) work stays in z.dtype
-    top = hard_topk_indices(z, min(k + 1, z.shape[-1]), valid, largest=True)
-    top_vals = z.gather(-1, top).to(dtype)
+    limit = -log_floor(z.dtype)
+    # Excluded entries sit at -inf, so that they add nothing without a mask in the loop.
+    scaled = torch.where(valid, z / eps, z.new_tensor(-math.inf))
+    eps64 = eps.squeeze(-1).to(dtype)
+    top_vals = prep.top.to(dtype)
     kth = top_vals[:, k - 1]
     next_val = top_vals[:, k] if top_vals.shape[-1] > k else kth - 1.0
     next_val = torch.where(full, kth - 1.0, next_val)
-    t = 0.5 * (kth + next_val)  # the hard threshold: exact as eps -> 0
-    # A bracket that always holds: sum_i sigmoid > k at lo and < k at hi (see README's derivation).
-    span = eps.squeeze(-1).to(dtype) * (torch.log(n_valid.to(dtype)) + 2.0)
-    z_valid_max = torch.where(valid, z, z.new_tensor(-math.inf)).amax(-1).to(dtype)
-    z_valid_min = torch.where(valid, z, z.new_tensor(math.inf)).amin(-1).to(dtype)
-    lo, hi = z_valid_min - span, z_valid_max + span
+    t = 0.5 * (kth + next_val) / eps64  # the hard threshold (in units of eps): exact as eps -> 0
+    # A bracket that always holds: sum_i sigmoid > k at lo and < k at hi.
+    span = torch.log(n_valid.to(dtype)) + 2.0
+    lo = torch.where(valid, z, z.new_tensor(math.inf)).amin(-1).to(dtype) / eps64 - span
+    hi = top_vals[:, 0] / eps64 + span
     # The O(n) work uses t rounded to z's dtype: a bracket narrower than that cannot improve.
     resolution = 4 * torch.finfo(z.dtype).eps
     denom = torch.minimum(n_valid.to(dtype) - k, torch.full_like(n_valid, k, dtype=dtype)).clamp_min(1.0)
-    zero = z.new_zeros(())
     err = torch.zeros(rows, dtype=dtype, device=z.device)
     n_iter = 0
-    limit = -log_floor(z.dtype)
     for n_iter in range(1, max_iter + 1):
-        a = ((z - t.to(z.dtype).unsqueeze(-1)) / eps).clamp(-limit, limit)
-        sig = torch.where(valid, torch.sigmoid(a), zero)
+        sig = torch.sigmoid((scaled - t.to(z.dtype).unsqueeze(-1)).clamp_(-limit, limit))
         excess = sig.sum(-1).to(dtype) - k  # decreasing in t
         err = torch.where(full, torch.zeros_like(err), excess.abs() / denom)
         done = (err <= tol) | (hi - lo <= resolution * (1.0 + t.abs()))
@@ -66,13 +60,11 @@ def _threshold_solve(z: Tensor, valid: Tensor, n_valid: Tensor, eps: Tensor, k: 
             break
         lo = torch.where(excess > 0, torch.maximum(lo, t), lo)
         hi = torch.where(excess < 0, torch.minimum(hi, t), hi)
-        slope = (torch.where(valid, sig * torch.sigmoid(-a), zero).sum(-1).to(dtype)
-                 / eps.squeeze(-1).to(dtype))
+        slope = (sig - sig * sig).sum(-1).to(dtype)  # d(sum sigmoid)/d(-t); only steers Newton
         newton = t + excess / slope.clamp_min(1e-300)
         inside = (newton > lo) & (newton < hi) & (slope > 0)
-        t_new = torch.where(inside, newton, 0.5 * (lo + hi))
-        t = torch.where(done, t, t_new)
-    a = ((z - t.to(z.dtype).unsqueeze(-1)) / eps).clamp(-limit, limit)
+        t = torch.where(done, t, torch.where(inside, newton, 0.5 * (lo + hi)))
+    a = (scaled - t.to(z.dtype).unsqueeze(-1)).clamp_(-limit, limit)
     a = torch.where(full.unsqueeze(-1), a.new_tensor(math.inf), a)
     a = torch.where(valid, a, a.new_tensor(-math.inf))
     max_err = float(err.max()) if rows else 0.0
@@ -158,7 +150,7 @@ def soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = True, ep
     if hard:
         out, info = _hard_indicator(prep, k), SolverInfo(True, 0, 0.0)
     else:
-        logits, info = _threshold_solve(prep.z, prep.valid, prep.n_valid, prep.eps, k, tol, max_iter)
+        logits, info = _threshold_solve(prep, k, tol, max_iter)
         out = SoftTopKFunction.apply(_oriented_rows(scores, dim, prep), logits, prep.eps)
     out = restore_shape(out, scores, dim).to(scores.dtype)
     return (out, info) if return_info else out

@@ -24,7 +24,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ._common import SolverInfo, check_inputs, log_floor, hard_topk_indices, prepare_scores, restore_shape
+from ._common import SolverInfo, check_inputs, hard_topk_indices, log_floor, prepare_scores, restore_shape
 from .soft_topk import _oriented_rows
 
 _ARMIJO = 1e-4
@@ -39,26 +39,26 @@ def _anchors(k: int, like: Tensor) -> Tensor:
 def anchor_hessian(P: Tensor, k: int, no_rest: Tensor) -> Tensor:
     """``K = sum_i (diag(P_i) - P_i P_i^T)`` over the first k anchors, in float64.
 
-    The diagonal ``sum_i P_ir (1 - P_ir)`` is formed as ``P_ir * sum_{s != r} P_is`` from
-    prefix and suffix sums, which keeps its precision when the plan is nearly hard (then
-    ``1 - P_ir`` would cancel). Rows without a rest anchor (``n_valid == k``) have the
-    constant vector in the null space of ``K``; ``1 1^T`` is added there, which changes no
-    solution of a consistent system (their right-hand sides sum to 0).
+    With ``G = P P^T`` (Gram matrix over all k+1 anchors), the off-diagonal entries are
+    ``-G_rs`` and, because every row of the plan sums to 1, the diagonal
+    ``sum_i P_ir (1 - P_ir)`` equals ``sum_{s != r} G_rs``: a sum of positive terms, which
+    keeps its precision when the plan is nearly hard (``1 - P_ir`` would cancel). Rows
+    without a rest anchor (``n_valid == k``) have the constant vector in the null space of
+    ``K``; ``1 1^T`` is added there, which changes no solution of a consistent system (their
+    right-hand sides sum to 0).
 
     Args:
-        P: ``(rows, n, k + 1)`` plan in count units (rows of P sum to 1 or 0).
+        P: ``(rows, k + 1, n)`` plan in count units, anchors first (columns sum to 1 or 0).
         no_rest: ``(rows,)`` bool.
     Returns:
         ``(rows, k, k)`` float64.
     """
-    prefix = P.cumsum(-1) - P
-    suffix = P.flip(-1).cumsum(-1).flip(-1) - P
-    diag = (P * (prefix + suffix))[..., :k].sum(1)
-    Pk = P[..., :k]
-    K = -torch.bmm(Pk.transpose(1, 2), Pk)
-    K.diagonal(dim1=-2, dim2=-1).copy_(diag)
-    K = K.double()
-    return K + no_rest.double()[:, None, None] * torch.ones_like(K)
+    gram = torch.bmm(P, P.transpose(1, 2)).double()  # (rows, k+1, k+1)
+    off = gram.clone()
+    off.diagonal(dim1=-2, dim2=-1).zero_()
+    K = -off[:, :k, :k]
+    K.diagonal(dim1=-2, dim2=-1).copy_(off[:, :k].sum(-1))
+    return K + no_rest.double()[:, None, None]
 
 
 def _solve(K: Tensor, rhs: Tensor) -> Tensor:
@@ -69,50 +69,63 @@ def _solve(K: Tensor, rhs: Tensor) -> Tensor:
 
 
 class _SemiDual:
-    """The semi-dual objective of one batch of rows, evaluated at anchor potentials ``g``."""
+    """The semi-dual objective of one batch of rows, evaluated at anchor potentials ``g``.
+
+    Tensors are laid out anchors first, ``(rows, k+1, n)``, so that the softmax over anchors
+    is elementwise across ``k+1`` contiguous vectors and the sums over elements are contiguous.
+    """
 
     def __init__(self, z: Tensor, valid: Tensor, n_valid: Tensor, eps: Tensor, k: int):
-        self.k, self.valid, self.floor = k, valid, log_floor(z.dtype)
-        self.zy = z.unsqueeze(-1) * (_anchors(k, z) / eps).unsqueeze(1)  # (rows, n, k+1)
+        self.k, self.floor = k, log_floor(z.dtype)
+        self.valid = None if bool(valid.all()) else valid.unsqueeze(1).to(z.dtype)
+        self.zy = (_anchors(k, z) / eps).unsqueeze(-1) * z.unsqueeze(1)  # (rows, k+1, n)
         self.no_rest = n_valid == k
-        self.rest_bias = torch.where(self.no_rest, -math.inf, 0.0).to(z.dtype)
+        self.rest_bias = torch.where(self.no_rest, -math.inf, 0.0).double()
         self.target = torch.ones(z.shape[0], k + 1, dtype=torch.float64, device=z.device)
         self.target[:, k] = (n_valid - k).double()
 
     def evaluate(self, g: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Returns ``(F (rows,), P (rows, n, k+1), counts (rows, k+1), error (rows,))``."""
-        logits = self.zy + g.to(self.zy.dtype).unsqueeze(1)
-        logits[..., self.k] += self.rest_bias.unsqueeze(-1)
+        """Returns ``(F (rows,), P (rows, k+1, n), counts (rows, k+1), error (rows,))``."""
+        shift = g.clone()
+        shift[:, self.k] += self.rest_bias
+        logits = self.zy + shift.to(self.zy.dtype).unsqueeze(-1)
         # One exp pass gives both the softmax and the logsumexp; in-place to save memory.
-        top = logits.amax(-1, keepdim=True)
+        top = logits.amax(1, keepdim=True)
         P = logits.sub_(top).clamp_min_(self.floor).exp_()
-        total = P.sum(-1, keepdim=True)
-        P.div_(total).mul_(self.valid.unsqueeze(-1))
-        lse = (top + total.log()).squeeze(-1)
-        counts = P.sum(1, dtype=torch.float64)
-        F = (g[:, : self.k] * self.target[:, : self.k]).sum(-1) - (lse * self.valid).sum(-1, dtype=torch.float64)
+        total = P.sum(1, keepdim=True)
+        P.div_(total)
+        lse = top + total.log()  # (rows, 1, n)
+        if self.valid is not None:
+            P.mul_(self.valid)
+            lse = lse * self.valid
+        counts = P.sum(-1).double()  # summing in float64 would copy all of P
+        F = (g[:, : self.k] * self.target[:, : self.k]).sum(-1) - lse.double().sum((1, 2))
         rel = (counts - self.target).abs() / self.target.clamp_min(1.0)
         rel[:, self.k] = torch.where(self.no_rest, 0.0, rel[:, self.k])
         return F, P, counts, rel.amax(-1)
 
-    def hard_start(self, z: Tensor, eps: Tensor) -> Tensor:
-        """Potentials whose rank boundaries sit midway between consecutive hard-sorted scores."""
+    def hard_start(self, top: Tensor, eps: Tensor) -> Tensor:
+        """Potentials whose rank boundaries sit midway between consecutive hard-sorted scores.
+
+        Args:
+            top: ``(rows, min(k + 1, n))`` the largest valid scores, decreasing.
+        """
         k = self.k
-        top = z.gather(-1, hard_topk_indices(z, min(k + 1, z.shape[-1]), self.valid, largest=True)).double()
+        top = top.double()
         if top.shape[-1] == k:  # n == k
             top = torch.cat([top, top[:, -1:] - 1.0], dim=-1)
         top[:, k] = torch.where(self.no_rest, top[:, k - 1] - 1.0, top[:, k])
         thresholds = 0.5 * (top[:, :-1] + top[:, 1:])  # boundary between rank r and r+1
-        g = torch.zeros(z.shape[0], k + 1, dtype=torch.float64, device=z.device)
+        g = torch.zeros(top.shape[0], k + 1, dtype=torch.float64, device=top.device)
         g[:, :k] = -thresholds.flip(-1).cumsum(-1).flip(-1) / eps.double()
         return g
 
 
-def _newton_solve(z: Tensor, valid: Tensor, n_valid: Tensor, eps: Tensor, k: int, tol: float,
+def _newton_solve(z: Tensor, valid: Tensor, n_valid: Tensor, eps: Tensor, top: Tensor, k: int, tol: float,
                   max_iter: int) -> Tuple[Tensor, SolverInfo]:
-    """Maximises the semi-dual by damped Newton; returns the plan ``(rows, n, k+1)`` and info."""
+    """Maximises the semi-dual by damped Newton; returns the plan ``(rows, k+1, n)`` and info."""
     dual = _SemiDual(z, valid, n_valid, eps, k)
-    g = dual.hard_start(z, eps)
+    g = dual.hard_start(top, eps)
     F, P, counts, err = dual.evaluate(g)
     n_iter, stalled = 0, 0
     for n_iter in range(1, max_iter + 1):
@@ -146,7 +159,7 @@ class SortedSoftTopKFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(z: Tensor, P: Tensor, eps: Tensor, no_rest: Tensor) -> Tensor:
-        return P[..., :-1].clone()
+        return P[:, :-1].transpose(1, 2).contiguous()  # (rows, n, k)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -158,21 +171,25 @@ class SortedSoftTopKFunction(torch.autograd.Function):
         # logits_ir = z_i y_r / eps + g_r(z), P_i = softmax(logits_i), optimality: sum_i P_ir = 1.
         # With G the output gradient padded by a zero column, Gbar_i = sum_r P_ir G_ir and
         # ybar_i = sum_r P_ir y_r:
-        #   direct:   eps * dL/dz_i |_g = sum_r P_ir y_r (G_ir - Gbar_i)
+        #   direct:   eps * dL/dz_i |_g = sum_r P_ir y_r G_ir - Gbar_i ybar_i
         #   implicit: K dg = -sum_i P_i (y - ybar_i) dz_i / eps, so with b_r = sum_i P_ir (G_ir - Gbar_i)
-        #             and u = K^{-1} b (k x k solve): eps * dL/dz_i += -sum_r P_ir (y_r - ybar_i) u_r.
-        P, eps, no_rest = ctx.saved_tensors
+        #             and u = K^{-1} b (k x k solve): eps * dL/dz_i -= sum_r P_ir y_r u_r - ybar_i sum_r P_ir u_r.
+        P, eps, no_rest = ctx.saved_tensors  # P: (rows, k+1, n)
         if not ctx.needs_input_grad[0]:
             return None, None, None, None
-        k = P.shape[-1] - 1
+        k = P.shape[1] - 1
         y = _anchors(k, P)
-        G = torch.nn.functional.pad(grad_output.to(P.dtype), (0, 1))
-        centred = P * (G - (P * G).sum(-1, keepdim=True))
-        direct = (centred * y).sum(-1)
-        b = centred[..., :k].sum(1, dtype=torch.float64)
+        G = torch.nn.functional.pad(grad_output.to(P.dtype).transpose(1, 2), (0, 0, 0, 1))  # (rows, k+1, n)
+        PG = P * G
+        G_bar = PG.sum(1)  # (rows, n)
+        y_row = y.expand(P.shape[0], 1, -1)  # (rows, 1, k+1)
+        y_bar = torch.bmm(y_row, P).squeeze(1)
+        direct = torch.bmm(y_row, PG).squeeze(1) - G_bar * y_bar
+        b = PG[:, :k].sum(-1, dtype=torch.float64) - torch.bmm(P[:, :k], G_bar.unsqueeze(-1)).squeeze(-1).double()
         u = torch.nn.functional.pad(_solve(anchor_hessian(P, k, no_rest), b), (0, 1)).to(P.dtype)
-        y_bar = (P * y).sum(-1)
-        implicit = (P * (y * u).unsqueeze(1)).sum(-1) - y_bar * (P * u.unsqueeze(1)).sum(-1)
+        weights = torch.stack([y * u, u], dim=1)  # (rows, 2, k+1)
+        Pyu, Pu = torch.bmm(weights, P).unbind(1)
+        implicit = Pyu - y_bar * Pu
         return (direct - implicit) / eps, None, None, None
 
 
@@ -213,11 +230,11 @@ def sorted_soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = T
     prep = prepare_scores(scores, k, dim, largest, epsilon, mask, cost, n_anchor_steps=k)
     if hard:
         idx = hard_topk_indices(prep.z, k, prep.valid, largest=True)  # (rows, k)
-        out = torch.zeros(*prep.z.shape, k, dtype=prep.z.dtype, device=prep.z.device)
+        out = torch.zeros(*prep.z.shape, k, dtype=prep.z.dtype, device=prep.z.device)  # (rows, n, k)
         out.scatter_(1, idx.unsqueeze(1), 1.0)
         info = SolverInfo(True, 0, 0.0)
     else:
-        P, info = _newton_solve(prep.z, prep.valid, prep.n_valid, prep.eps, k, tol, max_iter)
+        P, info = _newton_solve(prep.z, prep.valid, prep.n_valid, prep.eps, prep.top, k, tol, max_iter)
         out = SortedSoftTopKFunction.apply(_oriented_rows(scores, dim, prep), P, prep.eps, prep.n_valid == k)
     out = restore_shape(out, scores, dim, extra=(k,)).to(scores.dtype)
     return (out, info) if return_info else out

@@ -1,0 +1,177 @@
+#!/usr/bin/env python
+"""Benchmark of the SOFT top-k operators against the paper's algorithm, unrolled Sinkhorn and torch.topk.
+
+For each n, k, epsilon and operator (unsorted / sorted), all methods solve the same problem
+(the paper's cost: squared distance to the anchors divided by its maximum) on one row of
+standard normal scores and are timed for forward + backward (median of ``--repeats`` after a
+warm-up). Methods:
+
+* ``ours``: :func:`fairseq_softtopk.ops.soft_topk` / ``sorted_soft_topk`` (``cost="paper"``,
+  solved to ``--tol``; implicit backward);
+* ``paper``: the published algorithm (200 Sinkhorn iterations, appendix-B backward), see
+  :mod:`fairseq_softtopk.ops.paper_algorithm`;
+* ``unrolled``: the same 200 log-domain Sinkhorn iterations differentiated by autograd;
+* ``topk``: ``torch.topk`` values, forward + backward (the lower bound).
+
+Memory is the autograd memory: bytes of the distinct tensors saved for backward plus the
+output (what training keeps alive per call); on CUDA the peak allocation is printed too.
+``err`` is the marginal error reached: ``max_r |sum_i A_ir - m_r| / m_r``.
+
+Usage::
+
+    python scripts/bench_ops.py                      # the full grid (about 15 min here)
+    python scripts/bench_ops.py --n 100000 --k 5 --eps 0.01
+"""
+
+import argparse
+import platform
+import statistics
+import sys
+import time
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from fairseq_softtopk.ops import soft_topk, sorted_soft_topk
+from fairseq_softtopk.ops.paper_algorithm import paper_marginal_error, paper_soft_topk
+
+UNROLLED_MAX_ELEMENTS = 2e6  # n * (k+1) above which 200 unrolled iterations need > ~3 GB: skipped
+
+
+def _saved_bytes(fn: Callable[[], torch.Tensor]) -> (torch.Tensor, int):
+    """Runs ``fn`` recording the distinct storages autograd saves; returns (output, bytes)."""
+    seen: Dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(seen.values()) + out.numel() * out.element_size()
+
+
+def _time(fn: Callable[[], torch.Tensor], x: torch.Tensor, repeats: int, device: str) -> (float, int, torch.Tensor):
+    """Median forward+backward seconds, autograd bytes and the last output."""
+    def once():
+        x.grad = None
+        out, nbytes = _saved_bytes(fn)
+        out.backward(torch.ones_like(out) / out.numel() + torch.linspace(0, 1, out.numel(), device=device).view_as(out))
+        return out, nbytes
+
+    once()  # warm-up
+    times = []
+    for _ in range(repeats):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        out, nbytes = once()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), nbytes, out
+
+
+def bench_case(n: int, k: int, eps: float, sorted_op: bool, repeats: int, tol: float, device: str) -> List[dict]:
+    """All methods on one (n, k, epsilon, operator) case; returns one row per method."""
+    gen = torch.Generator(device="cpu").manual_seed(n + k)
+    x = torch.randn(1, n, generator=gen).to(device).requires_grad_()
+    rows = []
+    info_box = {}
+
+    def ours():
+        op = sorted_soft_topk if sorted_op else soft_topk
+        # unsorted: the paper's Algorithm 1 marks the k smallest; the appendix code sorts the largest
+        out, info = op(x, k, epsilon=eps, cost="paper", tol=tol, largest=sorted_op, return_info=True)
+        info_box["ours"] = info
+        return out
+
+    def paper():
+        out, plan = paper_soft_topk(x, k, eps, n_iter=200, sorted=sorted_op)
+        info_box["paper"] = paper_marginal_error(plan, k, sorted_op)
+        return out
+
+    def unrolled():
+        anchors = (torch.arange(k, -1, -1.0) if sorted_op else torch.tensor([0.0, 1.0])).to(device)
+        masses = [1.0] * k + [n - k] if sorted_op else [k, n - k]
+        C = (x.unsqueeze(-1) - anchors) ** 2
+        C = C / C.max().detach()
+        log_mu = torch.full((1, n, 1), -torch.log(torch.tensor(float(n))).item(), device=device)
+        log_nu = torch.log(torch.tensor(masses, device=device) / n).view(1, 1, -1)
+        f = torch.zeros(1, n, 1, device=device)
+        g = torch.zeros(1, 1, len(masses), device=device)
+        for _ in range(200):
+            f = eps * log_mu - eps * torch.logsumexp((g - C) / eps, -1, keepdim=True)
+            g = eps * log_nu - eps * torch.logsumexp((f - C) / eps, -2, keepdim=True)
+        plan = torch.exp((f + g - C) / eps)
+        info_box["unrolled"] = paper_marginal_error(plan, k, sorted_op)
+        return n * (plan[..., :k] if sorted_op else plan[..., 0])
+
+    def topk():
+        return x.topk(k, dim=-1, largest=sorted_op).values
+
+    methods = {"ours": ours, "paper": paper, "unrolled": unrolled, "topk": topk}
+    for name, fn in methods.items():
+        if name == "unrolled" and n * (k + 1) > UNROLLED_MAX_ELEMENTS:
+            rows.append(dict(method=name, seconds=None, mbytes=None, err=None, note="skipped: memory"))
+            continue
+        seconds, nbytes, _ = _time(fn, x, repeats, device)
+        err = info_box.get(name)
+        note = ""
+        if name == "ours":
+            note = f"{err.n_iter} it" + ("" if err.converged else " NOT CONVERGED")
+            err = err.marginal_error
+        rows.append(dict(method=name, seconds=seconds, mbytes=nbytes / 2 ** 20, err=err, note=note))
+    return rows
+
+
+def format_rows(case: str, rows: List[dict]) -> List[str]:
+    by = {r["method"]: r for r in rows}
+    lines = []
+    for r in rows:
+        if r["seconds"] is None:
+            lines.append(f"| {case} | {r['method']} | - | - | - | - | {r['note']} |")
+            continue
+        ratio_paper = by["paper"]["seconds"] / r["seconds"] if r["method"] == "ours" else None
+        vs_topk = r["seconds"] / by["topk"]["seconds"]
+        err = "-" if r["err"] is None else f"{r['err']:.1e}"
+        speed = f"{ratio_paper:.1f}x faster" if ratio_paper else ""
+        lines.append(f"| {case} | {r['method']} | {r['seconds'] * 1e3:.2f} | {vs_topk:.1f} | {r['mbytes']:.2f} | "
+                     f"{err} | {' '.join(s for s in (speed, r['note']) if s)} |")
+    return lines
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--n", type=int, nargs="+", default=[1000, 10000, 100000, 1000000])
+    parser.add_argument("--k", type=int, nargs="+", default=[1, 5, 10])
+    parser.add_argument("--eps", type=float, nargs="+", default=[1e-1, 1e-2, 1e-3])
+    parser.add_argument("--ops", nargs="+", default=["soft_topk", "sorted_soft_topk"],
+                        choices=["soft_topk", "sorted_soft_topk"])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tol", type=float, default=1e-4, help="our solver's marginal tolerance")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"# command: python {' '.join(sys.argv)}")
+    print(f"# torch {torch.__version__}, device {args.device}, threads {torch.get_num_threads()}, "
+          f"{platform.processor() or platform.machine()}")
+    print("# time = forward+backward ms (median); vs topk = time / torch.topk time; mem = autograd MB; "
+          "err = marginal error reached")
+    print("| case | method | time ms | vs topk | mem MB | err | notes |")
+    print("|---|---|---|---|---|---|---|")
+    for op in args.ops:
+        for n in args.n:
+            for k in args.k:
+                for eps in args.eps:
+                    case = f"{'sorted' if op.startswith('sorted') else 'topk'} n={n:.0e} k={k} eps={eps:g}"
+                    rows = bench_case(n, k, eps, op.startswith("sorted"), args.repeats, args.tol, args.device)
+                    print("\n".join(format_rows(case, rows)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
