@@ -29,6 +29,7 @@ from .soft_topk import _oriented_rows
 
 _ARMIJO = 1e-4
 _MAX_BACKTRACK = 12
+_BINS = 1024
 
 
 def _anchors(k: int, like: Tensor) -> Tensor:
@@ -36,7 +37,7 @@ def _anchors(k: int, like: Tensor) -> Tensor:
     return torch.arange(k, -1, -1, dtype=like.dtype, device=like.device)
 
 
-def anchor_hessian(P: Tensor, k: int, no_rest: Tensor) -> Tensor:
+def anchor_hessian(P: Tensor, k: int, no_rest: Tensor, other: Optional[Tensor] = None) -> Tensor:
     """``K = sum_i (diag(P_i) - P_i P_i^T)`` over the first k anchors, in float64.
 
     With ``G = P P^T`` (Gram matrix over all k+1 anchors), the off-diagonal entries are
@@ -50,10 +51,11 @@ def anchor_hessian(P: Tensor, k: int, no_rest: Tensor) -> Tensor:
     Args:
         P: ``(rows, k + 1, n)`` plan in count units, anchors first (columns sum to 1 or 0).
         no_rest: ``(rows,)`` bool.
+        other: the right factor of the Gram matrix when it differs from ``P`` (weighted plans).
     Returns:
         ``(rows, k, k)`` float64.
     """
-    gram = torch.bmm(P, P.transpose(1, 2)).double()  # (rows, k+1, k+1)
+    gram = torch.bmm(P, (P if other is None else other).transpose(1, 2)).double()  # (rows, k+1, k+1)
     off = gram.clone()
     off.diagonal(dim1=-2, dim2=-1).zero_()
     K = -off[:, :k, :k]
@@ -61,11 +63,24 @@ def anchor_hessian(P: Tensor, k: int, no_rest: Tensor) -> Tensor:
     return K + no_rest.double()[:, None, None]
 
 
-def _solve(K: Tensor, rhs: Tensor) -> Tensor:
-    """Batched symmetric solve ``K x = rhs`` in float64, with a tiny ridge for exact singularity."""
-    ridge = 1e-13 * K.diagonal(dim1=-2, dim2=-1).abs().amax(-1).clamp_min(1e-300)
-    eye = torch.eye(K.shape[-1], dtype=K.dtype, device=K.device)
-    return torch.linalg.solve(K + ridge[:, None, None] * eye, rhs.unsqueeze(-1)).squeeze(-1)
+def _solve(K: Tensor, rhs: Tensor, precision: torch.dtype, extra_diagonal: Optional[Tensor] = None) -> Tensor:
+    """Batched symmetric solve ``K x = rhs`` in float64, with a ridge at the precision of ``K``.
+
+    When the ranks split into groups whose boundaries are far apart (relative to epsilon),
+    ``K`` is block diagonal up to tiny couplings and nearly singular along each block's
+    common shift. Those directions do not change the plan (a common shift of one block's
+    potentials moves no mass); the ridge, ten ulps of the dtype ``K`` was computed in
+    relative to its largest diagonal entry, keeps rounding noise from being amplified along them.
+
+    Args:
+        K: ``(rows, k, k)``; rhs: ``(rows, k)``; precision: dtype the plan was computed in;
+        extra_diagonal: optional ``(rows, k)`` added to the diagonal of ``K``.
+    """
+    ridge = 10 * torch.finfo(precision).eps * K.diagonal(dim1=-2, dim2=-1).abs().amax(-1).clamp_min(1e-300)
+    K = K + ridge[:, None, None] * torch.eye(K.shape[-1], dtype=K.dtype, device=K.device)
+    if extra_diagonal is not None:
+        K = K + torch.diag_embed(extra_diagonal)
+    return torch.linalg.solve(K, rhs.unsqueeze(-1)).squeeze(-1)
 
 
 class _SemiDual:
@@ -75,9 +90,14 @@ class _SemiDual:
     is elementwise across ``k+1`` contiguous vectors and the sums over elements are contiguous.
     """
 
-    def __init__(self, z: Tensor, valid: Tensor, n_valid: Tensor, eps: Tensor, k: int):
-        self.k, self.floor = k, log_floor(z.dtype)
-        self.valid = None if bool(valid.all()) else valid.unsqueeze(1).to(z.dtype)
+    def __init__(self, z: Tensor, weights: Tensor, n_valid: Tensor, eps: Tensor, k: int, binary: bool = True):
+        """
+        Args:
+            z: ``(rows, n)`` scores; weights: ``(rows, n)`` how many elements each stands for
+            (the valid mask, or bin counts in :func:`_binned_start`); binary: weights are 0/1.
+        """
+        self.k, self.floor, self.binary = k, log_floor(z.dtype), binary
+        self.valid = None if bool((weights == 1).all()) else weights.unsqueeze(1).to(z.dtype)
         self.zy = (_anchors(k, z) / eps).unsqueeze(-1) * z.unsqueeze(1)  # (rows, k+1, n)
         self.no_rest = n_valid == k
         self.rest_bias = torch.where(self.no_rest, -math.inf, 0.0).double()
@@ -104,28 +124,36 @@ class _SemiDual:
         rel[:, self.k] = torch.where(self.no_rest, 0.0, rel[:, self.k])
         return F, P, counts, rel.amax(-1)
 
-    def hard_start(self, top: Tensor, eps: Tensor) -> Tensor:
-        """Potentials whose rank boundaries sit midway between consecutive hard-sorted scores.
-
-        Args:
-            top: ``(rows, min(k + 1, n))`` the largest valid scores, decreasing.
-        """
-        k = self.k
-        top = top.double()
-        if top.shape[-1] == k:  # n == k
-            top = torch.cat([top, top[:, -1:] - 1.0], dim=-1)
-        top[:, k] = torch.where(self.no_rest, top[:, k - 1] - 1.0, top[:, k])
-        thresholds = 0.5 * (top[:, :-1] + top[:, 1:])  # boundary between rank r and r+1
-        g = torch.zeros(top.shape[0], k + 1, dtype=torch.float64, device=top.device)
-        g[:, :k] = -thresholds.flip(-1).cumsum(-1).flip(-1) / eps.double()
-        return g
+    def hessian(self, P: Tensor) -> Tensor:
+        """:func:`anchor_hessian` of the (weighted) plan returned by :meth:`evaluate`."""
+        if not self.binary:  # sum_i w_i P_ir P_is from P_w = w P
+            unweighted = P / self.valid.clamp_min(torch.finfo(P.dtype).tiny)
+            return anchor_hessian(P, self.k, self.no_rest, other=unweighted)
+        return anchor_hessian(P, self.k, self.no_rest)
 
 
-def _newton_solve(z: Tensor, valid: Tensor, n_valid: Tensor, eps: Tensor, top: Tensor, k: int, tol: float,
-                  max_iter: int) -> Tuple[Tensor, SolverInfo]:
-    """Maximises the semi-dual by damped Newton; returns the plan ``(rows, k+1, n)`` and info."""
-    dual = _SemiDual(z, valid, n_valid, eps, k)
-    g = dual.hard_start(top, eps)
+def _hard_start(top: Tensor, no_rest: Tensor, eps: Tensor, k: int) -> Tensor:
+    """Potentials whose rank boundaries sit midway between consecutive hard-sorted scores.
+
+    Args:
+        top: ``(rows, min(k + 1, n))`` the largest valid scores, decreasing.
+        no_rest: ``(rows,)`` rows with exactly k valid entries.
+    Returns:
+        ``(rows, k + 1)`` float64, ``g_k = 0``.
+    """
+    top = top.double()
+    if top.shape[-1] == k:  # n == k
+        top = torch.cat([top, top[:, -1:] - 1.0], dim=-1)
+    top[:, k] = torch.where(no_rest, top[:, k - 1] - 1.0, top[:, k])
+    thresholds = 0.5 * (top[:, :-1] + top[:, 1:])  # boundary between rank r and r+1
+    g = torch.zeros(top.shape[0], k + 1, dtype=torch.float64, device=top.device)
+    g[:, :k] = -thresholds.flip(-1).cumsum(-1).flip(-1) / eps.double()
+    return g
+
+
+def _maximise(dual: _SemiDual, g: Tensor, tol: float, max_iter: int):
+    """Damped Newton on the semi-dual from ``g``; returns ``(P, err (rows,), iterations)``."""
+    k = dual.k
     F, P, counts, err = dual.evaluate(g)
     n_iter, stalled = 0, 0
     for n_iter in range(1, max_iter + 1):
@@ -134,7 +162,11 @@ def _newton_solve(z: Tensor, valid: Tensor, n_valid: Tensor, eps: Tensor, top: T
             n_iter -= 1
             break
         grad = (dual.target - counts)[:, :k]
-        step = _solve(anchor_hessian(P, k, dual.no_rest), grad).nan_to_num(0.0, 0.0, 0.0) * active.unsqueeze(-1)
+        # Ranks already resolved to well within tol are held still: in a nearly hard plan their
+        # block of K is nearly singular and float32 rounding in grad would make the step explode.
+        frozen = (grad.abs() < 0.25 * tol).double()
+        step = _solve(dual.hessian(P), grad * (1 - frozen), P.dtype, extra_diagonal=frozen)
+        step = step.nan_to_num(0.0, 0.0, 0.0) * active.unsqueeze(-1)
         slope = (grad * step).sum(-1)
         alpha = torch.ones_like(slope)
         for _ in range(_MAX_BACKTRACK):
@@ -147,11 +179,101 @@ def _newton_solve(z: Tensor, valid: Tensor, n_valid: Tensor, eps: Tensor, top: T
             if bool(ok.all()):
                 break
             alpha = torch.where(ok, alpha, 0.5 * alpha)
+        if not bool(ok.all()):  # rows whose step never became acceptable keep their potentials
+            keep = ~ok
+            g_try[keep], F_try[keep], counts_try[keep], err_try[keep] = g[keep], F[keep], counts[keep], err[keep]
+            P_try[keep] = P[keep]
         # At the floating-point floor (float32 sums over large n), progress stops; give up then.
         stalled = stalled + 1 if bool((err_try[active] > 0.99 * err[active]).all()) else 0
         g, F, P, counts, err = g_try, F_try, P_try, counts_try, err_try
+    return g, P, err, n_iter
+
+
+def _binned_start(prep_z: Tensor, valid: Tensor, n_valid: Tensor, eps: Tensor, top: Tensor, k: int,
+                  g: Tensor) -> Optional[Tensor]:
+    """Potentials solved on a histogram of the scores, as a warm start for large, smooth problems.
+
+    The problem depends on the scores only through their distribution; with bins much
+    narrower than ``eps`` (here 1/16 of it) the binned solution is close to the exact one,
+    and Newton on ``_BINS`` weighted points costs little. The best ``k + 1`` scores keep
+    their exact values. Returns None where the hard start is better (bins not narrow enough,
+    or n small).
+    """
+    n = prep_z.shape[-1]
+    if n < 8 * _BINS:
+        return None
+    low = torch.where(valid, prep_z, prep_z.new_tensor(math.inf)).amin(-1, keepdim=True)
+    width = (top[:, :1] - low) / _BINS
+    if bool((width > eps / 16).any()):
+        return None
+    weights = valid.to(prep_z.dtype)
+    index = ((prep_z - low) / width.clamp_min(torch.finfo(prep_z.dtype).tiny)).long().clamp_(0, _BINS - 1)
+    counts = torch.zeros(prep_z.shape[0], _BINS, dtype=prep_z.dtype, device=prep_z.device)
+    counts.scatter_add_(1, index, weights)
+    sums = torch.zeros_like(counts).scatter_add_(1, index, prep_z * weights)
+    # The top k+1 scores replace their bins' share: they are the ones the ranks resolve.
+    top_index = index.gather(1, hard_topk_indices(prep_z, top.shape[-1], valid, largest=True))
+    counts.scatter_add_(1, top_index, -torch.ones_like(top))
+    sums.scatter_add_(1, top_index, -top)
+    z_bins = torch.cat([top, sums / counts.clamp_min(1.0)], dim=-1)
+    w_bins = torch.cat([torch.ones_like(top), counts.clamp_min(0.0)], dim=-1)
+    # A thousand points: solved in float64, where Newton reaches any tolerance.
+    dual = _SemiDual(z_bins.double(), w_bins.double(), n_valid.double(), eps.double(), k, binary=False)
+    g_bins, _, _, _ = _maximise(dual, g, tol=1e-9, max_iter=50)
+    return g_bins
+
+
+def _newton_solve(z: Tensor, valid: Tensor, n_valid: Tensor, eps: Tensor, top: Tensor, k: int, tol: float,
+                  max_iter: int) -> Tuple[Tensor, SolverInfo]:
+    """Maximises the semi-dual by damped Newton; returns the plan ``(rows, k+1, n)`` and info.
+
+    Elements far below the best ``k + 1`` (in units of epsilon) belong to the rest anchor
+    up to ``exp(-margin)``; Newton runs on the window of the others only (the top few hundred
+    of tens of thousands of beam candidates, say). The window widens until the solution
+    confirms that every element left out puts less than ``tol / 100`` in total on the ranks.
+    """
+    rows, n = z.shape
+    no_rest = n_valid == k
+    g = _hard_start(top, no_rest, eps, k)
+    out_of_window = (valid.sum(-1) - k).clamp_min(1).double()
+    margin = torch.log(0.01 * tol / out_of_window).unsqueeze(-1)  # (rows, 1), negative
+    edge = top[:, -1:] if top.shape[-1] > k else top[:, -1:] - 1.0
+    cut = torch.where(no_rest.unsqueeze(-1), torch.full_like(edge, -math.inf), edge + (margin - 2.0).to(z.dtype) * eps)
+    while True:
+        inside = valid & (z >= cut)
+        width = int(inside.sum(-1).max())
+        if width > n // 2:
+            break
+        index = torch.where(inside, z, z.new_tensor(-math.inf)).topk(width, dim=-1).indices
+        z_w, inside_w = z.gather(-1, index), inside.gather(-1, index)
+        g_w, P_w, err, n_iter = _solve_rows(z_w, inside_w, inside.sum(-1).to(n_valid.dtype), eps, top, k, g, tol,
+                                            max_iter)
+        # The best element left out must give every rank less than exp(margin) of its mass.
+        best_out = torch.where(valid & ~inside, z, z.new_tensor(-math.inf)).amax(-1, keepdim=True).double()
+        y = _anchors(k, g)[:k]
+        rank_logit = (best_out * y / eps.double() + g_w[:, :k]).amax(-1, keepdim=True)
+        if bool((rank_logit < margin).all()):
+            P = z.new_zeros(rows, k + 1, n)
+            P[:, k] = valid.to(z.dtype)
+            P.scatter_(2, index.unsqueeze(1).expand(-1, k + 1, -1), P_w)
+            P[:, k].scatter_(1, index, torch.where(inside_w, P_w[:, k], valid.gather(-1, index).to(z.dtype)))
+            return P, _info(err, n_iter, tol)
+        cut = cut + (margin - 2.0).to(z.dtype) * eps  # widen the window and solve again
+    g, P, err, n_iter = _solve_rows(z, valid, n_valid, eps, top, k, g, tol, max_iter)
+    return P, _info(err, n_iter, tol)
+
+
+def _solve_rows(z: Tensor, valid: Tensor, n_valid: Tensor, eps: Tensor, top: Tensor, k: int, g: Tensor, tol: float,
+                max_iter: int):
+    """Newton from the hard start ``g`` (or a binned warm start); returns ``(g, P, err, iterations)``."""
+    dual = _SemiDual(z, valid.to(z.dtype), n_valid, eps, k)
+    warm = _binned_start(z, valid, n_valid, eps, top, k, g)
+    return _maximise(dual, g if warm is None else warm, tol, max_iter)
+
+
+def _info(err: Tensor, n_iter: int, tol: float) -> SolverInfo:
     max_err = float(err.max()) if err.numel() else 0.0
-    return P, SolverInfo(converged=max_err <= tol, n_iter=n_iter, marginal_error=max_err)
+    return SolverInfo(converged=max_err <= tol, n_iter=n_iter, marginal_error=max_err)
 
 
 class SortedSoftTopKFunction(torch.autograd.Function):
@@ -186,7 +308,7 @@ class SortedSoftTopKFunction(torch.autograd.Function):
         y_bar = torch.bmm(y_row, P).squeeze(1)
         direct = torch.bmm(y_row, PG).squeeze(1) - G_bar * y_bar
         b = PG[:, :k].sum(-1, dtype=torch.float64) - torch.bmm(P[:, :k], G_bar.unsqueeze(-1)).squeeze(-1).double()
-        u = torch.nn.functional.pad(_solve(anchor_hessian(P, k, no_rest), b), (0, 1)).to(P.dtype)
+        u = torch.nn.functional.pad(_solve(anchor_hessian(P, k, no_rest), b, P.dtype), (0, 1)).to(P.dtype)
         weights = torch.stack([y * u, u], dim=1)  # (rows, 2, k+1)
         Pyu, Pu = torch.bmm(weights, P).unbind(1)
         implicit = Pyu - y_bar * Pu
