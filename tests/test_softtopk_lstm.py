@@ -277,12 +277,31 @@ def test_attention_normalize_is_masked_softmax(rng):
     assert torch.all(weights[1, :2] == 0)
 
 
-@pytest.mark.parametrize("normalizer", ["sparsemax", "soft_topk", "Softmax"])
+@pytest.mark.parametrize("normalizer", ["topk", "Softmax"])
 def test_unknown_attention_normalizer_raises(dictionary, normalizer):
     with pytest.raises(ValueError, match=normalizer):
         AdditiveAttention(query_dim=4, attention_dim=3, normalizer=normalizer)
     with pytest.raises(ValueError, match=normalizer):
         build_model(dictionary, attention_normalizer=normalizer)
+
+
+@pytest.mark.parametrize("normalizer", ["soft_topk", "hard_topk", "sparsemax", "entmax15"])
+def test_decoder_attention_uses_the_selected_normalizer(dictionary, rng, normalizer):
+    """Top-k attention in the LSTM: with k = 1 the attention of every step concentrates on one
+    source position (hard exactly, soft nearly), unlike softmax."""
+    model = sharpened(build_model(dictionary, attention_normalizer=normalizer, attention_topk=1,
+                                  attention_topk_epsilon=1e-3)).eval()
+    src, lengths = source_batch(dictionary, rng, [6, 4])
+    prev = target_prefix(dictionary, rng, 2, 5)
+    _, extra = model(src, lengths, prev)
+    attn = extra["attn"][0]  # (batch, tgt_len, src_len)
+    torch.testing.assert_close(attn.sum(-1), torch.ones_like(attn.sum(-1)))
+    assert bool((attn[1, :, :2] == 0).all())  # left padding of the shorter source
+    if normalizer in ("soft_topk", "hard_topk"):
+        assert float(attn.detach().amax(-1).min()) > 0.99
+    softmax_model = sharpened(build_model(dictionary)).eval()
+    softmax_model.load_state_dict(model.state_dict())
+    assert not torch.allclose(softmax_model(src, lengths, prev)[1]["attn"][0], attn)
 
 
 def test_sharing_needs_matching_readout_size(dictionary):

@@ -48,7 +48,8 @@ class SoftTopKLSTMConfig(FairseqDataclass):
     attention_dim: int = field(default=256, metadata={
         "help": "hidden size of the additive attention, v^T tanh(W s + U h_j)"})
     attention_normalizer: str = field(default="softmax", metadata={
-        "help": "how attention scores become weights; implemented: softmax"})
+        "help": "how attention scores become weights: softmax, soft_topk (softmax(scores + log A), A the "
+                "SOFT top-k of the scores), hard_topk, sparsemax or entmax15"})
     attention_topk: int = field(default=5, metadata={
         "help": "k of top-k attention normalisers (not used by softmax)"})
     attention_topk_epsilon: float = field(default=0.1, metadata={

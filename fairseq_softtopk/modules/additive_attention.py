@@ -1,21 +1,19 @@
-"""Additive ("concat") attention of Bahdanau et al. (2014), with a single normalisation hook.
+"""Additive ("concat") attention of Bahdanau et al. (2014), with a pluggable normaliser.
 
-Hard vs. soft: the attention context is a convex combination of the encoder states,
-``c = sum_j a_j h_j`` with ``a = normalize(scores)``; :meth:`AdditiveAttention.normalize` is the
-only place that turns scores into weights, so that other normalisers (soft top-k, sparsemax,
-...; issue 5) can replace the softmax without touching the decoder.
+The attention context is a convex combination of the encoder states, ``c = sum_j a_j h_j``
+with ``a = normalize(scores)``; :meth:`AdditiveAttention.normalize` is the only place that
+turns scores into weights, through :class:`~fairseq_softtopk.modules.attention_normalizer.AttentionNormalizer`
+(softmax, SOFT top-k attention, hard top-k, sparsemax, entmax-1.5).
 """
 
 from typing import Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["AdditiveAttention"]
+from .attention_normalizer import AttentionNormalizer
 
-# Normalisers AdditiveAttention implements so far (issue 5 adds the top-k and sparse ones).
-_NORMALIZERS = ("softmax",)
+__all__ = ["AdditiveAttention"]
 
 
 class AdditiveAttention(nn.Module):
@@ -30,25 +28,19 @@ class AdditiveAttention(nn.Module):
     Args:
         query_dim: size of the decoder state ``s``.
         attention_dim: size of the projected keys ``U h_j + b`` (the alignment model's hidden size).
-        normalizer: how scores become weights; only ``"softmax"`` (masked) is implemented.
-        topk: ``k`` of the top-k normalisers (issue 5); ``"softmax"`` ignores it.
-        epsilon: entropic regularisation of the soft top-k normaliser (issue 5); ``"softmax"``
-            ignores it.
+        normalizer: how scores become weights: ``softmax``, ``soft_topk`` (softmax(scores + log A),
+            A the SOFT top-k of the scores), ``hard_topk``, ``sparsemax`` or ``entmax15``.
+        topk: ``k`` of the top-k normalisers; others ignore it.
+        epsilon: entropic regularisation of the soft top-k normaliser, in units of the scores.
 
     Raises:
-        ValueError: for a normaliser other than ``"softmax"``.
+        ValueError: for an unknown normaliser or a bad ``k``/``epsilon``.
     """
 
     def __init__(self, query_dim: int, attention_dim: int, normalizer: str = "softmax",
                  topk: int = 5, epsilon: float = 0.1):
         super().__init__()
-        if normalizer not in _NORMALIZERS:
-            raise ValueError(
-                f"unknown attention normalizer {normalizer!r}; implemented: {', '.join(_NORMALIZERS)}"
-            )
-        self.normalizer = normalizer
-        self.topk = topk
-        self.epsilon = epsilon
+        self.normalizer = AttentionNormalizer(normalizer, k=topk, epsilon=epsilon)
         self.query_proj = nn.Linear(query_dim, attention_dim, bias=False)  # W
         self.score_proj = nn.Linear(attention_dim, 1, bias=False)  # v
 
@@ -66,9 +58,7 @@ class AdditiveAttention(nn.Module):
         return self.score_proj(hidden).squeeze(-1).t()
 
     def normalize(self, scores: Tensor, key_padding_mask: Tensor) -> Tensor:
-        """Attention weights from scores: the one normalisation hook (currently masked softmax).
-
-        Computed in float32 at least (like fairseq's attention) and cast back.
+        """Attention weights from scores: the one normalisation hook.
 
         Args:
             scores: ``(batch, src_len)``, float.
@@ -78,9 +68,7 @@ class AdditiveAttention(nn.Module):
         Returns:
             Weights, ``(batch, src_len)``, same dtype as ``scores``; each row sums to 1.
         """
-        compute_dtype = torch.promote_types(scores.dtype, torch.float32)
-        masked = scores.to(compute_dtype).masked_fill(key_padding_mask, float("-inf"))
-        return F.softmax(masked, dim=-1).to(scores.dtype)
+        return self.normalizer(scores, key_padding_mask)
 
     def forward(self, query: Tensor, keys: Tensor, values: Tensor, key_padding_mask: Tensor) -> Tuple[Tensor, Tensor]:
         """Context vector ``c = sum_j a_j h_j`` for one decoder step.

@@ -1,0 +1,170 @@
+#!/usr/bin/env python
+"""Training speed of ``softtopk_transformer`` with each attention normaliser, in one process.
+
+Builds the toy language pair (or uses ``--data``), then for every normaliser trains a fresh
+model (same seed, same batches) for ``--updates`` updates with Adam and label-smoothed cross
+entropy, timing forward + backward + step, and prints target tokens/s and the time per
+target token relative to ``softmax`` (the same unfused attention with a plain softmax). The
+``fairseq`` row is fairseq's own ``transformer`` of the same size (fused attention), for
+reference. Normalisers run interleaved, ``--repeats`` times, and each update counts with its
+fastest run; time is the process's CPU time by default (``--clock wall`` for elapsed time).
+Both make the ratios robust to other load on a shared machine.
+
+Example::
+
+    python scripts/bench_attention.py --arch softtopk_transformer_tiny --updates 30 --repeats 3
+"""
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, Iterator, List, Sequence, Tuple
+
+import torch
+from fairseq_commands import PACKAGE_DIR, fairseq_command, run_logged
+
+import fairseq_softtopk
+from fairseq_softtopk.data.toy_language_pair import write_toy_corpus
+
+NORMALIZERS = ("fairseq", "softmax", "soft_topk", "hard_topk", "sparsemax", "entmax15")
+#: What ``fairseq`` means in the table: fairseq's transformer with its fused attention.
+REFERENCE = "fairseq"
+CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
+
+
+def prepare_toy_data(work: Path) -> Path:
+    """Toy corpus (3000 training pairs) binarised with a joined dictionary into ``work/bin``."""
+    raw, data_bin = work / "raw", work / "bin"
+    write_toy_corpus(raw, splits={"train": (3000, 11), "valid": (100, 12)})
+    run_logged(fairseq_command("preprocess", [
+        "--source-lang", "src", "--target-lang", "tgt", "--trainpref", raw / "train",
+        "--validpref", raw / "valid", "--destdir", data_bin, "--joined-dictionary", "--workers", "1"]), echo=False)
+    return data_bin
+
+
+def build_trainer_parts(data_bin: Path, arch: str, normalizer: str, k: int, epsilon: float, max_tokens: int,
+                        seed: int):
+    """``(task, model, criterion)`` for one normaliser, parameters initialised from ``seed``."""
+    from fairseq import options, tasks, utils
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+    from fairseq.models.transformer import TransformerModel
+
+    fairseq_softtopk.register()  # before the parser lists the architectures
+    parser = options.get_training_parser()
+    args = options.parse_args_and_arch(parser, [
+        str(data_bin), "--user-dir", str(PACKAGE_DIR), "--cpu", "--arch", arch, "--share-all-embeddings",
+        "--attention-normalizer", "softmax" if normalizer == REFERENCE else normalizer,
+        "--attention-topk", str(k), "--attention-topk-epsilon", str(epsilon),
+        "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
+        "--max-tokens", str(max_tokens), "--seed", str(seed), "--dropout", "0.1"])
+    cfg = convert_namespace_to_omegaconf(args)
+    utils.set_torch_seed(seed)
+    task = tasks.setup_task(cfg.task)
+    task.load_dataset("train")
+    if normalizer == REFERENCE:
+        model = TransformerModel.build_model(cfg.model, task)  # same sizes, fairseq's attention
+    else:
+        model = task.build_model(cfg.model)
+    return task, model, task.build_criterion(cfg.criterion)
+
+
+def _endless_batches(task, max_tokens: int, seed: int) -> Iterator[dict]:
+    """Training batches, epoch after epoch (the same sequence for every normaliser)."""
+    epochs = task.get_batch_iterator(dataset=task.dataset("train"), max_tokens=max_tokens, seed=seed,
+                                     ignore_invalid_inputs=True)
+    while True:
+        yield from epochs.next_epoch_itr(shuffle=True)
+
+
+def time_training(task, model, criterion, updates: int, max_tokens: int, warmup: int, seed: int,
+                  clock=time.process_time) -> Tuple[List[float], List[int]]:
+    """Trains ``warmup + updates`` updates; seconds and target tokens of each of the last ``updates``."""
+    batches = _endless_batches(task, max_tokens, seed)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model.train()
+    seconds, tokens = [], []
+    for step in range(warmup + updates):
+        sample = next(batches)
+        start = clock()
+        optimizer.zero_grad()
+        loss, _, _ = criterion(model, sample)
+        loss.backward()
+        optimizer.step()
+        if step >= warmup:
+            seconds.append(clock() - start)
+            tokens.append(int(sample["ntokens"]))
+    return seconds, tokens
+
+
+def run_benchmark(data_bin: Path, arch: str, normalizers: Sequence[str], updates: int, repeats: int, k: int,
+                  epsilon: float, max_tokens: int, warmup: int, seed: int, clock=time.process_time
+                  ) -> Dict[str, Dict[str, float]]:
+    """Target tokens/s per normaliser from the fastest of ``repeats`` interleaved runs of each update.
+
+    Every run of every normaliser sees the same batches in the same order, so the time of
+    update ``i`` can be taken as its minimum over the runs, which discards the slowdowns that
+    other processes on the machine cause now and then.
+    """
+    best: Dict[str, List[float]] = {}
+    tokens: List[int] = []
+    for _ in range(repeats):
+        for name in normalizers:
+            parts = build_trainer_parts(data_bin, arch, name, k, epsilon, max_tokens, seed)
+            seconds, tokens = time_training(*parts, updates=updates, max_tokens=max_tokens, warmup=warmup, seed=seed,
+                                            clock=clock)
+            best[name] = [min(a, b) for a, b in zip(best[name], seconds)] if name in best else seconds
+    return {name: {"tokens_per_s": sum(tokens) / sum(seconds), "ms_per_update": 1e3 * sum(seconds) / len(seconds)}
+            for name, seconds in best.items()}
+
+
+def format_table(results: Dict[str, Dict[str, float]], baseline: str = "softmax") -> str:
+    """Markdown table: tokens/s, ms per update, time relative to ``baseline`` and to fairseq's fused attention."""
+    lines = ["| normaliser | target tokens/s | ms/update | time vs softmax | time vs fairseq fused |",
+             "|---|---:|---:|---:|---:|"]
+    for name, r in results.items():
+        ratios = [results[ref]["tokens_per_s"] / r["tokens_per_s"] if ref in results else float("nan")
+                  for ref in (baseline, REFERENCE)]
+        label = "fairseq transformer (fused softmax)" if name == REFERENCE else name
+        lines.append(f"| {label} | {r['tokens_per_s']:.0f} | {r['ms_per_update']:.1f} | {ratios[0]:.2f}x | "
+                     f"{ratios[1]:.2f}x |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data", type=Path, help="fairseq binary data dir (default: the toy corpus in a temp dir)")
+    parser.add_argument("--arch", default="softtopk_transformer_tiny",
+                        help="softtopk_transformer_tiny or softtopk_transformer_multi30k")
+    parser.add_argument("--normalizers", default=",".join(NORMALIZERS), help="comma-separated; 'fairseq' = reference")
+    parser.add_argument("--updates", type=int, default=30, help="timed updates per run")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed updates before timing")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="interleaved runs per normaliser (the fastest run of each update counts)")
+    parser.add_argument("--k", type=int, default=2)
+    parser.add_argument("--epsilon", type=float, default=0.1)
+    parser.add_argument("--max-tokens", type=int, default=2000)
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--clock", choices=CLOCKS, default="cpu",
+                        help="cpu: this process's CPU time (robust to other processes on a shared machine; "
+                             "the wall time of an idle machine with --threads 1); wall: elapsed time")
+    args = parser.parse_args(argv)
+    names: List[str] = [n for n in args.normalizers.split(",") if n]
+    unknown = [n for n in names if n not in NORMALIZERS]
+    if unknown:
+        parser.error(f"unknown normalizers {unknown}; choose from {NORMALIZERS}")
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        data_bin = args.data or prepare_toy_data(Path(tmp))
+        results = run_benchmark(data_bin, args.arch, names, args.updates, args.repeats, args.k, args.epsilon,
+                                args.max_tokens, args.warmup, args.seed, CLOCKS[args.clock])
+    print(f"arch={args.arch} updates={args.updates} repeats={args.repeats} k={args.k} epsilon={args.epsilon} "
+          f"max_tokens={args.max_tokens} threads={args.threads} clock={args.clock} torch={torch.__version__}")
+    print(format_table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
