@@ -27,6 +27,7 @@ from fairseq_commands import fairseq_command
 logger = logging.getLogger("evaluate")
 
 _HYPOTHESIS_LINE = re.compile(r"^D-(\d+)\t([^\t]*)\t(.*)$")
+_TARGET_LINE = re.compile(r"^T-(\d+)\t(.*)$")
 
 
 def run_fairseq_generate(data_bin: str, checkpoint: str, subset: str = "test", beam: int = 5,
@@ -81,6 +82,22 @@ def parse_hypotheses(generate_stdout: str, n_sentences: int) -> List[str]:
     return [by_id[i] for i in range(n_sentences)]
 
 
+def parse_targets(generate_stdout: str) -> List[str]:
+    """The references fairseq-generate printed (``T-`` lines, after ``--post-process``) in corpus order.
+
+    For subsets whose raw reference file is not line-aligned with the binarised data (e.g. a
+    valid set that data preparation cleaned). Raises ``ValueError`` if ids are not ``0..n-1``.
+    """
+    by_id = {}
+    for line in generate_stdout.splitlines():
+        match = _TARGET_LINE.match(line)
+        if match:
+            by_id[int(match.group(1))] = match.group(2)
+    if sorted(by_id) != list(range(len(by_id))):
+        raise ValueError(f"fairseq-generate printed target ids that are not 0..{len(by_id) - 1}")
+    return [by_id[i] for i in range(len(by_id))]
+
+
 def detokenize(lines: Sequence[str], lang: Optional[str]) -> List[str]:
     """Moses detokenisation for ``lang`` (None: lines unchanged)."""
     if not lang:
@@ -117,21 +134,96 @@ def read_lines(path: str) -> List[str]:
         return [line.rstrip("\n") for line in f]
 
 
-def evaluate_checkpoint(data_bin: str, checkpoint: str, ref: str, subset: str = "test", beam: int = 5,
+def evaluate_checkpoint(data_bin: str, checkpoint: str, ref: Optional[str], subset: str = "test", beam: int = 5,
                         batch_size: int = 64, post_process: Optional[str] = None,
                         detok_lang: Optional[str] = None, hyp_out: Optional[str] = None,
-                        extra_args: Sequence[str] = ()) -> Dict[str, object]:
-    """Generates, checks completeness, detokenises and scores one checkpoint."""
+                        extra_args: Sequence[str] = (), keep_hypotheses: bool = False) -> Dict[str, object]:
+    """Generates, checks completeness, detokenises and scores one checkpoint.
+
+    Args:
+        ref: raw reference file of ``subset``; None scores against fairseq-generate's ``T-``
+            lines (the binarised target, after ``post_process`` and ``detok_lang``), for
+            subsets without a line-aligned raw reference. ``result["reference"]`` says which.
+        keep_hypotheses: also return the detokenised ``hypotheses`` and the ``references``
+            (lists of strings, corpus order), e.g. for :func:`paired_bootstrap`.
+    """
     if not os.path.exists(checkpoint):
         raise FileNotFoundError(f"checkpoint not found: {checkpoint}")
-    references = read_lines(ref)
+    references = read_lines(ref) if ref else None
     stdout = run_fairseq_generate(data_bin, checkpoint, subset, beam, batch_size, post_process, extra_args)
+    if references is None:
+        references = detokenize(parse_targets(stdout), detok_lang)
     hypotheses = detokenize(parse_hypotheses(stdout, len(references)), detok_lang)
     if hyp_out:
         Path(hyp_out).parent.mkdir(parents=True, exist_ok=True)
         Path(hyp_out).write_text("".join(h + "\n" for h in hypotheses), encoding="utf-8")
     result = score(hypotheses, references)
-    result.update({"checkpoint": str(checkpoint), "subset": subset, "beam": beam})
+    result.update({"checkpoint": str(checkpoint), "subset": subset, "beam": beam,
+                   "reference": str(ref) if ref else "fairseq-generate T- lines (binarised target)"})
+    if keep_hypotheses:
+        result.update({"hypotheses": list(hypotheses), "references": list(references)})
+    return result
+
+
+def _resample_scores(metric, hypotheses: Sequence[str], references: Sequence[str], weights):
+    """Corpus scores of ``metric`` on every bootstrap resample.
+
+    ``weights`` ``(n_samples, n_sentences)`` counts how often each sentence is drawn; corpus
+    statistics are sums of sentence statistics, so ``weights @ stats`` gives every resample's
+    statistics at once. Uses sacrebleu's sufficient-statistics methods (what its own
+    ``sacrebleu.significance`` uses).
+    """
+    import numpy as np
+
+    stats = np.asarray(metric._extract_corpus_statistics(list(hypotheses), [list(references)]), dtype=np.float64)
+    return np.array([metric._compute_score_from_stats(row.tolist()).score for row in weights @ stats])
+
+
+def paired_bootstrap(baseline: Sequence[str], system: Sequence[str], references: Sequence[str],
+                     n_samples: int = 1000, seed: int = 12345) -> Dict[str, Dict[str, object]]:
+    """Paired bootstrap resampling (Koehn, 2004) of ``system`` against ``baseline``, BLEU and chrF.
+
+    Both systems are scored on the same ``n_samples`` resamples of the test sentences (drawn
+    with a ``numpy`` generator seeded with ``seed``). For each metric:
+
+    * ``delta``: system minus baseline on the full corpus;
+    * ``delta_ci95``: the 2.5 and 97.5 percentiles of the resampled deltas;
+    * ``p_value``: two-sided, ``min(1, 2 min(P(delta* <= 0), P(delta* >= 0)))`` with add-one
+      smoothing; Koehn's one-sided "the system is better in x% of resamples" is ``1 - x``.
+      Identical systems get 1; sacrebleu's ``--paired-bs`` gives them ``1/(n+1)`` because it
+      counts resampled differences strictly larger than the observed one, zero here.
+    * ``system_ci95``: the percentile interval of the system's own score.
+
+    Raises:
+        ValueError: if the three lists differ in length or are empty.
+    """
+    import numpy as np
+    import sacrebleu
+
+    if not len(baseline) == len(system) == len(references) or not references:
+        raise ValueError(f"paired_bootstrap needs equal, non-empty lists: {len(baseline)} baseline, "
+                         f"{len(system)} system hypotheses, {len(references)} references")
+    if n_samples < 1:
+        raise ValueError(f"n_samples must be >= 1, got {n_samples}")
+    rng = np.random.default_rng(seed)
+    n = len(references)
+    draws = rng.integers(0, n, size=(n_samples, n))
+    weights = np.stack([np.bincount(row, minlength=n) for row in draws]).astype(np.float64)
+    result = {}
+    for name, metric in (("bleu", sacrebleu.metrics.BLEU()), ("chrf", sacrebleu.metrics.CHRF())):
+        base = metric.corpus_score(list(baseline), [list(references)]).score
+        sys_score = metric.corpus_score(list(system), [list(references)]).score
+        base_star = _resample_scores(metric, baseline, references, weights)
+        sys_star = _resample_scores(metric, system, references, weights)
+        delta_star = sys_star - base_star
+        tail = int(min((delta_star <= 0).sum(), (delta_star >= 0).sum()))
+        result[name] = {
+            "baseline": round(base, 2), "system": round(sys_score, 2), "delta": round(sys_score - base, 2),
+            "delta_ci95": [round(float(x), 2) for x in np.percentile(delta_star, [2.5, 97.5])],
+            "system_ci95": [round(float(x), 2) for x in np.percentile(sys_star, [2.5, 97.5])],
+            "p_value": round(min(1.0, 2.0 * (tail + 1) / (n_samples + 1)), 4),
+            "n_samples": n_samples, "seed": seed,
+        }
     return result
 
 

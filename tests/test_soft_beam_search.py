@@ -169,3 +169,26 @@ def test_gradients_flow_through_the_selection_only_in_soft_mode(setup):
     assert float(grad_soft[unused].abs().sum()) > 0
     # and gradient reaches the decoder's recurrent weights in both modes
     assert decoder.cell.weight_hh.grad is not None and float(decoder.cell.weight_hh.grad.abs().sum()) > 0
+
+
+@pytest.mark.parametrize("epsilon", [1.0, 0.1])
+def test_soft_search_gradient_matches_finite_differences(rng, epsilon):
+    """The whole unrolled soft search (selection, mixing, backtracking) is differentiated exactly."""
+    decoder = TinyDecoder(7).double()
+    enc = torch.randn(2, 6, generator=rng, dtype=torch.float64)
+    target = torch.tensor([[2, 3, 4, 2], [4, 4, 3, PAD]])
+    weight = decoder.out.weight
+    start = weight.detach().clone()
+    direction = torch.randn(start.shape, generator=rng, dtype=torch.float64)
+
+    def loss_at(w):
+        with torch.no_grad():
+            weight.copy_(w)
+        return -run(decoder, enc, target, beam=3, mode="soft", epsilon=epsilon, tol=1e-12).gold_lprobs.sum()
+
+    decoder.zero_grad()
+    loss_at(start).backward()
+    analytic = float((weight.grad * direction).sum())
+    h = 1e-6
+    numeric = (float(loss_at(start + h * direction)) - float(loss_at(start - h * direction))) / (2 * h)
+    assert analytic == pytest.approx(numeric, rel=1e-6, abs=1e-8)

@@ -1,0 +1,341 @@
+"""Tests of scripts/ablation.py (configs, reports, end to end) and of the paired bootstrap in evaluate.py."""
+
+import json
+import logging
+import random
+from pathlib import Path
+
+import pytest
+
+import ablation
+from ablation import (apply_override, config_train_args, flags_to_args, load_config, read_valid_curve,
+                      run_ablation, stage_flags)
+from evaluate import paired_bootstrap
+from fairseq_commands import PACKAGE_DIR, fairseq_command, run_logged
+
+from fairseq_softtopk.data.toy_language_pair import write_toy_corpus
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
+
+
+# ----------------------------------------------------------------------------- configs
+
+def test_flags_to_args_booleans_none_and_lists():
+    flags = {"lr": 0.5, "no-epoch-checkpoints": True, "fp16": False, "clip-norm": None,
+             "adam-betas": "(0.9, 0.98)", "subsets": ["a", "b"]}
+    assert flags_to_args(flags) == ["--lr", "0.5", "--no-epoch-checkpoints", "--adam-betas", "(0.9, 0.98)",
+                                    "--subsets", "a", "b"]
+    with pytest.raises(ValueError, match="'lr'"):
+        flags_to_args({"lr": {"a": 1}})
+
+
+def test_finetune_arm_inherits_pretrain_model_flags_only():
+    args = config_train_args(REPO / "configs" / "toy_finetune.yaml", arm="hard")
+    joined = " ".join(args)
+    assert "--arch softtopk_lstm " in joined and "--encoder-embed-dim 64" in joined  # model: from toy_pretrain
+    assert "--max-epoch" not in joined  # the pretrain stage's training flags are not inherited
+    assert args[args.index("--lr") + 1] == "0.0002"  # fine-tuning lr, not pretraining's 0.005
+    assert args[args.index("--topk-mode") + 1] == "hard"
+    assert args[args.index("--teacher-forcing-ratio") + 1] == "0.8"
+
+
+def test_overrides_reach_train_arms_and_pretrain():
+    path = REPO / "configs" / "toy_finetune.yaml"
+    config = load_config(path, ["train.max-update=7", "arms.soft.topk-epsilon=0.05", "pretrain.train.max-epoch=2",
+                                "train.clip-norm=", "eval.beam=1", "train.new-flag=true"])
+    soft = flags_to_args(stage_flags(config, "soft"))
+    assert soft[soft.index("--max-update") + 1] == "7"
+    assert soft[soft.index("--topk-epsilon") + 1] == "0.05"
+    assert "--clip-norm" not in soft and "--new-flag" in soft
+    assert stage_flags(config["pretrain"])["max-epoch"] == 2
+    assert config["eval"]["beam"] == 1
+    hard = flags_to_args(stage_flags(config, "hard"))
+    assert "--topk-epsilon" not in hard  # the arm override stays in its arm
+
+
+@pytest.mark.parametrize("item", ["train.max-update", "=3", "nosection.lr=1", "train.lr.x=1", "train.=1"])
+def test_bad_override_is_an_error(item):
+    config = load_config(REPO / "configs" / "toy_finetune.yaml")
+    with pytest.raises(ValueError, match="override"):
+        apply_override(config, item)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("arms.soft.max-update=5", "update budget"),
+    ("arms.hard.seed=3", "update budget"),
+    ("baseline=nope", "baseline 'nope'"),
+    ("stage=train", "stage must be"),
+    ("train.save-dir=/tmp/x", "runner sets"),
+    ("eval.bem=5", "unknown eval keys"),
+    ("default_arms=[tf, nope]", "default_arms"),
+])
+def test_invalid_config_is_rejected(override, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(REPO / "configs" / "toy_finetune.yaml", [override])
+
+
+def test_missing_config_and_missing_pretrain_config(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config not found"):
+        load_config(tmp_path / "nope.yaml")
+    (tmp_path / "ft.yaml").write_text("stage: finetune\npretrain: gone.yaml\ntrain: {lr: 1}\n")
+    with pytest.raises(FileNotFoundError, match="gone.yaml"):
+        load_config(tmp_path / "ft.yaml")
+
+
+def test_cli_reports_missing_config_clearly(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        ablation.main([str(tmp_path / "nope.yaml"), "--work-dir", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert "config not found" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_every_shipped_config_and_arm_parses_with_fairseq_train():
+    """Catches misspelt flags (fairseq-train rejects unknown arguments): every config, every arm."""
+    from fairseq import options
+
+    import fairseq_softtopk
+
+    fairseq_softtopk.register()  # this process imported the package before fairseq (see its __init__)
+    assert len(CONFIGS) >= 8
+    checked = 0
+    for path in CONFIGS:
+        config = load_config(path)
+        for arm in [None] if config["stage"] == "pretrain" else list(config["arms"]):
+            argv = ["data", *flags_to_args(stage_flags(config, arm)), "--user-dir", str(PACKAGE_DIR)]
+            parsed = options.parse_args_and_arch(options.get_training_parser(), argv)
+            assert parsed.arch == stage_flags(config, arm)["arch"]
+            checked += 1
+    assert checked >= 25
+    with pytest.raises(SystemExit):  # the check above can fail
+        options.parse_args_and_arch(options.get_training_parser(), [*argv, "--no-such-flag", "1"])
+
+
+# ----------------------------------------------------------------------------- bootstrap
+
+@pytest.fixture
+def synthetic_corpus():
+    """300 references of 12 words, a baseline with half the words replaced and a clearly better
+    system with a fifth replaced (seeded)."""
+    rng = random.Random(7)
+    words = [f"w{i}" for i in range(50)]
+    refs = [" ".join(rng.choice(words) for _ in range(12)) for _ in range(300)]
+
+    def corrupt(line, p):
+        return " ".join(w if rng.random() > p else "x" for w in line.split())
+
+    return refs, [corrupt(r, 0.5) for r in refs], [corrupt(r, 0.2) for r in refs], [corrupt(r, 0.5) for r in refs]
+
+
+def test_bootstrap_identical_systems_p_is_one(synthetic_corpus):
+    refs, base, _, _ = synthetic_corpus
+    result = paired_bootstrap(base, list(base), refs, n_samples=200)
+    for metric in ("bleu", "chrf"):
+        assert result[metric]["delta"] == 0.0
+        assert result[metric]["p_value"] == pytest.approx(1.0)
+        assert result[metric]["delta_ci95"] == [0.0, 0.0]
+
+
+def test_bootstrap_clearly_better_system_small_p(synthetic_corpus):
+    refs, base, better, _ = synthetic_corpus
+    result = paired_bootstrap(base, better, refs, n_samples=200)
+    for metric in ("bleu", "chrf"):
+        assert result[metric]["delta"] > 10
+        assert result[metric]["p_value"] < 0.02
+        lo, hi = result[metric]["delta_ci95"]
+        assert 0 < lo < result[metric]["delta"] < hi
+        lo, hi = result[metric]["system_ci95"]
+        assert lo < result[metric]["system"] < hi
+    worse = paired_bootstrap(better, base, refs, n_samples=200)  # significance both ways
+    assert worse["bleu"]["delta"] < -10 and worse["bleu"]["p_value"] < 0.02
+
+
+def test_bootstrap_same_quality_not_significant_and_seeded(synthetic_corpus):
+    refs, base, _, other = synthetic_corpus
+    first = paired_bootstrap(base, other, refs, n_samples=300, seed=3)
+    assert first == paired_bootstrap(base, other, refs, n_samples=300, seed=3)
+    assert first["bleu"]["p_value"] > 0.05
+    lo, hi = first["bleu"]["delta_ci95"]
+    assert lo < 0 < hi
+
+
+def test_bootstrap_rejects_mismatched_lengths(synthetic_corpus):
+    refs, base, better, _ = synthetic_corpus
+    with pytest.raises(ValueError, match="equal"):
+        paired_bootstrap(base[:-1], better, refs)
+
+
+def test_parse_targets_in_corpus_order_and_gaps_are_errors():
+    from evaluate import parse_targets
+
+    stdout = "S-1\tb\nT-1\tB b\nH-1\t-0.1\tx\nT-0\tA a\nD-0\t-0.2\ty\n"
+    assert parse_targets(stdout) == ["A a", "B b"]
+    with pytest.raises(ValueError, match="not 0..1"):
+        parse_targets("T-0\ta\nT-2\tc\n")
+
+
+def _fake_eval(hypotheses, references):
+    from evaluate import score
+
+    return {**score(hypotheses, references), "reference": "refs.txt", "hypotheses": hypotheses,
+            "references": references}
+
+
+def test_summary_over_seeds_mean_spread_and_per_seed_bootstrap(synthetic_corpus):
+    """Two seeds, two arms, without fairseq: the report's numbers come from the per-seed scores."""
+    refs, base, better, other = synthetic_corpus
+    config = {"path": "x.yaml", "stage": "scratch", "baseline": "tf", "model": {"arch": "a"}, "train": {"lr": 1},
+              "arms": {"tf": {}, "soft": {"topk-mode": "soft"}}}
+    train = {"wall_seconds": 10.0, "cpu_seconds": 8.0, "gnorm_median": 0.5, "clipped_percent": 20.0}
+    runs = {"tf": {"1": {"train": train, "eval": {"test": _fake_eval(base, refs)}},
+                   "2": {"train": train, "eval": {"test": _fake_eval(other, refs)}}},
+            "soft": {"1": {"train": train, "eval": {"test": _fake_eval(better, refs)}},
+                     "2": {"train": train, "eval": {"test": _fake_eval(better, refs)}}}}
+    results = ablation.summarise(config, runs, ["tf", "soft"], [1, 2], bootstrap_samples=100)
+    tf_bleu = [runs["tf"][s]["eval"]["test"]["bleu"] for s in ("1", "2")]
+    assert results["summary"]["tf"]["test"]["bleu_mean"] == pytest.approx(sum(tf_bleu) / 2, abs=0.01)
+    assert results["summary"]["tf"]["test"]["bleu_sd"] == pytest.approx(abs(tf_bleu[0] - tf_bleu[1]) / 2 ** 0.5,
+                                                                        abs=0.01)
+    assert results["summary"]["soft"]["test"]["bleu_sd"] == 0.0  # the same hypotheses twice
+    deltas = [results["bootstrap"]["soft"][s]["test"]["bleu"]["delta"] for s in ("1", "2")]
+    assert deltas == pytest.approx([runs["soft"][s]["eval"]["test"]["bleu"] - tf_bleu[i]
+                                    for i, s in enumerate(("1", "2"))], abs=0.02)
+    markdown = ablation.results_markdown({**results, "data_bin": "bin"})
+    cells = next(line for line in markdown.splitlines() if line.startswith("| soft |")).split(" | ")
+    assert cells[1].endswith(" ± 0.00") and cells[3].startswith("+") and " ± " in cells[3]  # means ± sd
+    assert cells[4] == "0.0198, 0.0198"  # one p per seed: 2 / (100 + 1) for a clearly better system
+    assert cells[7] == "0.5 (20%)"
+    assert "| ΔBLEU vs tf (mean ± sd) | p per seed |" in markdown
+
+
+def test_read_valid_curve_keeps_last_value_of_resumed_runs(tmp_path):
+    log = tmp_path / "train.log"
+    line = ("2026-01-01 00:00:00 | INFO | valid | epoch 001 | valid on 'valid' subset | loss {loss} | "
+            "nll_loss {nll} | ppl 9 | num_updates {n}")
+    log.write_text("\n".join([line.format(loss=5, nll=4, n=10), line.format(loss=4, nll=3, n=20),
+                              "noise | valid on 'test' subset | loss 1 | num_updates 20",
+                              line.format(loss=3.5, nll=2.5, n=20)]) + "\n")
+    assert read_valid_curve(log) == [{"num_updates": 10, "loss": 5.0, "nll_loss": 4.0},
+                                     {"num_updates": 20, "loss": 3.5, "nll_loss": 2.5}]
+    assert read_valid_curve(tmp_path / "missing.log") == []
+
+
+# ----------------------------------------------------------------------------- end to end
+
+TINY_PRETRAIN = """
+description: tiny pretrain (tests)
+stage: pretrain
+model: {arch: softtopk_lstm_tiny}
+train: {criterion: soft_beam_search, teacher-forcing-ratio: 1.0, optimizer: adam, lr: 0.01, batch-size: 32,
+        max-update: 30, num-workers: 0, no-epoch-checkpoints: true, log-interval: 10}
+"""
+TINY_FINETUNE = """
+description: tiny ablation (tests)
+stage: finetune
+pretrain: pretrain.yaml
+baseline: tf
+default_arms: [tf, hard, soft]
+notes: [a test run]
+train: {criterion: soft_beam_search, train-beam: 2, optimizer: adam, lr: 0.005, batch-size: 32, max-update: 8,
+        validate-interval-updates: 4, save-interval-updates: 4, keep-interval-updates: 2,
+        no-epoch-checkpoints: true, num-workers: 0, log-interval: 4}
+arms:
+  tf: {teacher-forcing-ratio: 1.0}
+  hard: {topk-mode: hard}
+  soft: {topk-mode: soft}
+eval: {beam: 2, subsets: [test]}
+"""
+ARMS = ("tf", "hard", "soft")
+
+
+@pytest.fixture(scope="module")
+def micro(tmp_path_factory):
+    """A finished micro ablation (tiny corpus, softtopk_lstm_tiny, 8 updates per arm)."""
+    root = tmp_path_factory.mktemp("ablation")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OMP_NUM_THREADS", "1")
+        write_toy_corpus(root / "raw", splits={"train": (300, 11), "valid": (30, 12), "test": (30, 13)})
+        run_logged(fairseq_command("preprocess", [
+            "--source-lang", "src", "--target-lang", "tgt", "--trainpref", root / "raw" / "train",
+            "--validpref", root / "raw" / "valid", "--testpref", root / "raw" / "test",
+            "--destdir", root / "bin", "--workers", "1"]), echo=False)
+        (root / "pretrain.yaml").write_text(TINY_PRETRAIN)
+        (root / "finetune.yaml").write_text(TINY_FINETUNE)
+        config = load_config(root / "finetune.yaml")
+        results = run_ablation(config, root / "bin", root / "work", ref_dir=root / "raw", bootstrap_samples=200)
+        yield root, config, results
+
+
+def _fingerprint(run_dir: Path) -> dict:
+    return {name: ((run_dir / name).stat().st_mtime_ns, (run_dir / name).stat().st_size)
+            for name in ("train.log", "checkpoint_last.pt", "done.json", "eval.json")}
+
+
+@pytest.mark.slow
+def test_micro_ablation_writes_results_table_and_curves(micro):
+    root, _, results = micro
+    work = root / "work"
+    on_disk = json.loads((work / "results.json").read_text())
+    assert on_disk["arms"] == list(ARMS) and on_disk["baseline"] == "tf"
+    for arm in ("pretrained", *ARMS):
+        test = on_disk["summary"][arm]["test"]
+        assert 0.0 <= test["bleu_mean"] <= 100.0 and 0.0 < test["chrf_mean"] <= 100.0
+    for arm in ("hard", "soft"):
+        boot = on_disk["bootstrap"][arm]["1"]["test"]["bleu"]
+        assert 0.0 < boot["p_value"] <= 1.0 and boot["delta_ci95"][0] <= boot["delta_ci95"][1]
+    assert "tf" not in on_disk["bootstrap"]
+    assert on_disk["signatures"]["bleu"].startswith("nrefs:1|case:mixed|eff:no|tok:13a")
+    assert on_disk["scores"]["tf"]["1"]["test"]["reference"] == str(root / "raw" / "test.tgt")
+    # equal budgets: every arm stopped at update 8, started from the pretrained checkpoint
+    for arm in ARMS:
+        log = (work / "seed1" / arm / "train.log").read_text()
+        assert "loading pretrained model from" in log
+        assert read_valid_curve(work / "seed1" / arm / "train.log")[-1]["num_updates"] == 8
+        assert len((work / "seed1" / arm / "test.hyp").read_text().splitlines()) == 30
+    markdown = (work / "results.md").read_text()
+    for row in ("| pretrained (no fine-tuning) |", "| tf (baseline) |", "| hard |", "| soft |", "a test run"):
+        assert row in markdown
+    assert (work / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (work / "curves.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_rerun_skips_finished_arms_and_half_finished_arm_resumes(micro, caplog):
+    root, config, _ = micro
+    work = root / "work"
+    before = {arm: _fingerprint(work / "seed1" / arm) for arm in ARMS}
+    pretrain_log = (work / "pretrain" / "train.log").stat().st_mtime_ns
+    with caplog.at_level(logging.INFO, logger="ablation"):
+        run_ablation(config, root / "bin", work, ref_dir=root / "raw", bootstrap_samples=200)
+    assert {arm: _fingerprint(work / "seed1" / arm) for arm in ARMS} == before
+    assert (work / "pretrain" / "train.log").stat().st_mtime_ns == pretrain_log
+    assert caplog.text.count("finished earlier, skipping training") == 4  # pretrain + 3 arms
+    assert "training " not in caplog.text.replace("skipping training", "")
+
+    # A half-finished arm: its update-4 checkpoint as checkpoint_last, no done marker.
+    soft = work / "seed1" / "soft"
+    (soft / "checkpoint_1_4.pt").replace(soft / "checkpoint_last.pt")
+    (soft / "done.json").unlink()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OMP_NUM_THREADS", "1")
+        results = run_ablation(config, root / "bin", work, ref_dir=root / "raw", bootstrap_samples=200)
+    log = (soft / "train.log").read_text()
+    assert "Loaded checkpoint" in log and "@ 4 updates" in log  # resumed, not restarted
+    assert [p["num_updates"] for p in read_valid_curve(soft / "train.log")][-1] == 8
+    assert (soft / "done.json").exists()
+    assert {arm: _fingerprint(work / "seed1" / arm) for arm in ("tf", "hard")} == \
+        {arm: before[arm] for arm in ("tf", "hard")}
+    assert set(results["summary"]) == {"pretrained", *ARMS}
+
+
+@pytest.mark.slow
+def test_changed_flags_missing_data_and_checkpoint_are_clear_errors(micro, tmp_path):
+    root, config, _ = micro
+    changed = load_config(root / "finetune.yaml", ["train.lr=0.1"])
+    with pytest.raises(ValueError, match="other fairseq-train arguments"):
+        run_ablation(changed, root / "bin", root / "work", ref_dir=root / "raw")
+    with pytest.raises(FileNotFoundError, match="data directory not found"):
+        run_ablation(config, tmp_path / "no_data", tmp_path / "work")
+    with pytest.raises(FileNotFoundError, match="pretrained checkpoint not found"):
+        run_ablation(config, root / "bin", tmp_path / "work", pretrained=tmp_path / "missing.pt")
