@@ -23,25 +23,14 @@ from pathlib import Path
 from typing import Dict, Iterator, List, Sequence, Tuple
 
 import torch
-from fairseq_commands import PACKAGE_DIR, fairseq_command, run_logged
+from fairseq_commands import PACKAGE_DIR, binarize_toy_corpus
 
 import fairseq_softtopk
-from fairseq_softtopk.data.toy_language_pair import write_toy_corpus
 
 NORMALIZERS = ("fairseq", "softmax", "soft_topk", "hard_topk", "sparsemax", "entmax15")
 #: What ``fairseq`` means in the table: fairseq's transformer with its fused attention.
 REFERENCE = "fairseq"
 CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
-
-
-def prepare_toy_data(work: Path) -> Path:
-    """Toy corpus (3000 training pairs) binarised with a joined dictionary into ``work/bin``."""
-    raw, data_bin = work / "raw", work / "bin"
-    write_toy_corpus(raw, splits={"train": (3000, 11), "valid": (100, 12)})
-    run_logged(fairseq_command("preprocess", [
-        "--source-lang", "src", "--target-lang", "tgt", "--trainpref", raw / "train",
-        "--validpref", raw / "valid", "--destdir", data_bin, "--joined-dictionary", "--workers", "1"]), echo=False)
-    return data_bin
 
 
 def build_trainer_parts(data_bin: Path, arch: str, normalizer: str, k: int, epsilon: float, max_tokens: int,
@@ -157,7 +146,8 @@ def main(argv: Sequence[str] = None) -> int:
         parser.error(f"unknown normalizers {unknown}; choose from {NORMALIZERS}")
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        data_bin = args.data or prepare_toy_data(Path(tmp))
+        data_bin = args.data or binarize_toy_corpus(Path(tmp), splits={"train": (3000, 11), "valid": (100, 12)},
+                                                    joined_dictionary=True)
         results = run_benchmark(data_bin, args.arch, names, args.updates, args.repeats, args.k, args.epsilon,
                                 args.max_tokens, args.warmup, args.seed, CLOCKS[args.clock])
     print(f"arch={args.arch} updates={args.updates} repeats={args.repeats} k={args.k} epsilon={args.epsilon} "

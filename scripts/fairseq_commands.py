@@ -40,3 +40,32 @@ def run_logged(cmd: Sequence[str], log_path: Optional[Path] = None, echo: bool =
         if log:
             log.close()
     return "".join(lines)
+
+
+def binarize_toy_corpus(work: Path, splits=None, joined_dictionary: bool = False) -> Path:
+    """The embedded toy corpus -> ``work/raw`` (text) and ``work/bin`` (fairseq binary data).
+
+    Both steps are skipped when their output exists (``write_toy_corpus`` refuses to overwrite
+    different text; a ``bin`` without its last file is redone).
+
+    Args:
+        splits: ``{split: (pairs, seed)}`` for ``write_toy_corpus`` (default: its standard sizes).
+    Returns:
+        ``work/bin``.
+    """
+    import shutil
+
+    from fairseq_softtopk.data.toy_language_pair import SPLITS, write_toy_corpus
+
+    splits = splits or SPLITS
+    raw, data_bin = Path(work) / "raw", Path(work) / "bin"
+    write_toy_corpus(raw, splits=splits)
+    last = list(splits)[-1]
+    if not (data_bin / f"{last}.src-tgt.tgt.idx").exists():
+        shutil.rmtree(data_bin, ignore_errors=True)
+        prefixes = [arg for split, flag in (("train", "--trainpref"), ("valid", "--validpref"), ("test", "--testpref"))
+                    if split in splits for arg in (flag, raw / split)]
+        run_logged(fairseq_command("preprocess", ["--source-lang", "src", "--target-lang", "tgt", *prefixes,
+                                                  "--destdir", data_bin, "--workers", "2"]
+                                   + (["--joined-dictionary"] if joined_dictionary else [])), echo=False)
+    return data_bin

@@ -15,9 +15,7 @@ import time
 from pathlib import Path
 
 from evaluate import evaluate_checkpoint
-from fairseq_commands import fairseq_command, run_logged
-
-from fairseq_softtopk.data.toy_language_pair import write_toy_corpus
+from fairseq_commands import binarize_toy_corpus, fairseq_command, run_logged
 
 LSTM_ARGS = [
     "--arch", "lstm", "--encoder-embed-dim", "64", "--decoder-embed-dim", "64",
@@ -27,18 +25,6 @@ LSTM_ARGS = [
     "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
     "--max-tokens", "1000", "--seed", "1", "--num-workers", "0",
 ]
-
-
-def prepare_data(work: Path) -> Path:
-    """Toy corpus -> ``work/bin`` (fairseq binary data, word-level joined dictionary)."""
-    raw, data_bin = work / "raw", work / "bin"
-    write_toy_corpus(raw)
-    if not (data_bin / "test.src-tgt.tgt.idx").exists():
-        run_logged(fairseq_command("preprocess", [
-            "--source-lang", "src", "--target-lang", "tgt", "--trainpref", raw / "train",
-            "--validpref", raw / "valid", "--testpref", raw / "test", "--destdir", data_bin,
-            "--workers", "2"]), echo=False)
-    return data_bin
 
 
 def train(data_bin: Path, save_dir: Path, epochs: int) -> Path:
@@ -62,7 +48,7 @@ def main(argv=None) -> int:
     (work / "checkpoints").mkdir(parents=True, exist_ok=True)
 
     start = time.time()
-    data_bin = prepare_data(work)
+    data_bin = binarize_toy_corpus(work)
     checkpoint = train(data_bin, work / "checkpoints", args.epochs)
     train_seconds = time.time() - start
     result = evaluate_checkpoint(str(data_bin), str(checkpoint), str(work / "raw" / "test.tgt"),

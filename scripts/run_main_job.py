@@ -26,29 +26,10 @@ import time
 from pathlib import Path
 
 from ablation import load_config, results_markdown, run_ablation
-from fairseq_commands import fairseq_command, run_logged
-
-from fairseq_softtopk.data.toy_language_pair import write_toy_corpus
+from fairseq_commands import binarize_toy_corpus
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "toy_finetune.yaml"
 logger = logging.getLogger("main_job")
-
-
-def prepare_toy_data(work: Path, splits=None) -> Path:
-    """Toy corpus -> ``work/raw`` (text) and ``work/bin`` (fairseq binary); returns ``work/bin``.
-
-    Both steps are skipped when their output exists (``write_toy_corpus`` refuses to overwrite
-    different text; a half-written ``bin`` without its last file is redone).
-    """
-    raw, data_bin = work / "raw", work / "bin"
-    write_toy_corpus(raw, splits=splits)
-    if not (data_bin / "test.src-tgt.tgt.idx").exists():
-        shutil.rmtree(data_bin, ignore_errors=True)
-        run_logged(fairseq_command("preprocess", [
-            "--source-lang", "src", "--target-lang", "tgt", "--trainpref", raw / "train",
-            "--validpref", raw / "valid", "--testpref", raw / "test", "--destdir", data_bin,
-            "--workers", "2"]), echo=False)
-    return data_bin
 
 
 def main(argv=None) -> int:
@@ -73,7 +54,7 @@ def main(argv=None) -> int:
         for path in [work / "pretrain", *work.glob("seed*")]:
             shutil.rmtree(path)
     start = time.time()
-    data_bin = prepare_toy_data(work)
+    data_bin = binarize_toy_corpus(work)
     results = run_ablation(config, data_bin, work, ref_dir=work / "raw", seeds=args.seeds, arms=args.arms)
     print()
     print(results_markdown(results))

@@ -20,7 +20,7 @@ The decoder only needs the "step on embeddings" interface of
 """
 
 from dataclasses import dataclass
-from typing import Callable, List, NamedTuple, Optional
+from typing import Callable, List, NamedTuple
 
 import torch
 from torch import Tensor
