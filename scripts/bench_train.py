@@ -1,0 +1,444 @@
+#!/usr/bin/env python
+"""Training speed of beam-search training (``soft_beam_search``) against teacher forcing and hard beams.
+
+Trains the same ``softtopk_lstm`` model (same initial parameters, same ``--max-tokens``
+batches of the training set, Adam) for ``--updates`` timed updates after ``--warmup`` untimed
+ones, with the ``soft_beam_search`` criterion as
+
+* ``teacher_forcing``: ``--teacher-forcing-ratio 1.0`` (the beam search is skipped),
+* ``beam_hard``: ``--topk-mode hard`` (exact top-k, the paper's ablation),
+* ``beam_soft``: ``--topk-mode soft`` over all ``k * V`` candidates,
+* ``beam_soft_pool``: ``--topk-mode soft --candidate-pool m`` (the m best candidates only),
+
+and prints target tokens/s, ms per update, peak memory, the share of the update spent in the
+sorted soft top-k operator and the time per update relative to ``beam_hard``.
+
+How things are measured:
+
+* Each configuration runs in a fresh subprocess (``--repeats`` times, interleaved); an
+  update's time is its fastest run, which discards most slowdowns from other load.
+* Top-k share: ``fwd`` is the wall time inside
+  ``fairseq_softtopk.modules.soft_beam_search.sorted_soft_topk`` (the Newton solve included),
+  ``bwd`` the wall time inside ``SortedSoftTopKFunction.backward`` (implicit differentiation),
+  both patched with timing wrappers (CUDA: synchronised). ``select`` is the whole candidate
+  selection ``_select`` (the pool's / hard mode's ``torch.topk`` plus the soft operator's
+  forward), so ``beam_hard`` shows what its selection costs. ``Newton it.`` is the mean
+  number of Newton iterations per solve (from the operator's ``SolverInfo``).
+* Memory: CPU, the peak resident set size of the worker process during training (the peak
+  is reset with ``/proc/self/clear_refs`` before the first update; elsewhere it is the peak
+  since the process started) and its growth over the RSS before training; CUDA,
+  ``torch.cuda.max_memory_allocated``.
+* ``--profile CONFIG`` prints ``torch.profiler`` tables instead: self CPU time by region
+  (operator forward / backward, rest of the selection, other forward / backward, optimizer)
+  with each region's costliest ops, then the top ops overall.
+* The operator's cost depends on how peaked the model's distribution is: from a random
+  initialisation every candidate is nearly tied. ``--pretrain-updates N`` (or
+  ``--checkpoint``) starts every configuration from a teacher-forced model instead, as in
+  fine-tuning.
+* On a machine shared with other jobs, ``--threads 1`` and ``--repeats 3`` give steadier
+  numbers: waiting OpenMP threads slow down many times over when the cores are busy.
+
+Example::
+
+    python scripts/bench_train.py --updates 5 --warmup 1                      # toy corpus
+    python scripts/bench_train.py --data multi30k/bin --arch softtopk_lstm_multi30k --max-tokens 2000 \
+        --pretrain-updates 300 --threads 1
+    python scripts/bench_train.py --data multi30k/bin --profile beam_soft --updates 3
+"""
+
+import argparse
+import json
+import logging
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import torch
+from fairseq_commands import PACKAGE_DIR, binarize_toy_corpus
+
+import fairseq_softtopk
+
+CONFIGS = ("teacher_forcing", "beam_hard", "beam_soft", "beam_soft_pool")
+BASELINE = "beam_hard"
+TARGET_RATIO = 1.25  # issue 4: soft <= 1.25x the time of hard at k=5 on the Multi30k-sized model
+_RESULT_TAG = "BENCH_RESULT "
+#: The toy corpus used without --data: 3000 training pairs (as scripts/bench_attention.py).
+TOY_SPLITS = {"train": (3000, 11), "valid": (100, 12)}
+
+
+def criterion_args(config: str, beam: int, epsilon: float, pool: int, ratio: float) -> List[str]:
+    """``soft_beam_search`` flags of one configuration (one of :data:`CONFIGS`)."""
+    common = ["--criterion", "soft_beam_search", "--train-beam", str(beam), "--topk-epsilon", str(epsilon)]
+    flags = {
+        "teacher_forcing": ["--teacher-forcing-ratio", "1.0"],
+        "beam_hard": ["--teacher-forcing-ratio", str(ratio), "--topk-mode", "hard"],
+        "beam_soft": ["--teacher-forcing-ratio", str(ratio), "--topk-mode", "soft", "--candidate-pool", "0"],
+        "beam_soft_pool": ["--teacher-forcing-ratio", str(ratio), "--topk-mode", "soft", "--candidate-pool", str(pool)],
+    }
+    if config not in flags:
+        raise ValueError(f"unknown configuration {config!r}; choose from {CONFIGS}")
+    return common + flags[config]
+
+
+def build_parts(opts: argparse.Namespace, config: str):
+    """``(task, model, criterion)`` of one configuration, parameters initialised from ``opts.seed``."""
+    from fairseq import options, tasks, utils
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+    fairseq_softtopk.register()  # before the parser lists the architectures
+    parser = options.get_training_parser()
+    argv = [str(opts.data), "--user-dir", str(PACKAGE_DIR), "--arch", opts.arch, "--max-tokens", str(opts.max_tokens),
+            "--seed", str(opts.seed),
+            *criterion_args(config, opts.beam, opts.epsilon, opts.candidate_pool, opts.teacher_forcing_ratio)]
+    if opts.device == "cpu":
+        argv.append("--cpu")
+    cfg = convert_namespace_to_omegaconf(options.parse_args_and_arch(parser, argv))
+    utils.set_torch_seed(opts.seed)
+    task = tasks.setup_task(cfg.task)
+    task.load_dataset("train")
+    model = task.build_model(cfg.model)
+    if opts.checkpoint:
+        state = torch.load(opts.checkpoint, map_location="cpu", weights_only=True)
+        model.load_state_dict(state.get("model", state))  # a fairseq checkpoint or a bare state dict
+    return task, model.to(opts.device), task.build_criterion(cfg.criterion)
+
+
+def fixed_batches(task, max_tokens: int, count: int, seed: int, device: str) -> List[dict]:
+    """The first ``count`` training batches of a seeded shuffle (epoch after epoch), on ``device``."""
+    from fairseq import utils
+
+    epochs = task.get_batch_iterator(dataset=task.dataset("train"), max_tokens=max_tokens, seed=seed,
+                                     ignore_invalid_inputs=True)
+    batches: List[dict] = []
+    while len(batches) < count:
+        before = len(batches)
+        for sample in epochs.next_epoch_itr(shuffle=True):
+            batches.append(utils.move_to_cuda(sample) if device.startswith("cuda") else sample)
+            if len(batches) == count:
+                break
+        if len(batches) == before:
+            raise ValueError(f"no training batch fits --max-tokens {max_tokens}")
+    return batches
+
+
+class TopKTimer:
+    """Patches timing wrappers around the top-k operator while active (see the module docstring)."""
+
+    def __init__(self, device: str):
+        self.cuda = device.startswith("cuda")
+        self.totals = dict.fromkeys(("topk_fwd", "topk_bwd", "select", "topk_calls", "newton_iters"), 0.0)
+
+    def sync(self) -> None:
+        """Waits for queued CUDA work (no-op on CPU), so that wall times cover it."""
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def _timed(self, key: str, fn):
+        def wrapper(*args, **kwargs):
+            with torch.profiler.record_function(f"bench::{key}"):
+                self.sync()
+                start = time.perf_counter()
+                out = fn(*args, **kwargs)
+                self.sync()
+                self.totals[key] += time.perf_counter() - start
+            if isinstance(out, tuple) and hasattr(out[-1], "n_iter"):  # (A, SolverInfo) of return_info=True
+                self.totals["topk_calls"] += 1
+                self.totals["newton_iters"] += out[-1].n_iter
+            return out
+        return wrapper
+
+    def __enter__(self) -> "TopKTimer":
+        from fairseq_softtopk.modules import soft_beam_search as search
+        from fairseq_softtopk.ops.sorted_soft_topk import SortedSoftTopKFunction
+
+        self._saved = (search.sorted_soft_topk, search._select, SortedSoftTopKFunction.__dict__["backward"])
+        search.sorted_soft_topk = self._timed("topk_fwd", search.sorted_soft_topk)
+        search._select = self._timed("select", search._select)
+        # autograd looks ``backward`` up on the class when the graph runs, so a patched one is used
+        SortedSoftTopKFunction.backward = staticmethod(self._timed("topk_bwd", SortedSoftTopKFunction.backward))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from fairseq_softtopk.modules import soft_beam_search as search
+        from fairseq_softtopk.ops.sorted_soft_topk import SortedSoftTopKFunction
+
+        search.sorted_soft_topk, search._select, SortedSoftTopKFunction.backward = self._saved
+
+    def take(self) -> Dict[str, float]:
+        """The seconds (and solver calls / Newton iterations) accumulated since the last call, reset to 0."""
+        out, self.totals = self.totals, dict.fromkeys(self.totals, 0.0)
+        return out
+
+
+def _rss_mib(field: str) -> Optional[float]:
+    """``VmRSS`` / ``VmHWM`` of this process in MiB (Linux), else None."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def _reset_peak_rss() -> bool:
+    """Resets the kernel's peak RSS of this process (Linux >= 4.0); False where that is not possible."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def train_updates(model, criterion, batches: List[dict], warmup: int, timer: TopKTimer,
+                  optimizer: Optional[torch.optim.Optimizer] = None) -> List[Dict[str, float]]:
+    """Trains on ``batches`` (with Adam unless given ``optimizer``); per timed update (after ``warmup``):
+    seconds, target tokens and the top-k seconds of :class:`TopKTimer`."""
+    optimizer = optimizer or torch.optim.Adam(model.parameters(), lr=1e-3)
+    model.train()
+    records = []
+    for step, sample in enumerate(batches):
+        timer.sync()
+        timer.take()
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        loss, _, _ = criterion(model, sample)
+        loss.backward()
+        optimizer.step()
+        timer.sync()
+        seconds = time.perf_counter() - start
+        if step >= warmup:
+            records.append({"seconds": seconds, "tokens": int(sample["ntokens"]), **timer.take()})
+    return records
+
+
+def _setup(opts: argparse.Namespace, config: str):
+    """Threads, quiet logging, ``(model, criterion, batches)`` of one configuration."""
+    torch.set_num_threads(opts.threads)
+    for name in ("fairseq", "hydra"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    task, model, criterion = build_parts(opts, config)
+    return model, criterion, fixed_batches(task, opts.max_tokens, opts.warmup + opts.updates, opts.seed, opts.device)
+
+
+def run_config(opts: argparse.Namespace, config: str) -> dict:
+    """Builds and trains one configuration in this process; ``{"updates": [...], "peak_mib", "growth_mib"}``."""
+    model, criterion, batches = _setup(opts, config)
+    cuda = opts.device.startswith("cuda")
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated() / 2**20
+    else:
+        before = _rss_mib("VmRSS")
+        _reset_peak_rss()
+    with TopKTimer(opts.device) as timer:
+        records = train_updates(model, criterion, batches, opts.warmup, timer)
+    peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else _rss_mib("VmHWM")
+    growth = None if peak is None or before is None else peak - before
+    return {"updates": records, "peak_mib": peak, "growth_mib": growth}
+
+
+def pretrain(opts: argparse.Namespace, path: Path) -> None:
+    """Teacher-forced updates (``opts.pretrain_updates``, Adam) from ``opts.checkpoint`` or scratch, saved to
+    ``path``: the beams then search a peaked distribution, as when fine-tuning, not a uniform one."""
+    # another seed: other batches than the timed ones
+    pre = argparse.Namespace(**{**vars(opts), "updates": opts.pretrain_updates, "warmup": 0, "seed": opts.seed + 1})
+    model, criterion, batches = _setup(pre, "teacher_forcing")
+    with TopKTimer(opts.device) as timer:
+        records = train_updates(model, criterion, batches, 0, timer)
+    torch.save(model.state_dict(), path)
+    print(f"pretrained {len(records)} teacher-forced updates in {sum(r['seconds'] for r in records):.0f} s "
+          f"-> {path}", flush=True)
+
+
+def run_isolated(opts: argparse.Namespace, argv: Sequence[str], config: str) -> dict:
+    """:func:`run_config` in a fresh Python process (this script with ``--worker``)."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--data", str(opts.data), "--worker", config]
+    env = dict(os.environ, OMP_NUM_THREADS=str(opts.threads), MKL_NUM_THREADS=str(opts.threads))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(_RESULT_TAG)]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"worker {config} failed ({proc.returncode}): {shlex.join(cmd)}\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][len(_RESULT_TAG):])
+
+
+def run_benchmark(opts: argparse.Namespace, argv: Sequence[str], configs: Sequence[str]) -> Dict[str, dict]:
+    """Summary per configuration; each update counts with its fastest of ``opts.repeats`` interleaved runs."""
+    runs: Dict[str, List[dict]] = {name: [] for name in configs}
+    for _ in range(opts.repeats):
+        for name in configs:
+            runs[name].append(run_config(opts, name) if opts.in_process else run_isolated(opts, argv, name))
+    return {name: summarize(results) for name, results in runs.items()}
+
+
+def summarize(results: List[dict]) -> dict:
+    """Totals over the updates (fastest run of each update) and the largest memory of the runs."""
+    fastest = [min(update, key=lambda r: r["seconds"]) for update in zip(*(r["updates"] for r in results))]
+    seconds = sum(r["seconds"] for r in fastest)
+    total = {key: sum(r[key] for r in fastest) for key in ("topk_fwd", "topk_bwd", "select")}
+    peaks = [r["peak_mib"] for r in results if r["peak_mib"] is not None]
+    growths = [r["growth_mib"] for r in results if r["growth_mib"] is not None]
+    calls = sum(r["topk_calls"] for r in fastest)
+    return {"tokens_per_s": sum(r["tokens"] for r in fastest) / seconds, "ms_per_update": 1e3 * seconds / len(fastest),
+            "peak_mib": max(peaks, default=float("nan")), "growth_mib": max(growths, default=float("nan")),
+            "newton_per_call": sum(r["newton_iters"] for r in fastest) / calls if calls else float("nan"),
+            **{f"{key}_share": value / seconds for key, value in total.items()}}
+
+
+def format_table(summary: Dict[str, dict], memory: str) -> str:
+    """Markdown table; ``time vs hard`` is the time per update over that of :data:`BASELINE`."""
+    base = summary.get(BASELINE, {}).get("ms_per_update", float("nan"))
+    lines = [f"| config | target tokens/s | ms/update | {memory} | top-k fwd | top-k bwd | select | Newton it. "
+             "| time vs hard |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, r in summary.items():
+        newton = "-" if r["newton_per_call"] != r["newton_per_call"] else f"{r['newton_per_call']:.1f}"  # nan: none
+        lines.append(f"| {name} | {r['tokens_per_s']:.0f} | {r['ms_per_update']:.1f} | "
+                     f"{r['peak_mib']:.0f} (+{r['growth_mib']:.0f}) | {100 * r['topk_fwd_share']:.1f}% | "
+                     f"{100 * r['topk_bwd_share']:.1f}% | {100 * r['select_share']:.1f}% | {newton} | "
+                     f"{r['ms_per_update'] / base:.2f}x |")
+    for name in ("beam_soft", "beam_soft_pool"):
+        if name in summary and BASELINE in summary:
+            ratio = summary[name]["ms_per_update"] / base
+            verdict = "met" if ratio <= TARGET_RATIO else "NOT met"
+            lines.append(f"\n{name} / {BASELINE} = {ratio:.2f}x (target <= {TARGET_RATIO}x): {verdict}")
+    return "\n".join(lines)
+
+
+def _region(event) -> str:
+    """Where a profiled op ran: the innermost ``bench::`` range, the optimizer, other backward or forward."""
+    backward = False
+    while event is not None:
+        if event.name.startswith("bench::"):
+            return event.name[len("bench::"):]
+        if event.name.startswith("Optimizer."):
+            return "optimizer"
+        backward = backward or event.name.startswith("autograd::engine::evaluate_function")
+        event = event.cpu_parent
+    return "other backward" if backward else "other forward"
+
+
+def region_table(events, rows: int) -> str:
+    """Self CPU time per region (see :func:`_region`) and its ``rows`` costliest ops."""
+    by_region: Dict[str, Dict[str, float]] = {}
+    for event in events:
+        ops = by_region.setdefault(_region(event), {})
+        ops[event.name] = ops.get(event.name, 0.0) + event.self_cpu_time_total / 1e3  # us -> ms
+    total = sum(sum(ops.values()) for ops in by_region.values()) or 1.0
+    lines = []
+    for region, ops in sorted(by_region.items(), key=lambda item: -sum(item[1].values())):
+        spent = sum(ops.values())
+        top = sorted(ops.items(), key=lambda item: -item[1])[:rows]
+        lines.append(f"{region}: {spent:.0f} ms self CPU ({100 * spent / total:.1f}%); top ops: "
+                     + ", ".join(f"{name} {ms:.0f}" for name, ms in top))
+    return "\n".join(lines)
+
+
+def profile_config(opts: argparse.Namespace, config: str, rows: int) -> str:
+    """``torch.profiler`` tables over the timed updates of one configuration: by region, and by op."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model, criterion, batches = _setup(opts, config)
+    cuda = opts.device.startswith("cuda")
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with TopKTimer(opts.device) as timer:
+        train_updates(model, criterion, batches[: opts.warmup], 0, timer, optimizer)
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+            records = train_updates(model, criterion, batches[opts.warmup:], 0, timer, optimizer)
+    seconds = sum(r["seconds"] for r in records)
+    ops = prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total",
+                                    row_limit=rows, max_name_column_width=60)
+    return (f"{config}: {len(records)} profiled updates, {1e3 * seconds / len(records):.0f} ms/update "
+            f"(profiler overhead included)\n\nself CPU time by region (top ops in ms):\n"
+            f"{region_table(prof.events(), 8)}\n\n{ops}")
+
+
+def header(argv: Sequence[str], threads: int, device: str) -> str:
+    """The exact command line and the torch / thread / machine information."""
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    gpu = f" gpu={torch.cuda.get_device_name()}" if device.startswith("cuda") else ""
+    git = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parent)
+    text = (f"command: {shlex.join([sys.executable, sys.argv[0], *argv])}\n"
+            f"commit: {git.stdout.strip() or 'unknown'} (working tree as run)\n"
+            f"torch={torch.__version__} threads={threads} (interop {torch.get_num_interop_threads()}) "
+            f"cpus={os.cpu_count()} device={device}{gpu} python={platform.python_version()} "
+            f"load avg={' '.join(f'{x:.2f}' for x in load) if load else 'n/a'}")
+    if load and device == "cpu" and load[0] + threads > (os.cpu_count() or 1):
+        text += ("\nwarning: other processes use the CPUs: timings are noisy, and OpenMP threads that wait "
+                 "for a busy core can slow everything down many times over (try --threads 1 and --repeats 3)")
+    return text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data", type=Path, help="fairseq binary data dir (default: the toy corpus in a temp dir)")
+    parser.add_argument("--arch", default="softtopk_lstm_multi30k", help="a softtopk_lstm architecture")
+    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {CONFIGS}")
+    parser.add_argument("--updates", type=int, default=20, help="timed updates per run")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed updates before timing")
+    parser.add_argument("--repeats", type=int, default=1, help="interleaved runs per config (fastest per update)")
+    parser.add_argument("--beam", type=int, default=5, help="--train-beam k")
+    parser.add_argument("--epsilon", type=float, default=0.1, help="--topk-epsilon")
+    parser.add_argument("--candidate-pool", type=int, default=50, help="m of beam_soft_pool")
+    parser.add_argument("--teacher-forcing-ratio", type=float, default=0.8, help="p of the beam configs")
+    parser.add_argument("--max-tokens", type=int, default=2000)
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch intra-op threads (default: all)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--checkpoint", type=Path, help="start every config from these weights (fairseq checkpoint "
+                        "or state dict of the same --arch and dictionaries), e.g. a teacher-forcing pretrained model")
+    parser.add_argument("--pretrain-updates", type=int, default=0,
+                        help="first train this many teacher-forced updates (untimed, once) and start every config "
+                             "from the result; 0: from --checkpoint or random initialisation")
+    parser.add_argument("--in-process", action="store_true", help="no subprocess per run (memory then accumulates)")
+    parser.add_argument("--profile", metavar="CONFIG", help="print a torch.profiler table for this config instead")
+    parser.add_argument("--profile-rows", type=int, default=25)
+    parser.add_argument("--worker", metavar="CONFIG", help=argparse.SUPPRESS)  # internal: one isolated run
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    opts = parser.parse_args(argv)
+    configs = [c for c in opts.configs.split(",") if c]
+    unknown = [c for c in configs + [opts.profile or CONFIGS[0]] if c not in CONFIGS]
+    if unknown:
+        parser.error(f"unknown configurations {unknown}; choose from {CONFIGS}")
+    if min(opts.updates, opts.repeats, opts.threads) < 1 or opts.warmup < 0:
+        parser.error(f"need --updates, --repeats, --threads >= 1 and --warmup >= 0, got {opts.updates}, "
+                     f"{opts.repeats}, {opts.threads}, {opts.warmup}")
+    if opts.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error("--device cuda but torch.cuda.is_available() is False")
+    if opts.worker:
+        print(_RESULT_TAG + json.dumps(run_config(opts, opts.worker)), flush=True)
+        return 0
+    torch.set_num_threads(opts.threads)
+    print(header(argv, opts.threads, opts.device), flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        opts.data = opts.data or binarize_toy_corpus(Path(tmp), splits=TOY_SPLITS, joined_dictionary=True)
+        if opts.pretrain_updates:
+            pretrain(opts, Path(tmp) / "pretrained.pt")
+            opts.checkpoint = Path(tmp) / "pretrained.pt"
+            argv = argv + ["--checkpoint", str(opts.checkpoint), "--pretrain-updates", "0"]
+        print(f"data={opts.data} checkpoint={opts.checkpoint} arch={opts.arch} k={opts.beam} "
+              f"epsilon={opts.epsilon} pool={opts.candidate_pool} p={opts.teacher_forcing_ratio} "
+              f"max_tokens={opts.max_tokens} updates={opts.updates} warmup={opts.warmup} repeats={opts.repeats}",
+              flush=True)
+        if opts.profile:
+            print(profile_config(opts, opts.profile, opts.profile_rows))
+            return 0
+        summary = run_benchmark(opts, argv, configs)
+    memory = "peak CUDA MiB (+growth)" if opts.device.startswith("cuda") else "peak RSS MiB (+growth)"
+    print(format_table(summary, memory))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
