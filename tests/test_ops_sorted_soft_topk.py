@@ -131,3 +131,15 @@ def test_errors():
         sorted_soft_topk(torch.randn(4), 2, epsilon=0)
     with pytest.raises(ValueError, match="k must be"):
         sorted_soft_topk(torch.randn(4), 1.5)
+
+
+def test_newton_converges_fast_on_near_ties(rng):
+    """Rows with a few near-tied top scores (gaps ~ epsilon / 6) used to converge linearly."""
+    top = torch.tensor([-2.7376, -2.8076, -3.3343, -3.5685, -3.6499, -3.6669, -3.7642])
+    for dtype in (torch.float32, torch.float64):
+        rest = -4.0 - 6.0 * torch.rand(200, generator=rng)
+        noise = 0.02 * torch.randn(8, 7, generator=rng)
+        scores = torch.cat([top + noise, rest.expand(8, -1)], dim=-1).to(dtype)
+        _, info = sorted_soft_topk(scores, 5, epsilon=0.1, tol=1e-6 if dtype == torch.float64 else 1e-4,
+                                   return_info=True)
+        assert info.converged and info.n_iter <= 8, (dtype, info)

@@ -63,7 +63,7 @@ def anchor_hessian(P: Tensor, k: int, no_rest: Tensor, other: Optional[Tensor] =
     return K + no_rest.double()[:, None, None]
 
 
-def _solve(K: Tensor, rhs: Tensor, precision: torch.dtype, extra_diagonal: Optional[Tensor] = None) -> Tensor:
+def _solve(K: Tensor, rhs: Tensor, precision: torch.dtype) -> Tensor:
     """Batched symmetric solve ``K x = rhs`` in float64, with a ridge at the precision of ``K``.
 
     When the ranks split into groups whose boundaries are far apart (relative to epsilon),
@@ -73,13 +73,10 @@ def _solve(K: Tensor, rhs: Tensor, precision: torch.dtype, extra_diagonal: Optio
     relative to its largest diagonal entry, keeps rounding noise from being amplified along them.
 
     Args:
-        K: ``(rows, k, k)``; rhs: ``(rows, k)``; precision: dtype the plan was computed in;
-        extra_diagonal: optional ``(rows, k)`` added to the diagonal of ``K``.
+        K: ``(rows, k, k)``; rhs: ``(rows, k)``; precision: dtype the plan was computed in.
     """
     ridge = 10 * torch.finfo(precision).eps * K.diagonal(dim1=-2, dim2=-1).abs().amax(-1).clamp_min(1e-300)
     K = K + ridge[:, None, None] * torch.eye(K.shape[-1], dtype=K.dtype, device=K.device)
-    if extra_diagonal is not None:
-        K = K + torch.diag_embed(extra_diagonal)
     return torch.linalg.solve(K, rhs.unsqueeze(-1)).squeeze(-1)
 
 
@@ -162,11 +159,7 @@ def _maximise(dual: _SemiDual, g: Tensor, tol: float, max_iter: int):
             n_iter -= 1
             break
         grad = (dual.target - counts)[:, :k]
-        # Ranks already resolved to well within tol are held still: in a nearly hard plan their
-        # block of K is nearly singular and float32 rounding in grad would make the step explode.
-        frozen = (grad.abs() < 0.25 * tol).double()
-        step = _solve(dual.hessian(P), grad * (1 - frozen), P.dtype, extra_diagonal=frozen)
-        step = step.nan_to_num(0.0, 0.0, 0.0) * active.unsqueeze(-1)
+        step = _solve(dual.hessian(P), grad, P.dtype).nan_to_num(0.0, 0.0, 0.0) * active.unsqueeze(-1)
         slope = (grad * step).sum(-1)
         alpha = torch.ones_like(slope)
         for _ in range(_MAX_BACKTRACK):
