@@ -192,3 +192,20 @@ def test_soft_search_gradient_matches_finite_differences(rng, epsilon):
     h = 1e-6
     numeric = (float(loss_at(start + h * direction)) - float(loss_at(start - h * direction))) / (2 * h)
     assert analytic == pytest.approx(numeric, rel=1e-6, abs=1e-8)
+
+
+def test_exact_window_changes_nothing_at_the_tolerance(rng):
+    """The default soft search solves on a window of candidates; the full problem agrees."""
+    from fairseq_softtopk.modules.soft_beam_search import exact_window
+    from fairseq_softtopk.ops import sorted_soft_topk
+
+    scores = torch.cat([torch.randn(4, 6, generator=rng, dtype=torch.float64) * 0.2,
+                        -3 - 10 * torch.rand(4, 3000, generator=rng, dtype=torch.float64)], dim=-1)
+    m = exact_window(scores, 3, epsilon=0.1, tol=1e-8)
+    assert 4 <= m < 3006
+    full = sorted_soft_topk(scores, 3, epsilon=0.1, tol=1e-10)
+    top, ids = scores.topk(m, dim=-1)
+    window = sorted_soft_topk(top, 3, epsilon=0.1, tol=1e-10)
+    torch.testing.assert_close(full.gather(1, ids.unsqueeze(-1).expand(-1, -1, 3)), window, atol=1e-8, rtol=0)
+    outside = full.sum(-1).scatter(1, ids, 0.0)
+    assert float(outside.max()) < 1e-10

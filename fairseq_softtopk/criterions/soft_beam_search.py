@@ -38,7 +38,8 @@ class SoftBeamSearchConfig(FairseqDataclass):
     topk_mode: ChoiceEnum(["soft", "hard"]) = field(default="soft", metadata={
         "help": "soft: sorted SOFT top-k (gradient through the selection); hard: exact top-k (ablation)"})
     candidate_pool: int = field(default=0, metadata={
-        "help": "keep only the m best of the k*V candidates (hard selection) before the soft top-k; 0 = all"})
+        "help": "keep only the m best of the k*V candidates (hard selection) before the soft top-k; 0 = all "
+                "(solved on the window that carries all but tol/100 of every rank, with --topk-cost linear)"})
     label_smoothing: float = field(default=0.0, metadata={"help": "label smoothing of both loss terms"})
     sentence_avg: bool = II("optimization.sentence_avg")
 

@@ -19,6 +19,7 @@ The decoder only needs the "step on embeddings" interface of
 ``embed``, ``embedding_matrix`` and ``step``; states are NamedTuples of batch-first tensors.
 """
 
+import math
 from dataclasses import dataclass
 from typing import Callable, List, NamedTuple
 
@@ -81,13 +82,35 @@ def mix_state(state: NamedTuple, weights: Tensor) -> NamedTuple:
     return type(state)(*mixed)
 
 
+def exact_window(scores: Tensor, beam: int, epsilon: float, tol: float) -> int:
+    """How many of the best candidates carry all but ``tol / 100`` of every rank (linear cost).
+
+    The rank/rest boundary of the sorted soft top-k lies at most ``eps * log(2 (k+1)^2)``
+    below the (k+1)-th best score (otherwise the k+1 best would put more than k units of mass
+    on the k ranks), and a candidate ``d`` epsilons below the boundary puts at most
+    ``exp(-d)`` on a rank; so candidates more than ``log(100 n / tol) + log(2 (k+1)^2)``
+    epsilons below the (k+1)-th best change nothing at the solver's tolerance.
+
+    Args:
+        scores: ``(batch, n)`` candidate scores (``-inf`` = not a candidate).
+    """
+    n = scores.shape[-1]
+    margin = math.log(100.0 * n / tol) + math.log(2.0 * (beam + 1) ** 2)
+    kth = scores.topk(min(beam + 1, n), dim=-1).values[:, -1:]
+    return max(beam + 1, int((scores >= kth - margin * epsilon).sum(-1).max()))
+
+
 def _select(scores: Tensor, beam: int, config: BeamSearchConfig):
     """Top-k of the candidates ``(batch, n)``: candidate ids ``(batch, m)`` and A ``(batch, m, beam)``.
 
     With a pool (or in hard mode) only the m best candidates are kept (hard selection), and
-    A is computed over them; otherwise all n candidates are kept.
+    A is computed over them. Otherwise, with the linear cost, the soft top-k runs on the
+    :func:`exact_window` of candidates (the others would get less than ``tol / 100`` of any
+    rank); with the paper's cost, whose scale depends on every candidate, on all of them.
     """
     pool = beam if config.mode == "hard" else config.candidate_pool
+    if not pool and config.cost == "linear":
+        pool = exact_window(scores, beam, config.epsilon, config.tol)
     if pool and pool < scores.shape[-1]:
         pool_scores, ids = scores.topk(pool, dim=-1, sorted=True)
     else:
