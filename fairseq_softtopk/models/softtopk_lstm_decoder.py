@@ -23,7 +23,7 @@ from fairseq.models import FairseqIncrementalDecoder
 from fairseq.modules import FairseqDropout
 from torch import Tensor, nn
 
-from fairseq_softtopk.models.softtopk_lstm_encoder import SoftTopKLSTMEncoderOut
+from fairseq_softtopk.models.softtopk_lstm_encoder import SoftTopKLSTMEncoderOut, uniform_init_
 from fairseq_softtopk.modules.additive_attention import AdditiveAttention
 
 __all__ = ["SoftTopKLSTMDecoder", "SoftTopKLSTMDecoderState"]
@@ -101,10 +101,7 @@ class SoftTopKLSTMDecoder(FairseqIncrementalDecoder):
 
     def reset_parameters(self) -> None:
         """Uniform(-0.1, 0.1) everywhere (as fairseq's ``lstm``), zero padding embedding."""
-        for param in self.parameters():
-            nn.init.uniform_(param, -0.1, 0.1)
-        with torch.no_grad():
-            self.embed_tokens.weight[self.padding_idx].zero_()
+        uniform_init_(self, self.embed_tokens, self.padding_idx)
 
     # ----- the one-step API (differentiable beam search) -----
 

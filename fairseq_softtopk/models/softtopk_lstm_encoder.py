@@ -7,6 +7,15 @@ from fairseq.models import FairseqEncoder
 from fairseq.modules import FairseqDropout
 from torch import Tensor, nn
 
+
+def uniform_init_(module: nn.Module, embedding: nn.Embedding, padding_idx: int) -> None:
+    """Uniform(-0.1, 0.1) for every parameter of ``module`` (as fairseq's ``lstm``), zero padding row."""
+    for param in module.parameters():
+        nn.init.uniform_(param, -0.1, 0.1)
+    with torch.no_grad():
+        embedding.weight[padding_idx].zero_()
+
+
 __all__ = ["SoftTopKLSTMEncoder", "SoftTopKLSTMEncoderOut"]
 
 
@@ -59,10 +68,7 @@ class SoftTopKLSTMEncoder(FairseqEncoder):
 
     def reset_parameters(self) -> None:
         """Uniform(-0.1, 0.1) everywhere (as fairseq's ``lstm``), zero padding embedding."""
-        for param in self.parameters():
-            nn.init.uniform_(param, -0.1, 0.1)
-        with torch.no_grad():
-            self.embed_tokens.weight[self.padding_idx].zero_()
+        uniform_init_(self, self.embed_tokens, self.padding_idx)
 
     def forward(self, src_tokens: Tensor, src_lengths: Tensor) -> SoftTopKLSTMEncoderOut:
         """Encodes a batch; rows may be left or right padded (each row's padding contiguous).
