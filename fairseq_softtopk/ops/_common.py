@@ -171,6 +171,17 @@ def restore_shape(rows: Tensor, scores: Tensor, dim: int, extra: Tuple[int, ...]
     return out.movedim(len(moved) - 1, dim if dim >= 0 else scores.dim() + dim)
 
 
+def oriented_rows(scores: Tensor, dim: int, prep: PreparedScores) -> Tensor:
+    """``(rows, n)`` view of ``sign * scores`` that carries autograd back to ``scores``.
+
+    The solvers work on detached copies; the autograd Functions take this tensor as their
+    differentiable input (excluded entries are zeroed so that ``-inf`` never enters a gradient).
+    """
+    n = scores.shape[dim]
+    rows = scores.movedim(dim, -1).reshape(-1, n).to(prep.z.dtype)
+    return prep.sign * torch.where(prep.valid, rows, torch.zeros_like(rows))
+
+
 def hard_topk_indices(scores: Tensor, k: int, valid: Tensor, largest: bool) -> Tensor:
     """``(rows, k)`` indices of the k best valid entries of ``(rows, n)`` scores, best first."""
     fill = -float("inf") if largest else float("inf")

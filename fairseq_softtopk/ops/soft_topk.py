@@ -18,8 +18,8 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ._common import (PreparedScores, SolverInfo, check_inputs, hard_topk_indices, log_floor, prepare_scores,
-                      restore_shape)
+from ._common import (PreparedScores, SolverInfo, check_inputs, hard_topk_indices, log_floor, oriented_rows,
+                      prepare_scores, restore_shape)
 
 
 def _threshold_solve(prep: PreparedScores, k: int, tol: float, max_iter: int) -> Tuple[Tensor, SolverInfo]:
@@ -151,7 +151,7 @@ def soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = True, ep
         out, info = _hard_indicator(prep, k), SolverInfo(True, 0, 0.0)
     else:
         logits, info = _threshold_solve(prep, k, tol, max_iter)
-        out = SoftTopKFunction.apply(_oriented_rows(scores, dim, prep), logits, prep.eps)
+        out = SoftTopKFunction.apply(oriented_rows(scores, dim, prep), logits, prep.eps)
     out = restore_shape(out, scores, dim).to(scores.dtype)
     return (out, info) if return_info else out
 
@@ -159,10 +159,3 @@ def soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = True, ep
 def _hard_indicator(prep: PreparedScores, k: int) -> Tensor:
     idx = hard_topk_indices(prep.z, k, prep.valid, largest=True)
     return torch.zeros_like(prep.z).scatter_(-1, idx, 1.0)
-
-
-def _oriented_rows(scores: Tensor, dim: int, prep: PreparedScores) -> Tensor:
-    """``(rows, n)`` view of ``sign * scores`` that carries autograd back to ``scores``."""
-    n = scores.shape[dim]
-    rows = scores.movedim(dim, -1).reshape(-1, n).to(prep.z.dtype)
-    return prep.sign * torch.where(prep.valid, rows, torch.zeros_like(rows))

@@ -24,8 +24,8 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ._common import SolverInfo, check_inputs, hard_topk_indices, log_floor, prepare_scores, restore_shape
-from .soft_topk import _oriented_rows
+from ._common import (SolverInfo, check_inputs, hard_topk_indices, log_floor, oriented_rows, prepare_scores,
+                      restore_shape)
 
 _ARMIJO = 1e-4
 _MAX_BACKTRACK = 12
@@ -149,7 +149,7 @@ def _hard_start(top: Tensor, no_rest: Tensor, eps: Tensor, k: int) -> Tensor:
 
 
 def _maximise(dual: _SemiDual, g: Tensor, tol: float, max_iter: int):
-    """Damped Newton on the semi-dual from ``g``; returns ``(P, err (rows,), iterations)``."""
+    """Damped Newton on the semi-dual from ``g``; returns ``(g, P, err (rows,), iterations)``."""
     k = dual.k
     F, P, counts, err = dual.evaluate(g)
     n_iter, stalled = 0, 0
@@ -350,6 +350,6 @@ def sorted_soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = T
         info = SolverInfo(True, 0, 0.0)
     else:
         P, info = _newton_solve(prep.z, prep.valid, prep.n_valid, prep.eps, prep.top, k, tol, max_iter)
-        out = SortedSoftTopKFunction.apply(_oriented_rows(scores, dim, prep), P, prep.eps, prep.n_valid == k)
+        out = SortedSoftTopKFunction.apply(oriented_rows(scores, dim, prep), P, prep.eps, prep.n_valid == k)
     out = restore_shape(out, scores, dim, extra=(k,)).to(scores.dtype)
     return (out, info) if return_info else out
