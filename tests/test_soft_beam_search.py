@@ -196,16 +196,55 @@ def test_soft_search_gradient_matches_finite_differences(rng, epsilon):
 
 def test_exact_window_changes_nothing_at_the_tolerance(rng):
     """The default soft search solves on a window of candidates; the full problem agrees."""
-    from fairseq_softtopk.modules.soft_beam_search import exact_window
+    from fairseq_softtopk.modules.soft_beam_search import compact_rows, exact_window
     from fairseq_softtopk.ops import sorted_soft_topk
 
     scores = torch.cat([torch.randn(4, 6, generator=rng, dtype=torch.float64) * 0.2,
                         -3 - 10 * torch.rand(4, 3000, generator=rng, dtype=torch.float64)], dim=-1)
-    m = exact_window(scores, 3, epsilon=0.1, tol=1e-8)
-    assert 4 <= m < 3006
+    scores = scores[:, torch.randperm(3006, generator=rng)]
+    inside = exact_window(scores, 3, epsilon=0.1, tol=1e-8)
+    assert 4 <= int(inside.sum(-1).min()) and int(inside.sum(-1).max()) < 3006
     full = sorted_soft_topk(scores, 3, epsilon=0.1, tol=1e-10)
-    top, ids = scores.topk(m, dim=-1)
-    window = sorted_soft_topk(top, 3, epsilon=0.1, tol=1e-10)
-    torch.testing.assert_close(full.gather(1, ids.unsqueeze(-1).expand(-1, -1, 3)), window, atol=1e-8, rtol=0)
-    outside = full.sum(-1).scatter(1, ids, 0.0)
-    assert float(outside.max()) < 1e-10
+    ids, valid = compact_rows(inside)
+    window = sorted_soft_topk(scores.gather(1, ids).masked_fill(~valid, -float("inf")), 3, epsilon=0.1, tol=1e-10)
+    expected = full.gather(1, ids.unsqueeze(-1).expand(-1, -1, 3)) * valid.unsqueeze(-1)
+    torch.testing.assert_close(window, expected, atol=1e-8, rtol=0)
+    assert float(full.sum(-1).masked_select(~inside).max()) < 1e-10
+
+
+def test_compact_rows_lists_the_true_columns_of_each_row(rng):
+    from fairseq_softtopk.modules.soft_beam_search import compact_rows
+
+    mask = torch.rand(7, 40, generator=rng) < 0.3
+    mask[3] = False  # an empty row is all padding
+    index, valid = compact_rows(mask)
+    assert index.shape == (7, int(mask.sum(-1).max()))
+    for row in range(7):
+        expected = mask[row].nonzero().flatten().tolist()
+        assert index[row][valid[row]].tolist() == expected
+        assert int(valid[row].sum()) == len(expected)
+
+
+def test_drop_negligible_keeps_every_rank_within_the_budget(rng):
+    from fairseq_softtopk.modules.soft_beam_search import drop_negligible
+    from fairseq_softtopk.ops import sorted_soft_topk
+
+    scores = torch.randn(5, 400, generator=rng, dtype=torch.float64) * 2
+    A = sorted_soft_topk(scores, 4, epsilon=0.1, tol=1e-10)
+    cand = torch.arange(400).expand(5, -1)
+    kept, kept_cand = drop_negligible(A, cand, budget=1e-6)
+    assert kept.shape[1] < 400  # most candidates are far below the selected ones
+    rebuilt = torch.zeros_like(A).scatter_add_(1, kept_cand.unsqueeze(-1).expand(-1, -1, 4), kept)
+    assert float((A - rebuilt).abs().sum(1).max()) < 1e-6  # dropped mass per rank
+    assert float((A - rebuilt).min()) >= 0  # only whole candidates are dropped, none is counted twice
+
+
+def test_mix_embeddings_is_the_weighted_sum_of_token_embeddings(rng):
+    from fairseq_softtopk.modules.soft_beam_search import mix_embeddings
+
+    embeddings = torch.randn(30, 8, generator=rng, dtype=torch.float64, requires_grad=True)
+    tokens = torch.randint(0, 30, (3, 11), generator=rng)
+    A = torch.rand(3, 11, 4, generator=rng, dtype=torch.float64, requires_grad=True)
+    expected = torch.einsum("bml,bmd->bld", A, embeddings[tokens]).reshape(12, 8)
+    torch.testing.assert_close(mix_embeddings(embeddings, tokens, A), expected)
+    assert torch.autograd.gradcheck(lambda e, a: mix_embeddings(e, tokens, a), (embeddings, A))

@@ -21,7 +21,7 @@ The decoder only needs the "step on embeddings" interface of
 
 import math
 from dataclasses import dataclass
-from typing import Callable, List, NamedTuple
+from typing import Callable, List, NamedTuple, Tuple
 
 import torch
 from torch import Tensor
@@ -82,8 +82,8 @@ def mix_state(state: NamedTuple, weights: Tensor) -> NamedTuple:
     return type(state)(*mixed)
 
 
-def exact_window(scores: Tensor, beam: int, epsilon: float, tol: float) -> int:
-    """How many of the best candidates carry all but ``tol / 100`` of every rank (linear cost).
+def exact_window(scores: Tensor, beam: int, epsilon: float, tol: float) -> Tensor:
+    """The candidates that carry all but ``tol / 100`` of every rank (linear cost), as a mask.
 
     The rank/rest boundary of the sorted soft top-k lies at most ``eps * log(2 (k+1)^2)``
     below the (k+1)-th best score (otherwise the k+1 best would put more than k units of mass
@@ -93,11 +93,74 @@ def exact_window(scores: Tensor, beam: int, epsilon: float, tol: float) -> int:
 
     Args:
         scores: ``(batch, n)`` candidate scores (``-inf`` = not a candidate).
+    Returns:
+        ``(batch, n)`` bool, True inside the window.
     """
     n = scores.shape[-1]
     margin = math.log(100.0 * n / tol) + math.log(2.0 * (beam + 1) ** 2)
-    kth = scores.topk(min(beam + 1, n), dim=-1).values[:, -1:]
-    return max(beam + 1, int((scores >= kth - margin * epsilon).sum(-1).max()))
+    kth = scores.detach().topk(min(beam + 1, n), dim=-1).values[:, -1:]
+    return scores.detach() >= kth - margin * epsilon
+
+
+def compact_rows(mask: Tensor) -> Tuple[Tensor, Tensor]:
+    """Column indices of the True entries of every row, left-aligned and padded to one width.
+
+    Linear in ``mask.numel()`` (a ``nonzero`` scan), unlike a ``topk`` as wide as the window.
+
+    Args:
+        mask: ``(batch, n)`` bool.
+    Returns:
+        ``index`` ``(batch, w)`` long (0 at padding) and ``valid`` ``(batch, w)`` bool, where
+        ``w`` is the largest number of True entries in a row; entries keep their column order.
+    """
+    batch = mask.shape[0]
+    rows, cols = mask.nonzero(as_tuple=True)
+    counts = torch.bincount(rows, minlength=batch)
+    width = int(counts.max()) if batch else 0
+    position = torch.arange(rows.numel(), device=mask.device) - (counts.cumsum(0) - counts)[rows]
+    index = torch.zeros(batch, width, dtype=torch.long, device=mask.device)
+    index[rows, position] = cols
+    valid = torch.arange(width, device=mask.device) < counts.unsqueeze(1)
+    return index, valid
+
+
+def drop_negligible(A: Tensor, cand: Tensor, budget: float) -> Tuple[Tensor, Tensor]:
+    """Keeps the candidates whose weight ``sum_l A[c, l]`` is at least ``budget / m``.
+
+    Most candidates of a window are far below the selected ones, with a weight like
+    ``exp(-distance / epsilon)``: the soft beams need not mix in their embeddings and states.
+    What a row drops weighs less than ``budget`` in total, so in every rank.
+
+    Args:
+        A: ``(batch, m, beam)`` weights; cand: ``(batch, m)`` candidate ids.
+    Returns:
+        ``(A', cand')`` of the kept candidates, ``(batch, w, beam)`` and ``(batch, w)`` with
+        ``w <= m`` (rows with fewer are padded with weight-0 candidates).
+    """
+    batch, m, beam = A.shape
+    keep = A.detach().sum(-1) >= budget / m
+    index, valid = compact_rows(keep)
+    if index.shape[1] == m:
+        return A, cand
+    kept = A.gather(1, index.unsqueeze(-1).expand(-1, -1, beam)) * valid.unsqueeze(-1)
+    return kept, cand.gather(1, index)
+
+
+def mix_embeddings(embeddings: Tensor, tokens: Tensor, A: Tensor) -> Tensor:
+    """Soft beam inputs ``inputs[b, l] = sum_c A[b, c, l] * embeddings[tokens[b, c]]``.
+
+    One weighted bag of embeddings per new beam (``embedding_bag``), so no
+    ``(batch, m, dim)`` gather is stored for the backward pass.
+
+    Args:
+        embeddings: ``(V, dim)``; tokens: ``(batch, m)`` token ids; A: ``(batch, m, beam)``.
+    Returns:
+        ``(batch * beam, dim)``.
+    """
+    batch, m, beam = A.shape
+    bags = tokens.unsqueeze(1).expand(batch, beam, m).reshape(batch * beam, m)
+    weights = A.transpose(1, 2).reshape(batch * beam, m).to(embeddings.dtype)
+    return torch.nn.functional.embedding_bag(bags, embeddings, mode="sum", per_sample_weights=weights)
 
 
 def _select(scores: Tensor, beam: int, config: BeamSearchConfig):
@@ -106,15 +169,21 @@ def _select(scores: Tensor, beam: int, config: BeamSearchConfig):
     With a pool (or in hard mode) only the m best candidates are kept (hard selection), and
     A is computed over them. Otherwise, with the linear cost, the soft top-k runs on the
     :func:`exact_window` of candidates (the others would get less than ``tol / 100`` of any
-    rank); with the paper's cost, whose scale depends on every candidate, on all of them.
+    rank; padding is ``-inf``, which the operator excludes); with the paper's cost, whose
+    scale depends on every candidate, on all of them.
     """
     pool = beam if config.mode == "hard" else config.candidate_pool
-    if not pool and config.cost == "linear":
-        pool = exact_window(scores, beam, config.epsilon, config.tol)
+    ids = None
     if pool and pool < scores.shape[-1]:
         pool_scores, ids = scores.topk(pool, dim=-1, sorted=True)
-    else:
-        pool_scores, ids = scores, None
+    elif not pool and config.cost == "linear":
+        ids, valid = compact_rows(exact_window(scores, beam, config.epsilon, config.tol))
+        if ids.shape[1] < scores.shape[-1]:
+            pool_scores = scores.gather(1, ids).masked_fill(~valid, -float("inf"))
+        else:
+            ids = None
+    if ids is None:
+        pool_scores = scores
     if config.mode == "hard":
         A = torch.eye(beam, dtype=scores.dtype, device=scores.device).expand(scores.shape[0], beam, beam)
         return ids, A, True
@@ -167,6 +236,9 @@ def unroll_beam_search(decoder, encoder_out, reorder_encoder_out: Callable, targ
         ids, A, converged = _select(scores, k, config)
         n_unconverged += int(not converged)
         cand = ids if ids is not None else torch.arange(k * V, device=device).expand(batch, -1)
+        if ids is not None and config.mode == "soft":
+            # the same budget as exact_window's: all but tol / 100 of every rank is kept
+            A, cand = drop_negligible(A, cand, config.tol / 100)
         best = A.argmax(1)  # (B, k): the candidate each new beam follows
         best_cand = cand.gather(1, best)
         history_pred.append(best_cand // V)
@@ -182,9 +254,9 @@ def unroll_beam_search(decoder, encoder_out, reorder_encoder_out: Callable, targ
         if ids is None:
             token_weights = A.view(batch, k, V, k).sum(1)  # B x V x k
             inputs = torch.einsum("bvl,vd->bld", token_weights.to(embeddings.dtype), embeddings)
+            inputs = inputs.reshape(batch * k, -1)
         else:
-            inputs = torch.einsum("bml,bmd->bld", A.to(embeddings.dtype), embeddings[token_of])
-        inputs = inputs.reshape(batch * k, -1)
+            inputs = mix_embeddings(embeddings, token_of, A)
         state = mix_state(new_state, state_weights)
     gold, smooth, best_beam = _backtrack(history_pred, history_gold, history_smooth, history_cum, lengths)
     tokens = _beam_tokens(history_pred, history_token)
