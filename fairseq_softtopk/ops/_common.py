@@ -54,6 +54,7 @@ class PreparedScores:
         sign: +1 (largest) or -1 (smallest): ``d out / d x = sign * d out / d z``.
         top: ``(rows, min(k + 1, n))`` the largest valid ``z``, in decreasing order (entries
             past a row's valid count are not meaningful).
+        top_index: ``(rows, min(k + 1, n))`` their positions in ``z``.
     """
 
     z: Tensor
@@ -62,6 +63,7 @@ class PreparedScores:
     eps: Tensor
     sign: float
     top: Tensor
+    top_index: Tensor
 
 
 def log_floor(dtype: torch.dtype) -> float:
@@ -119,43 +121,61 @@ def prepare_scores(scores: Tensor, k: int, dim: int, largest: bool, epsilon: flo
     x = scores.detach().movedim(dim, -1)
     n = x.shape[-1]
     x = x.reshape(-1, n).to(working_dtype(scores.dtype))
-    if torch.isnan(x).any():
-        raise ValueError("scores contain NaN")
-    losing_inf, winning_inf = (-float("inf"), float("inf")) if largest else (float("inf"), -float("inf"))
-    if (x == winning_inf).any():
-        raise ValueError(f"scores contain {winning_inf}; only {losing_inf} (= excluded) is allowed "
-                         f"with largest={largest}")
-    valid = x != losing_inf
+    finite = bool(torch.isfinite(x).all())  # the common case: one pass instead of the checks below
+    if not finite:
+        if torch.isnan(x).any():
+            raise ValueError("scores contain NaN")
+        losing_inf, winning_inf = (-float("inf"), float("inf")) if largest else (float("inf"), -float("inf"))
+        if (x == winning_inf).any():
+            raise ValueError(f"scores contain {winning_inf}; only {losing_inf} (= excluded) is allowed "
+                             f"with largest={largest}")
+        valid = x != losing_inf
+    else:
+        valid = torch.ones_like(x, dtype=torch.bool)
     if mask is not None:
         valid &= ~mask.detach().movedim(dim, -1).reshape(-1, n)
     n_valid = valid.sum(-1)
     if x.shape[0] > 0 and int(n_valid.min()) < k:
         raise ValueError(f"k={k} exceeds the number of valid (unmasked, finite) entries in a row "
                          f"(smallest such count: {int(n_valid.min())}, n={n})")
-    x = torch.where(valid, x, torch.zeros((), dtype=x.dtype, device=x.device))
-    eps = _effective_epsilon(x, valid, epsilon, cost, n_anchor_steps)
+    all_valid = finite and mask is None
+    if not all_valid:
+        x = torch.where(valid, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    eps = _effective_epsilon(x, None if all_valid else valid, epsilon, cost, n_anchor_steps)
     sign = 1.0 if largest else -1.0
-    z = sign * x
+    z = sign * x  # a new tensor, centred in place below
     # Centring does not change the plan (a shift of z is absorbed by the anchor potentials).
     # Centred between the best and the (k+1)-th best score, the elements near the rank
     # boundaries have small |z|, so their logits z * y / eps keep full floating-point precision.
-    top = z.gather(-1, hard_topk_indices(z, min(k + 1, n), valid, largest=True))
+    if all_valid:
+        top, top_index = z.topk(min(k + 1, n), dim=-1, sorted=True)
+    else:
+        top_index = hard_topk_indices(z, min(k + 1, n), valid, largest=True)
+        top = z.gather(-1, top_index)
     centre = 0.5 * (top[:, :1] + top[:, -1:])
-    z = torch.where(valid, z - centre, torch.zeros_like(z))
-    return PreparedScores(z=z, valid=valid, n_valid=n_valid.to(x.dtype), eps=eps, sign=sign, top=top - centre)
+    z.sub_(centre)
+    if not all_valid:
+        z = torch.where(valid, z, torch.zeros_like(z))
+    return PreparedScores(z=z, valid=valid, n_valid=n_valid.to(x.dtype), eps=eps, sign=sign, top=top - centre,
+                          top_index=top_index)
 
 
-def _effective_epsilon(x: Tensor, valid: Tensor, epsilon: float, cost: str, n_anchor_steps: int) -> Tensor:
+def _effective_epsilon(x: Tensor, valid: Optional[Tensor], epsilon: float, cost: str, n_anchor_steps: int) -> Tensor:
     """``(rows, 1)`` temperature of the equivalent linear-cost problem (see module docstring)."""
     if cost == "linear":
         return torch.full((x.shape[0], 1), float(epsilon), dtype=x.dtype, device=x.device)
     if cost == "sqeuclidean":
         return torch.full((x.shape[0], 1), 0.5 * epsilon, dtype=x.dtype, device=x.device)
-    # paper: max over valid entries and anchors {0, ..., A} of (x - a)^2, attained at a = 0 or A
-    neg_inf = x.new_tensor(-float("inf"))
-    far_low = torch.where(valid, x * x, neg_inf).amax(-1, keepdim=True)
-    far_high = torch.where(valid, (x - n_anchor_steps) ** 2, neg_inf).amax(-1, keepdim=True)
-    return 0.5 * epsilon * torch.maximum(far_low, far_high)
+    # paper: max over valid entries and anchors {0, ..., A} of (x - a)^2, attained at a = 0 or A,
+    # so at the largest or the smallest valid x
+    if valid is None:
+        high, low = x.amax(-1, keepdim=True), x.amin(-1, keepdim=True)
+    else:
+        high = torch.where(valid, x, x.new_tensor(-float("inf"))).amax(-1, keepdim=True)
+        low = torch.where(valid, x, x.new_tensor(float("inf"))).amin(-1, keepdim=True)
+    far = torch.maximum(torch.maximum(low * low, high * high),
+                        torch.maximum((low - n_anchor_steps) ** 2, (high - n_anchor_steps) ** 2))
+    return 0.5 * epsilon * far
 
 
 def restore_shape(rows: Tensor, scores: Tensor, dim: int, extra: Tuple[int, ...] = ()) -> Tensor:

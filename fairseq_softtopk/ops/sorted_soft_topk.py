@@ -30,6 +30,7 @@ from ._common import (SolverInfo, check_inputs, hard_topk_indices, log_floor, or
 _ARMIJO = 1e-4
 _MAX_BACKTRACK = 12
 _BINS = 1024
+_RESCALE_STEPS = 2
 
 
 def _anchors(k: int, like: Tensor) -> Tensor:
@@ -91,35 +92,43 @@ class _SemiDual:
         """
         Args:
             z: ``(rows, n)`` scores; weights: ``(rows, n)`` how many elements each stands for
-            (the valid mask, or bin counts in :func:`_binned_start`); binary: weights are 0/1.
+            (the valid mask, or bin counts in :func:`_binned_start`), None where all count 1;
+            binary: weights are 0/1.
         """
         self.k, self.floor, self.binary = k, log_floor(z.dtype), binary
-        self.valid = None if bool((weights == 1).all()) else weights.unsqueeze(1).to(z.dtype)
-        self.zy = (_anchors(k, z) / eps).unsqueeze(-1) * z.unsqueeze(1)  # (rows, k+1, n)
+        self.valid = None if weights is None else weights.unsqueeze(1).to(z.dtype)
+        # logits z_i y_r / eps + g_r are formed by one addcmul per evaluation, not from a stored
+        # (rows, k+1, n) product: one large allocation less (each costs page faults on CPUs)
+        self.z, self.y_eps = z.unsqueeze(1), (_anchors(k, z) / eps).unsqueeze(-1)  # (rows, 1, n), (rows, k+1, 1)
         self.no_rest = n_valid == k
-        self.rest_bias = torch.where(self.no_rest, -math.inf, 0.0).double()
+        # Per-evaluation work on (rows, k+1) tensors is a handful of small ops (their dispatch,
+        # not their arithmetic, is what Newton on a thousand bins costs): constants made here.
+        self.rest_bias = None
+        if bool(self.no_rest.any()):  # rows with exactly k entries have no rest anchor
+            self.rest_bias = torch.zeros(z.shape[0], k + 1, dtype=torch.float64, device=z.device)
+            self.rest_bias[:, k] = torch.where(self.no_rest, -math.inf, 0.0)
         self.target = torch.ones(z.shape[0], k + 1, dtype=torch.float64, device=z.device)
         self.target[:, k] = (n_valid - k).double()
+        self.inv_target = 1.0 / self.target.clamp_min(1.0)
+        self.inv_target[:, k] = torch.where(self.no_rest, 0.0, self.inv_target[:, k])  # no rest: no error
 
     def evaluate(self, g: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
         """Returns ``(F (rows,), P (rows, k+1, n), counts (rows, k+1), error (rows,))``."""
-        shift = g.clone()
-        shift[:, self.k] += self.rest_bias
-        logits = self.zy + shift.to(self.zy.dtype).unsqueeze(-1)
+        shift = g if self.rest_bias is None else g + self.rest_bias
+        logits = torch.addcmul(shift.to(self.z.dtype).unsqueeze(-1), self.y_eps, self.z)
         # One exp pass gives both the softmax and the logsumexp; in-place to save memory.
         top = logits.amax(1, keepdim=True)
         P = logits.sub_(top).clamp_min_(self.floor).exp_()
         total = P.sum(1, keepdim=True)
         P.div_(total)
-        lse = top + total.log()  # (rows, 1, n)
+        lse = total.log_().add_(top)  # (rows, 1, n)
         if self.valid is not None:
             P.mul_(self.valid)
-            lse = lse * self.valid
+            lse.mul_(self.valid)
         counts = P.sum(-1).double()  # summing in float64 would copy all of P
-        F = (g[:, : self.k] * self.target[:, : self.k]).sum(-1) - lse.double().sum((1, 2))
-        rel = (counts - self.target).abs() / self.target.clamp_min(1.0)
-        rel[:, self.k] = torch.where(self.no_rest, 0.0, rel[:, self.k])
-        return F, P, counts, rel.amax(-1)
+        F = g[:, : self.k].sum(-1) - lse.sum((1, 2), dtype=torch.float64)  # the k ranks' targets are 1
+        err = (counts - self.target).mul_(self.inv_target).abs_().amax(-1)
+        return F, P, counts, err
 
     def hessian(self, P: Tensor) -> Tensor:
         """:func:`anchor_hessian` of the (weighted) plan returned by :meth:`evaluate`."""
@@ -148,10 +157,42 @@ def _hard_start(top: Tensor, no_rest: Tensor, eps: Tensor, k: int) -> Tensor:
     return g
 
 
+def _rescale(dual: _SemiDual, g: Tensor, F: Tensor, P: Tensor, counts: Tensor, err: Tensor):
+    """Sinkhorn-like steps ``g_r += log(target_r / count_r)`` for rows whose counts are far off.
+
+    From the hard start at a large epsilon, an anchor can receive a hundred times its mass;
+    Newton then only removes about one unit of ``log(count / target)`` per step (the
+    semi-dual is exponential there), while one rescaling removes it all. Each step is kept
+    for the rows whose marginal error it lowers. Returns ``(g, F, P, counts, err, steps)``.
+    """
+    k, steps = dual.k, 0
+    for _ in range(_RESCALE_STEPS):
+        far = err > 1.0
+        if not bool(far.any()):
+            break
+        log_ratio = (dual.target / counts.clamp_min(1e-300)).log()
+        # g_k stays 0 (the rest anchor's potential is fixed), so the shift is relative to it
+        rest_shift = torch.where(dual.no_rest, 0.0, log_ratio[:, k]).unsqueeze(-1)
+        step = torch.where(far.unsqueeze(-1), (log_ratio[:, :k] - rest_shift).clamp(-50.0, 50.0), 0.0)
+        g_try = g + torch.nn.functional.pad(step, (0, 1))
+        F_try, P_try, counts_try, err_try = dual.evaluate(g_try)
+        steps += 1
+        keep = ~(err_try < err)
+        if bool(keep.all()):
+            break
+        if bool(keep.any()):
+            g_try[keep], F_try[keep], counts_try[keep], err_try[keep] = g[keep], F[keep], counts[keep], err[keep]
+            P_try[keep] = P[keep]
+        g, F, P, counts, err = g_try, F_try, P_try, counts_try, err_try
+    return g, F, P, counts, err, steps
+
+
 def _maximise(dual: _SemiDual, g: Tensor, tol: float, max_iter: int):
-    """Damped Newton on the semi-dual from ``g``; returns ``(g, P, err (rows,), iterations)``."""
+    """Damped Newton on the semi-dual from ``g`` (after :func:`_rescale`); returns ``(g, P, err (rows,),
+    iterations)``, the rescaling steps counted as iterations."""
     k = dual.k
     F, P, counts, err = dual.evaluate(g)
+    g, F, P, counts, err, rescaled = _rescale(dual, g, F, P, counts, err)
     n_iter, stalled = 0, 0
     for n_iter in range(1, max_iter + 1):
         active = err > tol
@@ -159,12 +200,12 @@ def _maximise(dual: _SemiDual, g: Tensor, tol: float, max_iter: int):
             n_iter -= 1
             break
         grad = (dual.target - counts)[:, :k]
-        step = _solve(dual.hessian(P), grad, P.dtype).nan_to_num(0.0, 0.0, 0.0) * active.unsqueeze(-1)
+        step = _solve(dual.hessian(P), grad, P.dtype).nan_to_num_(0.0, 0.0, 0.0).mul_(active.unsqueeze(-1))
         slope = (grad * step).sum(-1)
         alpha = torch.ones_like(slope)
+        step = torch.nn.functional.pad(step, (0, 1))  # g_k stays 0
         for _ in range(_MAX_BACKTRACK):
-            g_try = g.clone()
-            g_try[:, :k] += alpha.unsqueeze(-1) * step
+            g_try = torch.addcmul(g, alpha.unsqueeze(-1), step)
             F_try, P_try, counts_try, err_try = dual.evaluate(g_try)
             # Armijo on F; in float32 F's rounding can hide real progress near the optimum,
             # so a step that lowers the marginal error is accepted as well.
@@ -177,13 +218,13 @@ def _maximise(dual: _SemiDual, g: Tensor, tol: float, max_iter: int):
             g_try[keep], F_try[keep], counts_try[keep], err_try[keep] = g[keep], F[keep], counts[keep], err[keep]
             P_try[keep] = P[keep]
         # At the floating-point floor (float32 sums over large n), progress stops; give up then.
-        stalled = stalled + 1 if bool((err_try[active] > 0.99 * err[active]).all()) else 0
+        stalled = stalled + 1 if bool(((err_try > 0.99 * err) | ~active).all()) else 0
         g, F, P, counts, err = g_try, F_try, P_try, counts_try, err_try
-    return g, P, err, n_iter
+    return g, P, err, n_iter + rescaled
 
 
 def _binned_start(prep_z: Tensor, valid: Tensor, n_valid: Tensor, eps: Tensor, top: Tensor, k: int,
-                  g: Tensor) -> Optional[Tensor]:
+                  g: Tensor, top_index: Optional[Tensor] = None) -> Optional[Tensor]:
     """Potentials solved on a histogram of the scores, as a warm start for large, smooth problems.
 
     The problem depends on the scores only through their distribution; with bins much
@@ -205,7 +246,9 @@ def _binned_start(prep_z: Tensor, valid: Tensor, n_valid: Tensor, eps: Tensor, t
     counts.scatter_add_(1, index, weights)
     sums = torch.zeros_like(counts).scatter_add_(1, index, prep_z * weights)
     # The top k+1 scores replace their bins' share: they are the ones the ranks resolve.
-    top_index = index.gather(1, hard_topk_indices(prep_z, top.shape[-1], valid, largest=True))
+    if top_index is None:
+        top_index = hard_topk_indices(prep_z, top.shape[-1], valid, largest=True)
+    top_index = index.gather(1, top_index)
     counts.scatter_add_(1, top_index, -torch.ones_like(top))
     sums.scatter_add_(1, top_index, -top)
     z_bins = torch.cat([top, sums / counts.clamp_min(1.0)], dim=-1)
@@ -217,7 +260,7 @@ def _binned_start(prep_z: Tensor, valid: Tensor, n_valid: Tensor, eps: Tensor, t
 
 
 def _newton_solve(z: Tensor, valid: Tensor, n_valid: Tensor, eps: Tensor, top: Tensor, k: int, tol: float,
-                  max_iter: int) -> Tuple[Tensor, SolverInfo]:
+                  max_iter: int, top_index: Optional[Tensor] = None) -> Tuple[Tensor, SolverInfo]:
     """Maximises the semi-dual by damped Newton; returns the plan ``(rows, k+1, n)`` and info.
 
     Elements far below the best ``k + 1`` (in units of epsilon) belong to the rest anchor
@@ -252,15 +295,17 @@ def _newton_solve(z: Tensor, valid: Tensor, n_valid: Tensor, eps: Tensor, top: T
             P[:, k].scatter_(1, index, torch.where(inside_w, P_w[:, k], valid.gather(-1, index).to(z.dtype)))
             return P, _info(err, n_iter, tol)
         cut = cut + (margin - 2.0).to(z.dtype) * eps  # widen the window and solve again
-    g, P, err, n_iter = _solve_rows(z, valid, n_valid, eps, top, k, g, tol, max_iter)
+    g, P, err, n_iter = _solve_rows(z, valid, n_valid, eps, top, k, g, tol, max_iter, top_index)
     return P, _info(err, n_iter, tol)
 
 
 def _solve_rows(z: Tensor, valid: Tensor, n_valid: Tensor, eps: Tensor, top: Tensor, k: int, g: Tensor, tol: float,
-                max_iter: int):
-    """Newton from the hard start ``g`` (or a binned warm start); returns ``(g, P, err, iterations)``."""
-    dual = _SemiDual(z, valid.to(z.dtype), n_valid, eps, k)
-    warm = _binned_start(z, valid, n_valid, eps, top, k, g)
+                max_iter: int, top_index: Optional[Tensor] = None):
+    """Newton from the hard start ``g`` (or a binned warm start); returns ``(g, P, err, iterations)``.
+
+    ``top_index``: positions of ``top`` in ``z`` where known (else found again)."""
+    dual = _SemiDual(z, None if bool(valid.all()) else valid, n_valid, eps, k)
+    warm = _binned_start(z, valid, n_valid, eps, top, k, g, top_index)
     return _maximise(dual, g if warm is None else warm, tol, max_iter)
 
 
@@ -293,19 +338,18 @@ class SortedSoftTopKFunction(torch.autograd.Function):
         if not ctx.needs_input_grad[0]:
             return None, None, None, None
         k = P.shape[1] - 1
-        y = _anchors(k, P)
-        G = torch.nn.functional.pad(grad_output.to(P.dtype).transpose(1, 2), (0, 0, 0, 1))  # (rows, k+1, n)
-        PG = P * G
+        P_ranks = P[:, :k]  # G is 0 on the rest anchor: only the rank rows enter the sums
+        y = _anchors(k, P)[:k].expand(P.shape[0], 1, k)  # (rows, 1, k)
+        PG = P_ranks * grad_output.to(P.dtype).transpose(1, 2)  # (rows, k, n)
         G_bar = PG.sum(1)  # (rows, n)
-        y_row = y.expand(P.shape[0], 1, -1)  # (rows, 1, k+1)
-        y_bar = torch.bmm(y_row, P).squeeze(1)
-        direct = torch.bmm(y_row, PG).squeeze(1) - G_bar * y_bar
-        b = PG[:, :k].sum(-1, dtype=torch.float64) - torch.bmm(P[:, :k], G_bar.unsqueeze(-1)).squeeze(-1).double()
-        u = torch.nn.functional.pad(_solve(anchor_hessian(P, k, no_rest), b, P.dtype), (0, 1)).to(P.dtype)
-        weights = torch.stack([y * u, u], dim=1)  # (rows, 2, k+1)
-        Pyu, Pu = torch.bmm(weights, P).unbind(1)
-        implicit = Pyu - y_bar * Pu
-        return (direct - implicit) / eps, None, None, None
+        y_bar = torch.bmm(y, P_ranks).squeeze(1)
+        # b in the precision of the plan: float32 sums over n are cascaded, the k x k solve is float64
+        b = PG.sum(-1).double() - torch.bmm(P_ranks, G_bar.unsqueeze(-1)).squeeze(-1).double()
+        u = _solve(anchor_hessian(P, k, no_rest), b, P.dtype).to(P.dtype)  # (rows, k)
+        Pyu, Pu = torch.bmm(torch.stack([y.squeeze(1) * u, u], dim=1), P_ranks).unbind(1)
+        # (direct - implicit) with direct = yPG - G_bar y_bar and implicit = Pyu - y_bar Pu
+        grad = torch.bmm(y, PG).squeeze(1).sub_(Pyu).sub_(y_bar.mul_(G_bar.sub_(Pu)))
+        return grad.div_(eps), None, None, None
 
 
 def sorted_soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = True, epsilon: float = 0.1,
@@ -349,7 +393,8 @@ def sorted_soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = T
         out.scatter_(1, idx.unsqueeze(1), 1.0)
         info = SolverInfo(True, 0, 0.0)
     else:
-        P, info = _newton_solve(prep.z, prep.valid, prep.n_valid, prep.eps, prep.top, k, tol, max_iter)
+        P, info = _newton_solve(prep.z, prep.valid, prep.n_valid, prep.eps, prep.top, k, tol, max_iter,
+                                prep.top_index)
         out = SortedSoftTopKFunction.apply(oriented_rows(scores, dim, prep), P, prep.eps, prep.n_valid == k)
     out = restore_shape(out, scores, dim, extra=(k,)).to(scores.dtype)
     return (out, info) if return_info else out
