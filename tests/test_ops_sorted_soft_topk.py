@@ -143,3 +143,15 @@ def test_newton_converges_fast_on_near_ties(rng):
         _, info = sorted_soft_topk(scores, 5, epsilon=0.1, tol=1e-6 if dtype == torch.float64 else 1e-4,
                                    return_info=True)
         assert info.converged and info.n_iter <= 8, (dtype, info)
+
+
+def test_result_is_a_view_that_can_be_cloned_and_modified():
+    """The soft result is a transposed view of the plan; a clone takes in-place ops with correct gradients."""
+    x = torch.randn(3, 40, dtype=torch.float64, requires_grad=True)
+    A = sorted_soft_topk(x, 4, epsilon=0.1, tol=1e-10)
+    assert not A.is_contiguous() and A.shape == (3, 40, 4)
+    weights = torch.randn(3, 40, 4, dtype=torch.float64)
+    (grad_plain,) = torch.autograd.grad((A * weights).sum(), x, retain_graph=True)
+    doubled = A.clone().mul_(2.0)
+    (grad_doubled,) = torch.autograd.grad((doubled * weights).sum(), x)
+    torch.testing.assert_close(grad_doubled, 2 * grad_plain)

@@ -55,6 +55,7 @@ class PreparedScores:
         top: ``(rows, min(k + 1, n))`` the largest valid ``z``, in decreasing order (entries
             past a row's valid count are not meaningful).
         top_index: ``(rows, min(k + 1, n))`` their positions in ``z``.
+        all_valid: every entry takes part (no mask, no infinity): passes over ``valid`` can be skipped.
     """
 
     z: Tensor
@@ -64,6 +65,7 @@ class PreparedScores:
     sign: float
     top: Tensor
     top_index: Tensor
+    all_valid: bool = False
 
 
 def log_floor(dtype: torch.dtype) -> float:
@@ -157,7 +159,7 @@ def prepare_scores(scores: Tensor, k: int, dim: int, largest: bool, epsilon: flo
     if not all_valid:
         z = torch.where(valid, z, torch.zeros_like(z))
     return PreparedScores(z=z, valid=valid, n_valid=n_valid.to(x.dtype), eps=eps, sign=sign, top=top - centre,
-                          top_index=top_index)
+                          top_index=top_index, all_valid=all_valid)
 
 
 def _effective_epsilon(x: Tensor, valid: Optional[Tensor], epsilon: float, cost: str, n_anchor_steps: int) -> Tensor:
@@ -199,6 +201,8 @@ def oriented_rows(scores: Tensor, dim: int, prep: PreparedScores) -> Tensor:
     """
     n = scores.shape[dim]
     rows = scores.movedim(dim, -1).reshape(-1, n).to(prep.z.dtype)
+    if prep.all_valid:
+        return rows if prep.sign > 0 else -rows
     return prep.sign * torch.where(prep.valid, rows, torch.zeros_like(rows))
 
 

@@ -224,7 +224,7 @@ def _maximise(dual: _SemiDual, g: Tensor, tol: float, max_iter: int):
 
 
 def _binned_start(prep_z: Tensor, valid: Tensor, n_valid: Tensor, eps: Tensor, top: Tensor, k: int,
-                  g: Tensor, top_index: Optional[Tensor] = None) -> Optional[Tensor]:
+                  g: Tensor, top_index: Optional[Tensor] = None, all_valid: bool = False) -> Optional[Tensor]:
     """Potentials solved on a histogram of the scores, as a warm start for large, smooth problems.
 
     The problem depends on the scores only through their distribution; with bins much
@@ -236,15 +236,15 @@ def _binned_start(prep_z: Tensor, valid: Tensor, n_valid: Tensor, eps: Tensor, t
     n = prep_z.shape[-1]
     if n < 8 * _BINS:
         return None
-    low = torch.where(valid, prep_z, prep_z.new_tensor(math.inf)).amin(-1, keepdim=True)
+    low = (prep_z if all_valid else torch.where(valid, prep_z, prep_z.new_tensor(math.inf))).amin(-1, keepdim=True)
     width = (top[:, :1] - low) / _BINS
     if bool((width > eps / 16).any()):
         return None
-    weights = valid.to(prep_z.dtype)
-    index = ((prep_z - low) / width.clamp_min(torch.finfo(prep_z.dtype).tiny)).long().clamp_(0, _BINS - 1)
+    weights = torch.ones_like(prep_z) if all_valid else valid.to(prep_z.dtype)
+    index = (prep_z - low).div_(width.clamp_min(torch.finfo(prep_z.dtype).tiny)).clamp_(0, _BINS - 1).long()
     counts = torch.zeros(prep_z.shape[0], _BINS, dtype=prep_z.dtype, device=prep_z.device)
     counts.scatter_add_(1, index, weights)
-    sums = torch.zeros_like(counts).scatter_add_(1, index, prep_z * weights)
+    sums = torch.zeros_like(counts).scatter_add_(1, index, prep_z if all_valid else prep_z * weights)
     # The top k+1 scores replace their bins' share: they are the ones the ranks resolve.
     if top_index is None:
         top_index = hard_topk_indices(prep_z, top.shape[-1], valid, largest=True)
@@ -254,13 +254,16 @@ def _binned_start(prep_z: Tensor, valid: Tensor, n_valid: Tensor, eps: Tensor, t
     z_bins = torch.cat([top, sums / counts.clamp_min(1.0)], dim=-1)
     w_bins = torch.cat([torch.ones_like(top), counts.clamp_min(0.0)], dim=-1)
     # A thousand points: solved in float64, where Newton reaches any tolerance.
-    dual = _SemiDual(z_bins.double(), w_bins.double(), n_valid.double(), eps.double(), k, binary=False)
-    g_bins, _, _, _ = _maximise(dual, g, tol=1e-9, max_iter=50)
-    return g_bins
+    # Small tensors, hundreds of ops: inference mode skips the autograd dispatch of each.
+    with torch.inference_mode():
+        dual = _SemiDual(z_bins.double(), w_bins.double(), n_valid.double(), eps.double(), k, binary=False)
+        g_bins, _, _, _ = _maximise(dual, g, tol=1e-9, max_iter=50)
+    return g_bins.clone()  # a normal tensor again
 
 
 def _newton_solve(z: Tensor, valid: Tensor, n_valid: Tensor, eps: Tensor, top: Tensor, k: int, tol: float,
-                  max_iter: int, top_index: Optional[Tensor] = None) -> Tuple[Tensor, SolverInfo]:
+                  max_iter: int, top_index: Optional[Tensor] = None, all_valid: bool = False
+                  ) -> Tuple[Tensor, SolverInfo]:
     """Maximises the semi-dual by damped Newton; returns the plan ``(rows, k+1, n)`` and info.
 
     Elements far below the best ``k + 1`` (in units of epsilon) belong to the rest anchor
@@ -271,12 +274,14 @@ def _newton_solve(z: Tensor, valid: Tensor, n_valid: Tensor, eps: Tensor, top: T
     rows, n = z.shape
     no_rest = n_valid == k
     g = _hard_start(top, no_rest, eps, k)
-    out_of_window = (valid.sum(-1) - k).clamp_min(1).double()
+    out_of_window = (n_valid - k).clamp_min(1).double()
     margin = torch.log(0.01 * tol / out_of_window).unsqueeze(-1)  # (rows, 1), negative
     edge = top[:, -1:] if top.shape[-1] > k else top[:, -1:] - 1.0
     cut = torch.where(no_rest.unsqueeze(-1), torch.full_like(edge, -math.inf), edge + (margin - 2.0).to(z.dtype) * eps)
     while True:
-        inside = valid & (z >= cut)
+        inside = z >= cut
+        if not all_valid:
+            inside &= valid
         width = int(inside.sum(-1).max())
         if width > n // 2:
             break
@@ -295,17 +300,19 @@ def _newton_solve(z: Tensor, valid: Tensor, n_valid: Tensor, eps: Tensor, top: T
             P[:, k].scatter_(1, index, torch.where(inside_w, P_w[:, k], valid.gather(-1, index).to(z.dtype)))
             return P, _info(err, n_iter, tol)
         cut = cut + (margin - 2.0).to(z.dtype) * eps  # widen the window and solve again
-    g, P, err, n_iter = _solve_rows(z, valid, n_valid, eps, top, k, g, tol, max_iter, top_index)
+    g, P, err, n_iter = _solve_rows(z, valid, n_valid, eps, top, k, g, tol, max_iter, top_index, all_valid)
     return P, _info(err, n_iter, tol)
 
 
 def _solve_rows(z: Tensor, valid: Tensor, n_valid: Tensor, eps: Tensor, top: Tensor, k: int, g: Tensor, tol: float,
-                max_iter: int, top_index: Optional[Tensor] = None):
+                max_iter: int, top_index: Optional[Tensor] = None, all_valid: Optional[bool] = None):
     """Newton from the hard start ``g`` (or a binned warm start); returns ``(g, P, err, iterations)``.
 
-    ``top_index``: positions of ``top`` in ``z`` where known (else found again)."""
-    dual = _SemiDual(z, None if bool(valid.all()) else valid, n_valid, eps, k)
-    warm = _binned_start(z, valid, n_valid, eps, top, k, g, top_index)
+    ``top_index``: positions of ``top`` in ``z`` where known (else found again); ``all_valid``: whether
+    ``valid`` is all True, where known."""
+    all_valid = bool(valid.all()) if not all_valid else True
+    dual = _SemiDual(z, None if all_valid else valid, n_valid, eps, k)
+    warm = _binned_start(z, valid, n_valid, eps, top, k, g, top_index, all_valid)
     return _maximise(dual, g if warm is None else warm, tol, max_iter)
 
 
@@ -319,7 +326,9 @@ class SortedSoftTopKFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(z: Tensor, P: Tensor, eps: Tensor, no_rest: Tensor) -> Tensor:
-        return P[:, :-1].transpose(1, 2).contiguous()  # (rows, n, k)
+        # (rows, n, k) as a transposed view of the plan's rank rows: a contiguous copy of the
+        # largest tensor of the forward pass would cost more than the whole backward's reductions
+        return P[:, :-1].transpose(1, 2)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -383,7 +392,9 @@ def sorted_soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = T
 
     Returns:
         ``(*, n, *, k)`` tensor in ``scores``' dtype: the rank dimension is appended last and
-        ``n`` stays at ``dim``. With ``return_info=True``, ``(tensor, info)``.
+        ``n`` stays at ``dim``. With ``return_info=True``, ``(tensor, info)``. In float32/64 the
+        soft result is a view of the transport plan, laid out rank-major (not contiguous: use
+        ``reshape`` rather than ``view``, and ``clone`` before modifying it in place).
     """
     check_inputs(scores, k, epsilon, mask, cost, tol, max_iter)
     prep = prepare_scores(scores, k, dim, largest, epsilon, mask, cost, n_anchor_steps=k)
@@ -394,7 +405,7 @@ def sorted_soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = T
         info = SolverInfo(True, 0, 0.0)
     else:
         P, info = _newton_solve(prep.z, prep.valid, prep.n_valid, prep.eps, prep.top, k, tol, max_iter,
-                                prep.top_index)
+                                prep.top_index, prep.all_valid)
         out = SortedSoftTopKFunction.apply(oriented_rows(scores, dim, prep), P, prep.eps, prep.n_valid == k)
     out = restore_shape(out, scores, dim, extra=(k,)).to(scores.dtype)
     return (out, info) if return_info else out
