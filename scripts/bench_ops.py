@@ -36,6 +36,8 @@ from fairseq_softtopk.ops import soft_topk, sorted_soft_topk
 from fairseq_softtopk.ops.paper_algorithm import paper_marginal_error, paper_soft_topk
 
 UNROLLED_MAX_ELEMENTS = 2e6  # n * (k+1) above which 200 unrolled iterations need > ~3 GB: skipped
+MIN_TIMED_SECONDS = 0.5  # fast methods are repeated until this much has been timed ...
+MAX_RUNS = 200  # ... in at most this many runs
 
 
 def _saved_bytes(fn: Callable[[], torch.Tensor]) -> (torch.Tensor, int):
@@ -52,10 +54,13 @@ def _saved_bytes(fn: Callable[[], torch.Tensor]) -> (torch.Tensor, int):
     return out, sum(seen.values()) + out.numel() * out.element_size()
 
 
-def _time(fn: Callable[[], torch.Tensor], x: torch.Tensor, repeats: int, device: str) -> (float, int, torch.Tensor):
-    """Median forward+backward seconds, autograd bytes and the last output.
+def _time(fn: Callable[[], torch.Tensor], x: torch.Tensor, repeats: int, device: str):
+    """Forward+backward seconds (median and minimum), autograd bytes and the last output.
 
-    The first run is a warm-up, unless it took over 2 s: then it is the measurement.
+    The first run is a warm-up, unless it took over 2 s: then it is the measurement. Fast
+    methods are repeated until :data:`MIN_TIMED_SECONDS` have been timed (at least
+    ``repeats`` runs, at most :data:`MAX_RUNS`), so that a millisecond is not one sample.
+    Returns ``(median, minimum, bytes, output)``.
     """
     def once():
         x.grad = None
@@ -74,12 +79,12 @@ def _time(fn: Callable[[], torch.Tensor], x: torch.Tensor, repeats: int, device:
 
     first, (out, nbytes) = timed()
     if first > 2.0:  # slow baselines (seconds per call): one run is measurement enough
-        return first, nbytes, out
+        return first, first, nbytes, out
     times = []
-    for _ in range(repeats):  # the first run was the warm-up
+    while len(times) < repeats or (sum(times) < MIN_TIMED_SECONDS and len(times) < MAX_RUNS):
         seconds, (out, nbytes) = timed()
         times.append(seconds)
-    return statistics.median(times), nbytes, out
+    return statistics.median(times), min(times), nbytes, out
 
 
 def bench_case(n: int, k: int, eps: float, sorted_op: bool, repeats: int, tol: float, device: str) -> List[dict]:
@@ -123,15 +128,15 @@ def bench_case(n: int, k: int, eps: float, sorted_op: bool, repeats: int, tol: f
     methods = {"ours": ours, "paper": paper, "unrolled": unrolled, "topk": topk}
     for name, fn in methods.items():
         if name == "unrolled" and n * (k + 1) > UNROLLED_MAX_ELEMENTS:
-            rows.append(dict(method=name, seconds=None, mbytes=None, err=None, note="skipped: memory"))
+            rows.append(dict(method=name, seconds=None, best=None, mbytes=None, err=None, note="skipped: memory"))
             continue
-        seconds, nbytes, _ = _time(fn, x, repeats, device)
+        seconds, best, nbytes, _ = _time(fn, x, repeats, device)
         err = info_box.get(name)
         note = ""
         if name == "ours":
             note = f"{err.n_iter} it" + ("" if err.converged else " NOT CONVERGED")
             err = err.marginal_error
-        rows.append(dict(method=name, seconds=seconds, mbytes=nbytes / 2 ** 20, err=err, note=note))
+        rows.append(dict(method=name, seconds=seconds, best=best, mbytes=nbytes / 2 ** 20, err=err, note=note))
     return rows
 
 
@@ -140,14 +145,15 @@ def format_rows(case: str, rows: List[dict]) -> List[str]:
     lines = []
     for r in rows:
         if r["seconds"] is None:
-            lines.append(f"| {case} | {r['method']} | - | - | - | - | {r['note']} |")
+            lines.append(f"| {case} | {r['method']} | - | - | - | - | - | - | {r['note']} |")
             continue
         ratio_paper = by["paper"]["seconds"] / r["seconds"] if r["method"] == "ours" else None
         vs_topk = r["seconds"] / by["topk"]["seconds"]
+        best_vs_topk = r["best"] / by["topk"]["best"]
         err = "-" if r["err"] is None else f"{r['err']:.1e}"
         speed = f"{ratio_paper:.1f}x faster" if ratio_paper else ""
-        lines.append(f"| {case} | {r['method']} | {r['seconds'] * 1e3:.2f} | {vs_topk:.1f} | {r['mbytes']:.2f} | "
-                     f"{err} | {' '.join(s for s in (speed, r['note']) if s)} |")
+        lines.append(f"| {case} | {r['method']} | {r['seconds'] * 1e3:.2f} | {vs_topk:.1f} | {r['best'] * 1e3:.2f} | "
+                     f"{best_vs_topk:.1f} | {r['mbytes']:.2f} | {err} | {' '.join(s for s in (speed, r['note']) if s)} |")
     return lines
 
 
@@ -168,10 +174,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"# command: python {' '.join(sys.argv)}")
     print(f"# torch {torch.__version__}, device {args.device}, threads {torch.get_num_threads()}, "
           f"{platform.processor() or platform.machine()}")
-    print("# time = forward+backward ms (median); vs topk = time / torch.topk time; mem = autograd MB; "
-          "err = marginal error reached")
-    print("| case | method | time ms | vs topk | mem MB | err | notes |")
-    print("|---|---|---|---|---|---|---|")
+    print("# time = forward+backward ms, median and minimum over the runs (at least --repeats, fast methods "
+          f"until {MIN_TIMED_SECONDS} s are timed); vs topk = time / torch.topk time (median / minimum); "
+          "mem = autograd MB; err = marginal error reached; x faster = paper median / ours median")
+    print("| case | method | median ms | vs topk | min ms | vs topk (min) | mem MB | err | notes |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for op in args.ops:
         for n in args.n:
             for k in args.k:

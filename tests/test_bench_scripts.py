@@ -1,4 +1,4 @@
-"""Smoke tests of ``scripts/bench_train.py`` (tiny model, a few updates on the toy corpus)."""
+"""Smoke tests of the benchmark scripts (tiny problems and models; numbers checked for sense, not speed)."""
 
 import re
 
@@ -69,3 +69,19 @@ def test_bench_train_prints_a_row_per_config(toy_data_bin, capsys):
     result = bench_train.run_isolated(bench_train.build_parser().parse_args(tiny), tiny, "beam_soft")
     assert len(result["updates"]) == 2 and result["peak_mib"] > 0
     assert all(r["topk_fwd"] > 0 for r in result["updates"])
+
+
+def test_bench_ops_prints_every_method_with_our_solver_converged(capsys):
+    import bench_ops
+
+    assert bench_ops.main(["--n", "300", "--k", "3", "--eps", "0.1", "--repeats", "2", "--threads", "1"]) == 0
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| topk n=")
+            or line.startswith("| sorted n=")]
+    assert [r[1].strip() for r in rows] == ["ours", "paper", "unrolled", "topk"] * 2
+    for r in rows:
+        median, best = float(r[2]), float(r[4])
+        assert 0 < best <= median
+        if r[1].strip() == "ours":
+            assert float(r[7]) <= 1e-4 and "NOT CONVERGED" not in r[8]
+        if r[1].strip() == "topk":
+            assert float(r[3]) == 1.0 and float(r[5]) == 1.0
