@@ -123,7 +123,9 @@ def prepare_scores(scores: Tensor, k: int, dim: int, largest: bool, epsilon: flo
     x = scores.detach().movedim(dim, -1)
     n = x.shape[-1]
     x = x.reshape(-1, n).to(working_dtype(scores.dtype))
-    finite = bool(torch.isfinite(x).all())  # the common case: one pass instead of the checks below
+    # The common case, every score finite, in one reduction: a sum is finite only if no entry is
+    # NaN or infinite (if it overflows, the entry-wise checks below decide).
+    finite = bool(torch.isfinite(x.sum())) or bool(torch.isfinite(x).all())
     if not finite:
         if torch.isnan(x).any():
             raise ValueError("scores contain NaN")
@@ -171,7 +173,7 @@ def _effective_epsilon(x: Tensor, valid: Optional[Tensor], epsilon: float, cost:
     # paper: max over valid entries and anchors {0, ..., A} of (x - a)^2, attained at a = 0 or A,
     # so at the largest or the smallest valid x
     if valid is None:
-        high, low = x.amax(-1, keepdim=True), x.amin(-1, keepdim=True)
+        low, high = torch.aminmax(x, dim=-1, keepdim=True)
     else:
         high = torch.where(valid, x, x.new_tensor(-float("inf"))).amax(-1, keepdim=True)
         low = torch.where(valid, x, x.new_tensor(float("inf"))).amin(-1, keepdim=True)

@@ -38,7 +38,7 @@ def _anchors(k: int, like: Tensor) -> Tensor:
     return torch.arange(k, -1, -1, dtype=like.dtype, device=like.device)
 
 
-def anchor_hessian(P: Tensor, k: int, no_rest: Tensor, other: Optional[Tensor] = None) -> Tensor:
+def anchor_hessian(P: Tensor, k: int, no_rest: Optional[Tensor], other: Optional[Tensor] = None) -> Tensor:
     """``K = sum_i (diag(P_i) - P_i P_i^T)`` over the first k anchors, in float64.
 
     With ``G = P P^T`` (Gram matrix over all k+1 anchors), the off-diagonal entries are
@@ -51,7 +51,7 @@ def anchor_hessian(P: Tensor, k: int, no_rest: Tensor, other: Optional[Tensor] =
 
     Args:
         P: ``(rows, k + 1, n)`` plan in count units, anchors first (columns sum to 1 or 0).
-        no_rest: ``(rows,)`` bool.
+        no_rest: ``(rows,)`` bool, or None where every row has a rest anchor.
         other: the right factor of the Gram matrix when it differs from ``P`` (weighted plans).
     Returns:
         ``(rows, k, k)`` float64.
@@ -61,11 +61,11 @@ def anchor_hessian(P: Tensor, k: int, no_rest: Tensor, other: Optional[Tensor] =
     off.diagonal(dim1=-2, dim2=-1).zero_()
     K = -off[:, :k, :k]
     K.diagonal(dim1=-2, dim2=-1).copy_(off[:, :k].sum(-1))
-    return K + no_rest.double()[:, None, None]
+    return K if no_rest is None else K + no_rest.double()[:, None, None]
 
 
 def _solve(K: Tensor, rhs: Tensor, precision: torch.dtype) -> Tensor:
-    """Batched symmetric solve ``K x = rhs`` in float64, with a ridge at the precision of ``K``.
+    """Batched symmetric solve ``K x = rhs`` in float64, with a ridge at the precision of ``K`` (added in place).
 
     When the ranks split into groups whose boundaries are far apart (relative to epsilon),
     ``K`` is block diagonal up to tiny couplings and nearly singular along each block's
@@ -76,8 +76,9 @@ def _solve(K: Tensor, rhs: Tensor, precision: torch.dtype) -> Tensor:
     Args:
         K: ``(rows, k, k)``; rhs: ``(rows, k)``; precision: dtype the plan was computed in.
     """
-    ridge = 10 * torch.finfo(precision).eps * K.diagonal(dim1=-2, dim2=-1).abs().amax(-1).clamp_min(1e-300)
-    K = K + ridge[:, None, None] * torch.eye(K.shape[-1], dtype=K.dtype, device=K.device)
+    diagonal = K.diagonal(dim1=-2, dim2=-1)
+    ridge = 10 * torch.finfo(precision).eps * diagonal.abs().amax(-1, keepdim=True).clamp_min(1e-300)
+    K.diagonal(dim1=-2, dim2=-1).add_(ridge)  # K is a temporary of the callers: modified in place
     return torch.linalg.solve(K, rhs.unsqueeze(-1)).squeeze(-1)
 
 
@@ -97,14 +98,17 @@ class _SemiDual:
         """
         self.k, self.floor, self.binary = k, log_floor(z.dtype), binary
         self.valid = None if weights is None else weights.unsqueeze(1).to(z.dtype)
+        if not binary:  # P / w recovers the unweighted plan for the Hessian (0 where w = 0)
+            self.inv_weight = 1.0 / self.valid.clamp_min(torch.finfo(z.dtype).tiny)
         # logits z_i y_r / eps + g_r are formed by one addcmul per evaluation, not from a stored
         # (rows, k+1, n) product: one large allocation less (each costs page faults on CPUs)
         self.z, self.y_eps = z.unsqueeze(1), (_anchors(k, z) / eps).unsqueeze(-1)  # (rows, 1, n), (rows, k+1, 1)
         self.no_rest = n_valid == k
         # Per-evaluation work on (rows, k+1) tensors is a handful of small ops (their dispatch,
         # not their arithmetic, is what Newton on a thousand bins costs): constants made here.
-        self.rest_bias = None
-        if bool(self.no_rest.any()):  # rows with exactly k entries have no rest anchor
+        self.rest_bias, self.hessian_no_rest = None, None
+        if bool(self.no_rest.any()):
+            self.hessian_no_rest = self.no_rest  # rows with exactly k entries have no rest anchor
             self.rest_bias = torch.zeros(z.shape[0], k + 1, dtype=torch.float64, device=z.device)
             self.rest_bias[:, k] = torch.where(self.no_rest, -math.inf, 0.0)
         self.target = torch.ones(z.shape[0], k + 1, dtype=torch.float64, device=z.device)
@@ -133,9 +137,9 @@ class _SemiDual:
     def hessian(self, P: Tensor) -> Tensor:
         """:func:`anchor_hessian` of the (weighted) plan returned by :meth:`evaluate`."""
         if not self.binary:  # sum_i w_i P_ir P_is from P_w = w P
-            unweighted = P / self.valid.clamp_min(torch.finfo(P.dtype).tiny)
-            return anchor_hessian(P, self.k, self.no_rest, other=unweighted)
-        return anchor_hessian(P, self.k, self.no_rest)
+            unweighted = P * self.inv_weight
+            return anchor_hessian(P, self.k, self.hessian_no_rest, other=unweighted)
+        return anchor_hessian(P, self.k, self.hessian_no_rest)
 
 
 def _hard_start(top: Tensor, no_rest: Tensor, eps: Tensor, k: int) -> Tensor:
