@@ -354,14 +354,14 @@ class SortedSoftTopKFunction(torch.autograd.Function):
         P_ranks = P[:, :k]  # G is 0 on the rest anchor: only the rank rows enter the sums
         y = _anchors(k, P)[:k].expand(P.shape[0], 1, k)  # (rows, 1, k)
         PG = P_ranks * grad_output.to(P.dtype).transpose(1, 2)  # (rows, k, n)
-        G_bar = PG.sum(1)  # (rows, n)
-        y_bar = torch.bmm(y, P_ranks).squeeze(1)
+        # Sums over the k ranks as small matrix products, each one pass over a (k, n) tensor.
+        G_bar, yPG = torch.bmm(torch.cat([torch.ones_like(y), y], dim=1), PG).unbind(1)  # (rows, n) each
         # b in the precision of the plan: float32 sums over n are cascaded, the k x k solve is float64
         b = PG.sum(-1).double() - torch.bmm(P_ranks, G_bar.unsqueeze(-1)).squeeze(-1).double()
         u = _solve(anchor_hessian(P, k, no_rest), b, P.dtype).to(P.dtype)  # (rows, k)
-        Pyu, Pu = torch.bmm(torch.stack([y.squeeze(1) * u, u], dim=1), P_ranks).unbind(1)
+        y_bar, Pyu, Pu = torch.bmm(torch.cat([y, y * u.unsqueeze(1), u.unsqueeze(1)], dim=1), P_ranks).unbind(1)
         # (direct - implicit) with direct = yPG - G_bar y_bar and implicit = Pyu - y_bar Pu
-        grad = torch.bmm(y, PG).squeeze(1).sub_(Pyu).sub_(y_bar.mul_(G_bar.sub_(Pu)))
+        grad = yPG.sub_(Pyu).sub_(y_bar.mul_(G_bar.sub_(Pu)))
         return grad.div_(eps), None, None, None
 
 
