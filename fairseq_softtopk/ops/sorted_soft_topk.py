@@ -78,7 +78,7 @@ def _solve(K: Tensor, rhs: Tensor, precision: torch.dtype) -> Tensor:
     """
     diagonal = K.diagonal(dim1=-2, dim2=-1)
     ridge = 10 * torch.finfo(precision).eps * diagonal.abs().amax(-1, keepdim=True).clamp_min(1e-300)
-    K.diagonal(dim1=-2, dim2=-1).add_(ridge)  # K is a temporary of the callers: modified in place
+    diagonal.add_(ridge)  # K is a temporary of the callers: modified in place
     return torch.linalg.solve(K, rhs.unsqueeze(-1)).squeeze(-1)
 
 
