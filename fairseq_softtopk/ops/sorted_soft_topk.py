@@ -282,7 +282,9 @@ def _newton_solve(z: Tensor, valid: Tensor, n_valid: Tensor, eps: Tensor, top: T
     margin = torch.log(0.01 * tol / out_of_window).unsqueeze(-1)  # (rows, 1), negative
     edge = top[:, -1:] if top.shape[-1] > k else top[:, -1:] - 1.0
     cut = torch.where(no_rest.unsqueeze(-1), torch.full_like(edge, -math.inf), edge + (margin - 2.0).to(z.dtype) * eps)
-    while True:
+    # Where every entry lies above the cut (smooth problems), one reduction tells, without a mask.
+    dense = all_valid and bool((z.amin(-1, keepdim=True) >= cut).all())
+    while not dense:
         inside = z >= cut
         if not all_valid:
             inside &= valid
