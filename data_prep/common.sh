@@ -174,6 +174,30 @@ binarize() {
         --test "${tests[@]}" --destdir "$OUT/bin" --workers "$WORKERS"
 }
 
+# process_collected_splits TEST...: stages 3-7, the same for every corpus once raw/ holds the
+# train, valid and TEST splits: tokenise all, clean train and valid, learn a joint BPE on train,
+# apply it (the test splits as they are) and binarise
+process_collected_splits() {
+    local name test_pairs=()
+    for name in "$@"; do
+        test_pairs+=("$name:$name")
+    done
+    stage 3 "normalise punctuation and tokenise"
+    tokenize_splits train valid "$@"
+
+    stage 4 "clean train and valid (length $MIN_LEN-$MAX_LEN, ratio $CLEAN_RATIO)"
+    clean_splits train valid
+
+    stage 5 "learn joint BPE ($BPE, $BPE_SIZE)"
+    learn_bpe
+
+    stage 6 "apply BPE"
+    apply_bpe train:train.clean valid:valid.clean "${test_pairs[@]}"
+
+    stage 7 "binarise"
+    binarize "$@"
+}
+
 finish() {
     local post=subword_nmt
     if [[ "$BPE" == sentencepiece ]]; then post=sentencepiece; fi

@@ -80,19 +80,6 @@ for split in "${SPLITS[@]}"; do
         --prefix "$OUT/raw/${split%%:*}"
 done
 
-stage 3 "normalise punctuation and tokenise"
-tokenize_splits train valid test
-
-stage 4 "clean train and valid (length $MIN_LEN-$MAX_LEN, ratio $CLEAN_RATIO)"
-clean_splits train valid
-
-stage 5 "learn joint BPE ($BPE, $BPE_SIZE)"
-learn_bpe
-
-stage 6 "apply BPE"
-apply_bpe train:train.clean valid:valid.clean test:test
-
-stage 7 "binarise"
-binarize test
+process_collected_splits test
 
 finish

@@ -87,19 +87,6 @@ step collect --raw-dir "$RAW_DIR" --langs "$SRC" "$TGT" --corpus "$VALID" --pref
 step collect --raw-dir "$RAW_DIR" --langs "$SRC" "$TGT" --corpus "$TEST2014" --prefix "$OUT/raw/test"
 step collect --raw-dir "$RAW_DIR" --langs "$SRC" "$TGT" --corpus "$TEST2016" --prefix "$OUT/raw/test1"
 
-stage 3 "normalise punctuation and tokenise"
-tokenize_splits train valid test test1
-
-stage 4 "clean train and valid (length $MIN_LEN-$MAX_LEN, ratio $CLEAN_RATIO)"
-clean_splits train valid
-
-stage 5 "learn joint BPE ($BPE, $BPE_SIZE)"
-learn_bpe
-
-stage 6 "apply BPE"
-apply_bpe train:train.clean valid:valid.clean test:test test1:test1
-
-stage 7 "binarise"
-binarize test test1
+process_collected_splits test test1
 
 finish
