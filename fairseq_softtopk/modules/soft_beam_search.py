@@ -96,10 +96,11 @@ def exact_window(scores: Tensor, beam: int, epsilon: float, tol: float) -> Tenso
     Returns:
         ``(batch, n)`` bool, True inside the window.
     """
+    scores = scores.detach()
     n = scores.shape[-1]
     margin = math.log(100.0 * n / tol) + math.log(2.0 * (beam + 1) ** 2)
-    kth = scores.detach().topk(min(beam + 1, n), dim=-1).values[:, -1:]
-    return scores.detach() >= kth - margin * epsilon
+    kth = scores.topk(min(beam + 1, n), dim=-1).values[:, -1:]
+    return scores >= kth - margin * epsilon
 
 
 def compact_rows(mask: Tensor) -> Tuple[Tensor, Tensor]:

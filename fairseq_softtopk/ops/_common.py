@@ -138,11 +138,11 @@ def prepare_scores(scores: Tensor, k: int, dim: int, largest: bool, epsilon: flo
         valid = torch.ones_like(x, dtype=torch.bool)
     if mask is not None:
         valid &= ~mask.detach().movedim(dim, -1).reshape(-1, n)
-    n_valid = valid.sum(-1) if not finite or mask is not None else torch.full((x.shape[0],), n, device=x.device)
+    all_valid = finite and mask is None
+    n_valid = torch.full((x.shape[0],), n, device=x.device) if all_valid else valid.sum(-1)
     if x.shape[0] > 0 and int(n_valid.min()) < k:
         raise ValueError(f"k={k} exceeds the number of valid (unmasked, finite) entries in a row "
                          f"(smallest such count: {int(n_valid.min())}, n={n})")
-    all_valid = finite and mask is None
     if not all_valid:
         x = torch.where(valid, x, torch.zeros((), dtype=x.dtype, device=x.device))
     eps = _effective_epsilon(x, None if all_valid else valid, epsilon, cost, n_anchor_steps)

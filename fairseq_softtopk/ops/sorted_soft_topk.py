@@ -106,9 +106,8 @@ class _SemiDual:
         self.no_rest = n_valid == k
         # Per-evaluation work on (rows, k+1) tensors is a handful of small ops (their dispatch,
         # not their arithmetic, is what Newton on a thousand bins costs): constants made here.
-        self.rest_bias, self.hessian_no_rest = None, None
-        if bool(self.no_rest.any()):
-            self.hessian_no_rest = self.no_rest  # rows with exactly k entries have no rest anchor
+        self.rest_bias = None
+        if bool(self.no_rest.any()):  # rows with exactly k entries have no rest anchor
             self.rest_bias = torch.zeros(z.shape[0], k + 1, dtype=torch.float64, device=z.device)
             self.rest_bias[:, k] = torch.where(self.no_rest, -math.inf, 0.0)
         self.target = torch.ones(z.shape[0], k + 1, dtype=torch.float64, device=z.device)
@@ -136,10 +135,11 @@ class _SemiDual:
 
     def hessian(self, P: Tensor) -> Tensor:
         """:func:`anchor_hessian` of the (weighted) plan returned by :meth:`evaluate`."""
+        no_rest = None if self.rest_bias is None else self.no_rest  # None: every row has a rest anchor
         if not self.binary:  # sum_i w_i P_ir P_is from P_w = w P
             unweighted = P * self.inv_weight
-            return anchor_hessian(P, self.k, self.hessian_no_rest, other=unweighted)
-        return anchor_hessian(P, self.k, self.hessian_no_rest)
+            return anchor_hessian(P, self.k, no_rest, other=unweighted)
+        return anchor_hessian(P, self.k, no_rest)
 
 
 def _hard_start(top: Tensor, no_rest: Tensor, eps: Tensor, k: int) -> Tensor:
@@ -159,6 +159,12 @@ def _hard_start(top: Tensor, no_rest: Tensor, eps: Tensor, k: int) -> Tensor:
     g = torch.zeros(top.shape[0], k + 1, dtype=torch.float64, device=top.device)
     g[:, :k] = -thresholds.flip(-1).cumsum(-1).flip(-1) / eps.double()
     return g
+
+
+def _keep_rows(keep: Tensor, trial: Tuple[Tensor, ...], current: Tuple[Tensor, ...]) -> None:
+    """Copies the ``keep`` rows (``(rows,)`` bool) of the current iterate over the trial one, in place."""
+    for new, old in zip(trial, current):
+        new[keep] = old[keep]
 
 
 def _rescale(dual: _SemiDual, g: Tensor, F: Tensor, P: Tensor, counts: Tensor, err: Tensor):
@@ -185,8 +191,7 @@ def _rescale(dual: _SemiDual, g: Tensor, F: Tensor, P: Tensor, counts: Tensor, e
         if bool(keep.all()):
             break
         if bool(keep.any()):
-            g_try[keep], F_try[keep], counts_try[keep], err_try[keep] = g[keep], F[keep], counts[keep], err[keep]
-            P_try[keep] = P[keep]
+            _keep_rows(keep, (g_try, F_try, P_try, counts_try, err_try), (g, F, P, counts, err))
         g, F, P, counts, err = g_try, F_try, P_try, counts_try, err_try
     return g, F, P, counts, err, steps
 
@@ -218,9 +223,7 @@ def _maximise(dual: _SemiDual, g: Tensor, tol: float, max_iter: int):
                 break
             alpha = torch.where(ok, alpha, 0.5 * alpha)
         if not bool(ok.all()):  # rows whose step never became acceptable keep their potentials
-            keep = ~ok
-            g_try[keep], F_try[keep], counts_try[keep], err_try[keep] = g[keep], F[keep], counts[keep], err[keep]
-            P_try[keep] = P[keep]
+            _keep_rows(~ok, (g_try, F_try, P_try, counts_try, err_try), (g, F, P, counts, err))
         # At the floating-point floor (float32 sums over large n), progress stops; give up then.
         stalled = stalled + 1 if bool(((err_try > 0.99 * err) | ~active).all()) else 0
         g, F, P, counts, err = g_try, F_try, P_try, counts_try, err_try
@@ -311,12 +314,12 @@ def _newton_solve(z: Tensor, valid: Tensor, n_valid: Tensor, eps: Tensor, top: T
 
 
 def _solve_rows(z: Tensor, valid: Tensor, n_valid: Tensor, eps: Tensor, top: Tensor, k: int, g: Tensor, tol: float,
-                max_iter: int, top_index: Optional[Tensor] = None, all_valid: Optional[bool] = None):
+                max_iter: int, top_index: Optional[Tensor] = None, all_valid: bool = False):
     """Newton from the hard start ``g`` (or a binned warm start); returns ``(g, P, err, iterations)``.
 
-    ``top_index``: positions of ``top`` in ``z`` where known (else found again); ``all_valid``: whether
-    ``valid`` is all True, where known."""
-    all_valid = bool(valid.all()) if not all_valid else True
+    ``top_index``: positions of ``top`` in ``z`` where known (else found again); ``all_valid``: ``valid``
+    is known to be all True (else it is checked)."""
+    all_valid = all_valid or bool(valid.all())
     dual = _SemiDual(z, None if all_valid else valid, n_valid, eps, k)
     warm = _binned_start(z, valid, n_valid, eps, top, k, g, top_index, all_valid)
     return _maximise(dual, g if warm is None else warm, tol, max_iter)
