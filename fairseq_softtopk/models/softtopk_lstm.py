@@ -9,11 +9,11 @@ Registered with fairseq as model ``softtopk_lstm`` and architectures ``softtopk_
 
 from dataclasses import dataclass, field
 
-from fairseq.dataclass import FairseqDataclass
 from fairseq.models import FairseqEncoderDecoderModel, register_model, register_model_architecture
 from fairseq.utils import safe_getattr
 from omegaconf import II
 
+from fairseq_softtopk.models._attention_config import AttentionNormalizerConfig
 from fairseq_softtopk.models.softtopk_lstm_decoder import SoftTopKLSTMDecoder, SoftTopKLSTMDecoderState
 from fairseq_softtopk.models.softtopk_lstm_encoder import SoftTopKLSTMEncoder, SoftTopKLSTMEncoderOut
 
@@ -28,7 +28,7 @@ __all__ = [
 
 
 @dataclass
-class SoftTopKLSTMConfig(FairseqDataclass):
+class SoftTopKLSTMConfig(AttentionNormalizerConfig):
     """Options of ``softtopk_lstm``; the defaults are the ``softtopk_lstm_multi30k`` sizes."""
 
     dropout: float = field(default=0.3, metadata={
@@ -47,13 +47,6 @@ class SoftTopKLSTMConfig(FairseqDataclass):
         "help": "pieces of the readout maxout (1: linear bottleneck)"})
     attention_dim: int = field(default=256, metadata={
         "help": "hidden size of the additive attention, v^T tanh(W s + U h_j)"})
-    attention_normalizer: str = field(default="softmax", metadata={
-        "help": "how attention scores become weights: softmax, soft_topk (softmax(scores + log A), A the "
-                "SOFT top-k of the scores), hard_topk, sparsemax or entmax15"})
-    attention_topk: int = field(default=5, metadata={
-        "help": "k of top-k attention normalisers (not used by softmax)"})
-    attention_topk_epsilon: float = field(default=0.1, metadata={
-        "help": "entropic regularisation of the soft top-k attention normaliser (not used by softmax)"})
     share_decoder_input_output_embed: bool = field(default=False, metadata={
         "help": "tie the decoder output projection to its input embeddings"})
     max_source_positions: int = II("task.max_source_positions")

@@ -19,9 +19,8 @@ is the WMT'16 *multimodal* task (Multi30k) with OpenNMT-py's default 2-layer LST
 (see ``configs/softtopk_transformer_wmt16.sh``), not the paper's model.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
-from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from fairseq.dataclass.utils import gen_parser_from_dataclass
 from fairseq.distributed import fsdp_wrap
 from fairseq.models import register_model, register_model_architecture
@@ -31,7 +30,8 @@ from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
 from fairseq.utils import safe_getattr
 
-from fairseq_softtopk.modules.attention_normalizer import ATTENTION_NORMALIZERS, AttentionNormalizer
+from fairseq_softtopk.models._attention_config import AttentionNormalizerConfig
+from fairseq_softtopk.modules.attention_normalizer import AttentionNormalizer
 from fairseq_softtopk.modules.topk_multihead_attention import TopKMultiheadAttention
 
 __all__ = [
@@ -45,16 +45,9 @@ __all__ = [
 
 
 @dataclass
-class SoftTopKAttentionConfig(FairseqDataclass):
+class SoftTopKAttentionConfig(AttentionNormalizerConfig):
     """The options ``softtopk_transformer`` adds to fairseq's Transformer options."""
 
-    attention_normalizer: ChoiceEnum(ATTENTION_NORMALIZERS) = field(default="softmax", metadata={
-        "help": "how attention scores become weights in the encoder-decoder attention (and the "
-                "self-attention with --topk-self-attention)"})
-    attention_topk: int = field(default=5, metadata={
-        "help": "k of the soft_topk/hard_topk normalisers (rows with <= k keys get softmax)"})
-    attention_topk_epsilon: float = field(default=0.1, metadata={
-        "help": "entropic regularisation of soft_topk, in units of the scaled attention scores"})
     topk_self_attention: bool = field(default=False, metadata={
         "help": "also normalise encoder and decoder self-attention with --attention-normalizer"})
 
@@ -160,7 +153,7 @@ class SoftTopKTransformerModel(TransformerModel):
 def softtopk_defaults(args) -> None:
     """Defaults of the :class:`SoftTopKAttentionConfig` options, then fairseq's Transformer base."""
     defaults = SoftTopKAttentionConfig()
-    for name in ("attention_normalizer", "attention_topk", "attention_topk_epsilon", "topk_self_attention"):
+    for name in (f.name for f in fields(SoftTopKAttentionConfig) if not f.name.startswith("_")):
         if safe_getattr(args, name, None) is None:
             setattr(args, name, getattr(defaults, name))
     base_architecture(args)

@@ -1,0 +1,22 @@
+"""The attention-normaliser options that ``softtopk_lstm`` and ``softtopk_transformer`` share."""
+
+from dataclasses import dataclass, field
+
+from fairseq.dataclass import ChoiceEnum, FairseqDataclass
+
+from fairseq_softtopk.modules.attention_normalizer import ATTENTION_NORMALIZERS
+
+
+@dataclass
+class AttentionNormalizerConfig(FairseqDataclass):
+    """Which :class:`~fairseq_softtopk.modules.attention_normalizer.AttentionNormalizer` the attention uses."""
+
+    attention_normalizer: ChoiceEnum(ATTENTION_NORMALIZERS) = field(default="softmax", metadata={
+        "help": "how attention scores become weights: softmax, soft_topk (softmax(scores + log A), A the SOFT "
+                "top-k of the scores), hard_topk, sparsemax or entmax15 (transformer: in the encoder-decoder "
+                "attention, and the self-attention with --topk-self-attention)"})
+    attention_topk: int = field(default=5, metadata={
+        "help": "k of the soft_topk/hard_topk normalisers (rows with <= k keys get softmax; not used by softmax)"})
+    attention_topk_epsilon: float = field(default=0.1, metadata={
+        "help": "entropic regularisation of soft_topk, in units of the attention scores (the transformer's "
+                "are scaled by 1/sqrt(head size))"})
