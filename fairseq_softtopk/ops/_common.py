@@ -172,8 +172,8 @@ def _effective_epsilon(x: Tensor, valid: Optional[Tensor], epsilon: float, cost:
         return torch.full((x.shape[0], 1), 0.5 * epsilon, dtype=x.dtype, device=x.device)
     # paper: max over valid entries and anchors {0, ..., A} of (x - a)^2, attained at a = 0 or A,
     # so at the largest or the smallest valid x
-    if valid is None:
-        low, high = torch.aminmax(x, dim=-1, keepdim=True)
+    if valid is None:  # two reductions: aminmax along a dim is 10x slower on CPUs (torch 2.13)
+        low, high = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
     else:
         high = torch.where(valid, x, x.new_tensor(-float("inf"))).amax(-1, keepdim=True)
         low = torch.where(valid, x, x.new_tensor(float("inf"))).amin(-1, keepdim=True)
