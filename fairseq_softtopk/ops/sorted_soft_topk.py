@@ -19,7 +19,7 @@ condition ``grad F(g) = 0`` (implicit function theorem): one k x k solve per row
 """
 
 import math
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -78,7 +78,8 @@ def _solve(K: Tensor, rhs: Tensor, precision: torch.dtype) -> Tensor:
         K: ``(rows, k, k)``; rhs: ``(rows, k)``; precision: dtype the plan was computed in.
     """
     diagonal = K.diagonal(dim1=-2, dim2=-1)
-    ridge = 10 * torch.finfo(precision).eps * diagonal.abs().amax(-1, keepdim=True).clamp_min(1e-300)
+    # K's diagonal is a sum of non-negative terms
+    ridge = diagonal.amax(-1, keepdim=True).mul_(10 * torch.finfo(precision).eps).clamp_min_(1e-300)
     diagonal.add_(ridge)  # K is a temporary of the callers: modified in place
     return torch.linalg.solve(K, rhs.unsqueeze(-1)).squeeze(-1)
 
@@ -88,6 +89,19 @@ def _subnormal_cut(dtype: torch.dtype, k: int) -> float:
     after normalisation) could be subnormal in ``dtype``: about -60 in float32, -508 in float64."""
     min_exponent = math.log2(torch.finfo(dtype).tiny)  # -126, -1022
     return 0.5 * min_exponent + math.log2(k + 1) + 1.0
+
+
+class _Point(NamedTuple):
+    """The semi-dual at potentials ``g`` (rows, k+1): plan ``P`` (rows, k+1, n), anchor ``counts``
+    (rows, k+1) float64, marginal ``err`` (rows,), and the softmax's ``total`` and ``top``
+    (rows, 1, n, log2 units) from which :meth:`_SemiDual.objective` gets ``F``."""
+
+    g: Tensor
+    P: Tensor
+    counts: Tensor
+    err: Tensor
+    total: Tensor
+    top: Tensor
 
 
 class _SemiDual:
@@ -105,7 +119,7 @@ class _SemiDual:
             binary: weights are 0/1.
         """
         self.k, self.binary = k, binary
-        self.cut = _subnormal_cut(z.dtype, k)
+        self.cut = _subnormal_cut(z.dtype, k) if binary else None
         self.valid = None if weights is None else weights.unsqueeze(1).to(z.dtype)
         if not binary:  # P / w recovers the unweighted plan for the Hessian (0 where w = 0)
             self.inv_weight = 1.0 / self.valid.clamp_min(torch.finfo(z.dtype).tiny)
@@ -125,26 +139,34 @@ class _SemiDual:
         self.target[:, k] = (n_valid - k).double()
         self.inv_target = 1.0 / self.target.clamp_min(1.0)
         self.inv_target[:, k] = torch.where(self.no_rest, 0.0, self.inv_target[:, k])  # no rest: no error
+        self.neg_scaled_target = -self.target * self.inv_target  # err = |counts * inv_target - this|
 
-    def evaluate(self, g: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Returns ``(F (rows,), P (rows, k+1, n), counts (rows, k+1), error (rows,))``."""
+    def evaluate(self, g: Tensor) -> "_Point":
+        """The plan, its anchor counts and marginal error at ``g``; the objective is left to :meth:`objective`."""
         shift = (g if self.rest_bias is None else g + self.rest_bias) * _LOG2E
         logits = torch.baddbmm(shift.to(self.z.dtype).unsqueeze(-1), self.y_eps2, self.z)  # log2 units
-        # One exp2 pass gives both the softmax and the logsumexp; in-place to save memory.
+        # One exp2 pass gives the softmax, and (kept) the log-normaliser; in place to save memory.
         top = logits.amax(1, keepdim=True)
-        # Plan entries below 2**cut (whose products would be subnormal, 2-3x slower in every
-        # matrix product over the plan) are set to exactly 0: a change of at most n * 2**cut.
-        P = torch.nn.functional.threshold_(logits.sub_(top), self.cut, -math.inf).exp2_()
+        # Plan entries are kept at or above 2**cut / (k+1), where their products are still normal
+        # numbers (subnormal products make every matrix product over the plan 2-3x slower on
+        # CPUs): a change of at most n * 2**cut (1e-18 in float32). Bins skip it (few, float64).
+        logits.sub_(top)
+        P = (logits if self.cut is None else logits.clamp_min_(self.cut)).exp2_()
         total = P.sum(1, keepdim=True)
         P.div_(total)
-        lse = total.log2_().add_(top).mul_(_LN2)  # (rows, 1, n), natural log
         if self.valid is not None:
             P.mul_(self.valid)
-            lse.mul_(self.valid)
         counts = P.sum(-1).double()  # summing in float64 would copy all of P
-        F = g[:, : self.k].sum(-1) - lse.sum((1, 2), dtype=torch.float64)  # the k ranks' targets are 1
-        err = (counts - self.target).mul_(self.inv_target).abs_().amax(-1)
-        return F, P, counts, err
+        err = torch.addcmul(self.neg_scaled_target, counts, self.inv_target).abs_().amax(-1)
+        return _Point(g, P, counts, err, total, top)
+
+    def objective(self, point: "_Point") -> Tensor:
+        """``F(g)`` (rows,) at an evaluated point: only line searches that backtrack need it."""
+        lse = point.total.log2().add_(point.top)  # (rows, 1, n), log2 units
+        if self.valid is not None:
+            lse.mul_(self.valid)
+        # the k ranks' targets are 1
+        return point.g[:, : self.k].sum(-1) - _LN2 * lse.sum((1, 2), dtype=torch.float64)
 
     def hessian(self, P: Tensor) -> Tensor:
         """:func:`anchor_hessian` of the (weighted) plan returned by :meth:`evaluate`."""
@@ -174,75 +196,75 @@ def _hard_start(top: Tensor, no_rest: Tensor, eps: Tensor, k: int) -> Tensor:
     return g
 
 
-def _keep_rows(keep: Tensor, trial: Tuple[Tensor, ...], current: Tuple[Tensor, ...]) -> None:
-    """Copies the ``keep`` rows (``(rows,)`` bool) of the current iterate over the trial one, in place."""
-    for new, old in zip(trial, current):
-        new[keep] = old[keep]
+def _merge(keep: Tensor, trial: _Point, current: _Point) -> _Point:
+    """``trial`` with the ``keep`` rows (``(rows,)`` bool) of ``current`` copied over it, in place."""
+    if bool(keep.any()):
+        for new, old in zip(trial, current):
+            new[keep] = old[keep]
+    return trial
 
 
-def _rescale(dual: _SemiDual, g: Tensor, F: Tensor, P: Tensor, counts: Tensor, err: Tensor, tol: float):
+def _rescale(dual: _SemiDual, point: _Point, tol: float) -> Tuple[_Point, int]:
     """Sinkhorn-like steps ``g_r += log(target_r / count_r)`` while they pay off.
 
     From the hard start at a large epsilon, an anchor can receive a hundred times its mass;
     Newton then only removes about one unit of ``log(count / target)`` per step (the
     semi-dual is exponential there), while one rescaling removes it all, and in smooth
-    problems a second one often lands within 1e-4. Once a step divides the marginal error
-    by less than :data:`_RESCALE_GAIN` (small epsilon: Sinkhorn's slow linear rate), Newton
-    takes over. Each step is kept for the rows whose error it lowers. Returns
-    ``(g, F, P, counts, err, steps)``.
+    problems a second one often lands within 1e-4. Rows more than 100% off are rescaled,
+    and go on while each step divides their marginal error by :data:`_RESCALE_GAIN` (at
+    small epsilon Sinkhorn's linear rate is slow: Newton takes over). A step is kept for the
+    rows whose error it lowers. Returns the point reached and the number of steps.
     """
     k, steps = dual.k, 0
-    going = err > 1.0  # rows rescaled (far off at first, then while it pays); each on its own course
+    going = point.err > 1.0  # each row's course depends on that row alone
     for _ in range(_RESCALE_STEPS):
         if not bool(going.any()):
             break
-        log_ratio = (dual.target / counts.clamp_min(1e-300)).log()
+        log_ratio = (dual.target / point.counts.clamp_min(1e-300)).log()
         # g_k stays 0 (the rest anchor's potential is fixed), so the shift is relative to it
         rest_shift = torch.where(dual.no_rest, 0.0, log_ratio[:, k]).unsqueeze(-1)
         step = torch.where(going.unsqueeze(-1), (log_ratio[:, :k] - rest_shift).clamp(-50.0, 50.0), 0.0)
-        g_try = g + torch.nn.functional.pad(step, (0, 1))
-        F_try, P_try, counts_try, err_try = dual.evaluate(g_try)
+        trial = dual.evaluate(point.g + torch.nn.functional.pad(step, (0, 1)))
         steps += 1
-        keep = ~(going & (err_try < err))
-        if bool(keep.any()):
-            _keep_rows(keep, (g_try, F_try, P_try, counts_try, err_try), (g, F, P, counts, err))
-        going = going & ~keep & (err_try * _RESCALE_GAIN <= err) & (err_try > tol)
-        g, F, P, counts, err = g_try, F_try, P_try, counts_try, err_try
-    return g, F, P, counts, err, steps
+        better = going & (trial.err < point.err)
+        going = better & (trial.err * _RESCALE_GAIN <= point.err) & (trial.err > tol)
+        point = _merge(~better, trial, point)
+    return point, steps
 
 
-def _maximise(dual: _SemiDual, g: Tensor, tol: float, max_iter: int):
-    """Damped Newton on the semi-dual from ``g`` (after :func:`_rescale`); returns ``(g, P, err (rows,),
-    iterations)``, the rescaling steps counted as iterations."""
+def _maximise(dual: _SemiDual, g: Tensor, tol: float, max_iter: int) -> Tuple[_Point, int]:
+    """Damped Newton on the semi-dual from ``g`` (after :func:`_rescale`); returns the point reached
+    and the number of iterations, rescaling steps included."""
     k = dual.k
-    F, P, counts, err = dual.evaluate(g)
-    g, F, P, counts, err, rescaled = _rescale(dual, g, F, P, counts, err, tol)
+    point, rescaled = _rescale(dual, dual.evaluate(g), tol)
     n_iter, stalled = 0, 0
     for n_iter in range(1, max_iter + 1):
-        active = err > tol
-        if not bool(active.any()) or stalled >= 3:
+        active = point.err > tol
+        if stalled >= 3 or not bool(active.any()):
             n_iter -= 1
             break
-        grad = (dual.target - counts)[:, :k]
-        step = _solve(dual.hessian(P), grad, P.dtype).nan_to_num_(0.0, 0.0, 0.0).mul_(active.unsqueeze(-1))
-        slope = (grad * step).sum(-1)
-        alpha = torch.ones_like(slope)
-        step = torch.nn.functional.pad(step, (0, 1))  # g_k stays 0
+        grad = (dual.target - point.counts)[:, :k]
+        step = _solve(dual.hessian(point.P), grad, point.P.dtype).nan_to_num_(0.0, 0.0, 0.0)
+        step = torch.nn.functional.pad(step.mul_(active.unsqueeze(-1)), (0, 1))  # g_k stays 0
+        alpha, F = None, None
         for _ in range(_MAX_BACKTRACK):
-            g_try = torch.addcmul(g, alpha.unsqueeze(-1), step)
-            F_try, P_try, counts_try, err_try = dual.evaluate(g_try)
-            # Armijo on F; in float32 F's rounding can hide real progress near the optimum,
-            # so a step that lowers the marginal error is accepted as well.
-            ok = (F_try >= F + _ARMIJO * alpha * slope) | (err_try < err) | ~active
+            trial = dual.evaluate(point.g + step if alpha is None else torch.addcmul(point.g, alpha, step))
+            # A step that lowers the marginal error is accepted; otherwise Armijo on F decides
+            # (computed only then: in float32, F's rounding can hide real progress near the optimum).
+            ok = (trial.err < point.err) | ~active
             if bool(ok.all()):
                 break
-            alpha = torch.where(ok, alpha, 0.5 * alpha)
-        if not bool(ok.all()):  # rows whose step never became acceptable keep their potentials
-            _keep_rows(~ok, (g_try, F_try, P_try, counts_try, err_try), (g, F, P, counts, err))
+            if F is None:
+                F, slope = dual.objective(point), (grad * step[:, :k]).sum(-1, keepdim=True)
+                alpha = torch.ones_like(slope)  # (rows, 1)
+            ok |= (dual.objective(trial) >= F + _ARMIJO * (alpha * slope).squeeze(-1))
+            if bool(ok.all()):
+                break
+            alpha = torch.where(ok.unsqueeze(-1), alpha, 0.5 * alpha)
         # At the floating-point floor (float32 sums over large n), progress stops; give up then.
-        stalled = stalled + 1 if bool(((err_try > 0.99 * err) | ~active).all()) else 0
-        g, F, P, counts, err = g_try, F_try, P_try, counts_try, err_try
-    return g, P, err, n_iter + rescaled
+        stalled = 0 if bool((active & (trial.err < 0.99 * point.err)).any()) else stalled + 1
+        point = _merge(~ok, trial, point)  # rows whose step never became acceptable keep their potentials
+    return point, n_iter + rescaled
 
 
 def _binned_start(prep_z: Tensor, valid: Tensor, n_valid: Tensor, eps: Tensor, top: Tensor, k: int,
@@ -262,9 +284,13 @@ def _binned_start(prep_z: Tensor, valid: Tensor, n_valid: Tensor, eps: Tensor, t
     width = (top[:, :1] - low) / _BINS
     if bool((width > eps / 16).any()):
         return None
-    weights = torch.ones_like(prep_z) if all_valid else valid.to(prep_z.dtype)
-    index = (prep_z - low).div_(width.clamp_min(torch.finfo(prep_z.dtype).tiny)).clamp_(0, _BINS - 1).long()
-    counts = torch.zeros(prep_z.shape[0], _BINS, dtype=prep_z.dtype, device=prep_z.device)
+    weights = prep_z.new_ones(()).expand_as(prep_z) if all_valid else valid.to(prep_z.dtype)
+    # low <= z <= top: indices 0.._BINS, the last one only for the best scores (no clamp needed);
+    # excluded entries (z = 0 there) fall anywhere with weight 0.
+    index = (prep_z - low).div_(width.clamp_min(torch.finfo(prep_z.dtype).tiny)).long()
+    if not all_valid:
+        index.clamp_(0, _BINS)
+    counts = torch.zeros(prep_z.shape[0], _BINS + 1, dtype=prep_z.dtype, device=prep_z.device)
     counts.scatter_add_(1, index, weights)
     sums = torch.zeros_like(counts).scatter_add_(1, index, prep_z if all_valid else prep_z * weights)
     # The top k+1 scores replace their bins' share: they are the ones the ranks resolve.
@@ -279,8 +305,8 @@ def _binned_start(prep_z: Tensor, valid: Tensor, n_valid: Tensor, eps: Tensor, t
     # Small tensors, hundreds of ops: inference mode skips the autograd dispatch of each.
     with torch.inference_mode():
         dual = _SemiDual(z_bins.double(), w_bins.double(), n_valid.double(), eps.double(), k, binary=False)
-        g_bins, _, _, _ = _maximise(dual, g, tol=1e-9, max_iter=50)
-    return g_bins.clone()  # a normal tensor again
+        solved, _ = _maximise(dual, g, tol=1e-9, max_iter=50)
+    return solved.g.clone()  # a normal tensor again
 
 
 def _newton_solve(z: Tensor, valid: Tensor, n_valid: Tensor, eps: Tensor, top: Tensor, k: int, tol: float,
@@ -311,26 +337,26 @@ def _newton_solve(z: Tensor, valid: Tensor, n_valid: Tensor, eps: Tensor, top: T
             break
         index = torch.where(inside, z, z.new_tensor(-math.inf)).topk(width, dim=-1).indices
         z_w, inside_w = z.gather(-1, index), inside.gather(-1, index)
-        g_w, P_w, err, n_iter = _solve_rows(z_w, inside_w, inside.sum(-1).to(n_valid.dtype), eps, top, k, g, tol,
+        solved, n_iter = _solve_rows(z_w, inside_w, inside.sum(-1).to(n_valid.dtype), eps, top, k, g, tol,
                                             max_iter)
         # The best element left out must give every rank less than exp(margin) of its mass.
         best_out = torch.where(valid & ~inside, z, z.new_tensor(-math.inf)).amax(-1, keepdim=True).double()
         y = _anchors(k, g)[:k]
-        rank_logit = (best_out * y / eps.double() + g_w[:, :k]).amax(-1, keepdim=True)
+        rank_logit = (best_out * y / eps.double() + solved.g[:, :k]).amax(-1, keepdim=True)
         if bool((rank_logit < margin).all()):
             P = z.new_zeros(rows, k + 1, n)
             P[:, k] = valid.to(z.dtype)
-            P.scatter_(2, index.unsqueeze(1).expand(-1, k + 1, -1), P_w)
-            P[:, k].scatter_(1, index, torch.where(inside_w, P_w[:, k], valid.gather(-1, index).to(z.dtype)))
-            return P, _info(err, n_iter, tol)
+            P.scatter_(2, index.unsqueeze(1).expand(-1, k + 1, -1), solved.P)
+            P[:, k].scatter_(1, index, torch.where(inside_w, solved.P[:, k], valid.gather(-1, index).to(z.dtype)))
+            return P, _info(solved.err, n_iter, tol)
         cut = cut + (margin - 2.0).to(z.dtype) * eps  # widen the window and solve again
-    g, P, err, n_iter = _solve_rows(z, valid, n_valid, eps, top, k, g, tol, max_iter, top_index, all_valid)
-    return P, _info(err, n_iter, tol)
+    solved, n_iter = _solve_rows(z, valid, n_valid, eps, top, k, g, tol, max_iter, top_index, all_valid)
+    return solved.P, _info(solved.err, n_iter, tol)
 
 
 def _solve_rows(z: Tensor, valid: Tensor, n_valid: Tensor, eps: Tensor, top: Tensor, k: int, g: Tensor, tol: float,
-                max_iter: int, top_index: Optional[Tensor] = None, all_valid: bool = False):
-    """Newton from the hard start ``g`` (or a binned warm start); returns ``(g, P, err, iterations)``.
+                max_iter: int, top_index: Optional[Tensor] = None, all_valid: bool = False) -> Tuple[_Point, int]:
+    """Newton from the hard start ``g`` (or a binned warm start); returns the solved point and iterations.
 
     ``top_index``: positions of ``top`` in ``z`` where known (else found again); ``all_valid``: ``valid``
     is known to be all True (else it is checked)."""
