@@ -82,7 +82,7 @@ def _solve(K: Tensor, rhs: Tensor, precision: torch.dtype) -> Tensor:
     # K's diagonal is a sum of non-negative terms
     ridge = diagonal.amax(-1, keepdim=True).mul_(10 * torch.finfo(precision).eps).clamp_min_(1e-300)
     diagonal.add_(ridge)  # K is a temporary of the callers: modified in place
-    # solve_ex: no error check (a host sync); a singular K gives inf/nan, which the callers zero
+    # With the ridge K is positive definite: solve_ex skips the error check (a host sync).
     return torch.linalg.solve_ex(K, rhs.unsqueeze(-1))[0].squeeze(-1)
 
 
@@ -362,8 +362,7 @@ def _newton_solve(z: Tensor, valid: Tensor, n_valid: Tensor, eps: Tensor, top: T
             break
         index = torch.where(inside, z, z.new_tensor(-math.inf)).topk(width, dim=-1).indices
         z_w, inside_w = z.gather(-1, index), inside.gather(-1, index)
-        solved, n_iter = _solve_rows(z_w, inside_w, inside.sum(-1).to(n_valid.dtype), eps, top, k, g, tol,
-                                            max_iter)
+        solved, n_iter = _solve_rows(z_w, inside_w, inside.sum(-1).to(n_valid.dtype), eps, top, k, g, tol, max_iter)
         # The best element left out must give every rank less than exp(margin) of its mass.
         best_out = torch.where(valid & ~inside, z, z.new_tensor(-math.inf)).amax(-1, keepdim=True).double()
         y = _anchors(k, g)[:k]
