@@ -155,3 +155,33 @@ def test_result_is_a_view_that_can_be_cloned_and_modified():
     doubled = A.clone().mul_(2.0)
     (grad_doubled,) = torch.autograd.grad((doubled * weights).sum(), x)
     torch.testing.assert_close(grad_doubled, 2 * grad_plain)
+
+
+def test_histogram_newton_solves_the_weighted_problem(rng):
+    """The warm start's solver on weighted points is Sinkhorn on the points repeated by their weights."""
+    from fairseq_softtopk.ops.sorted_soft_topk import _hard_start, _histogram_newton
+
+    k, epsilon = 3, 0.3
+    z = torch.randn(2, 12, generator=rng, dtype=torch.float64)
+    repeats = torch.randint(1, 4, (12,), generator=rng)
+    w = repeats.double().expand(2, -1)
+    eps = torch.full((2, 1), epsilon, dtype=torch.float64)
+    n_valid = w.sum(-1)
+    g = _hard_start(z.sort(-1, descending=True).values[:, : k + 1], n_valid == k, eps, k)
+    g = _histogram_newton(z, w, n_valid, eps, k, g, tol=1e-13, max_iter=50)
+    anchors = torch.arange(k, -1, -1, dtype=torch.float64)
+    P = torch.softmax(z.unsqueeze(1) * anchors.unsqueeze(-1) / epsilon + g.unsqueeze(-1), dim=1)  # (2, k+1, 12)
+    ref = sinkhorn_topk(z.repeat_interleave(repeats, dim=1), k, epsilon, sorted=True)
+    torch.testing.assert_close(P[:, :k].transpose(1, 2).repeat_interleave(repeats, dim=1), ref, atol=1e-9, rtol=0)
+
+
+def test_histogram_start_on_large_masked_rows(rng):
+    """Large smooth rows start from the histogram (no Newton step on all n is needed), masks included."""
+    x = torch.randn(2, 20000, generator=rng)
+    mask = torch.rand(2, 20000, generator=rng) < 0.3
+    out, info = sorted_soft_topk(x, 5, epsilon=0.05, cost="paper", mask=mask, tol=1e-4, return_info=True)
+    assert info.converged and info.n_iter == 0, info
+    assert bool((out[mask] == 0).all())
+    for b in range(2):
+        ref = sorted_soft_topk(x[b][~mask[b]].double(), 5, epsilon=0.05, cost="paper", tol=1e-12)
+        torch.testing.assert_close(out[b][~mask[b]].double(), ref, atol=1e-5, rtol=0)

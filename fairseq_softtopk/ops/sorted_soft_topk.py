@@ -29,7 +29,7 @@ from ._common import SolverInfo, check_inputs, hard_topk_indices, oriented_rows,
 _ARMIJO = 1e-4
 _MAX_BACKTRACK = 12
 _BINS = 1024
-_MAX_BIN_ITER = 8  # Newton steps on the histogram (it takes 3-5 from the rescaled hard start)
+_MAX_BIN_ITER = 8  # steps on the histogram (it takes 5-7 from the hard start)
 _RESCALE_STEPS = 4
 _RESCALE_GAIN = 8.0  # rescaling continues while each step divides the marginal error by this much
 _LOG2E, _LN2 = 1.0 / math.log(2.0), math.log(2.0)
@@ -40,7 +40,7 @@ def _anchors(k: int, like: Tensor) -> Tensor:
     return torch.arange(k, -1, -1, dtype=like.dtype, device=like.device)
 
 
-def anchor_hessian(P: Tensor, k: int, no_rest: Optional[Tensor], other: Optional[Tensor] = None) -> Tensor:
+def anchor_hessian(P: Tensor, k: int, no_rest: Optional[Tensor]) -> Tensor:
     """``K = sum_i (diag(P_i) - P_i P_i^T)`` over the first k anchors, in float64.
 
     With ``G = P P^T`` (Gram matrix over all k+1 anchors), the off-diagonal entries are
@@ -54,11 +54,10 @@ def anchor_hessian(P: Tensor, k: int, no_rest: Optional[Tensor], other: Optional
     Args:
         P: ``(rows, k + 1, n)`` plan in count units, anchors first (columns sum to 1 or 0).
         no_rest: ``(rows,)`` bool, or None where every row has a rest anchor.
-        other: the right factor of the Gram matrix when it differs from ``P`` (weighted plans).
     Returns:
         ``(rows, k, k)`` float64.
     """
-    gram = torch.bmm(P, (P if other is None else other).transpose(1, 2)).double()  # (rows, k+1, k+1)
+    gram = torch.bmm(P, P.transpose(1, 2)).double()  # (rows, k+1, k+1)
     off = gram.clone()
     off.diagonal(dim1=-2, dim2=-1).zero_()
     K = -off[:, :k, :k]
@@ -113,26 +112,21 @@ class _SemiDual:
     is elementwise across ``k+1`` contiguous vectors and the sums over elements are contiguous.
     """
 
-    def __init__(self, z: Tensor, weights: Tensor, n_valid: Tensor, eps: Tensor, k: int, binary: bool = True):
+    def __init__(self, z: Tensor, valid: Optional[Tensor], n_valid: Tensor, eps: Tensor, k: int):
         """
         Args:
-            z: ``(rows, n)`` scores; weights: ``(rows, n)`` how many elements each stands for
-            (the valid mask, or bin counts in :func:`_binned_start`), None where all count 1;
-            binary: weights are 0/1.
+            z: ``(rows, n)`` scores; valid: ``(rows, n)`` bool, None where every entry is valid.
         """
-        self.k, self.binary = k, binary
-        self.cut = _subnormal_cut(z.dtype, k) if binary else None
-        self.valid = None if weights is None else weights.unsqueeze(1).to(z.dtype)
-        if not binary:  # P / w recovers the unweighted plan for the Hessian (0 where w = 0)
-            self.inv_weight = 1.0 / self.valid.clamp_min(torch.finfo(z.dtype).tiny)
+        self.k = k
+        self.cut = _subnormal_cut(z.dtype, k)
+        self.valid = None if valid is None else valid.unsqueeze(1).to(z.dtype)
         # Logits are kept in base 2 (exp2 is several times faster than exp on CPUs, as accurate)
         # and formed by one rank-1 baddbmm per evaluation, not from a stored (rows, k+1, n)
         # product: one large allocation less (each costs page faults on CPUs).
         self.z = z.unsqueeze(1)  # (rows, 1, n)
         self.y_eps2 = (_anchors(k, z) * (_LOG2E / eps)).unsqueeze(-1)  # (rows, k+1, 1)
         self.no_rest = n_valid == k
-        # Per-evaluation work on (rows, k+1) tensors is a handful of small ops (their dispatch,
-        # not their arithmetic, is what Newton on a thousand bins costs): constants made here.
+        # Per-evaluation work on (rows, k+1) tensors is a handful of small ops: constants made here.
         self.rest_bias = None
         if bool(self.no_rest.any()):  # rows with exactly k entries have no rest anchor
             self.rest_bias = torch.zeros(z.shape[0], k + 1, dtype=torch.float64, device=z.device)
@@ -151,9 +145,8 @@ class _SemiDual:
         top = logits.amax(1, keepdim=True)
         # Plan entries are kept at or above 2**cut / (k+1), where their products are still normal
         # numbers (subnormal products make every matrix product over the plan 2-3x slower on
-        # CPUs): a change of at most n * 2**cut (1e-18 in float32). Bins skip it (few, float64).
-        logits.sub_(top)
-        P = (logits if self.cut is None else logits.clamp_min_(self.cut)).exp2_()
+        # CPUs): a change of at most n * 2**cut (1e-18 in float32).
+        P = logits.sub_(top).clamp_min_(self.cut).exp2_()
         total = P.sum(1, keepdim=True)
         P.div_(total)
         if self.valid is not None:
@@ -171,11 +164,8 @@ class _SemiDual:
         return point.g[:, : self.k].sum(-1) - _LN2 * lse.sum((1, 2), dtype=torch.float64)
 
     def hessian(self, P: Tensor) -> Tensor:
-        """:func:`anchor_hessian` of the (weighted) plan returned by :meth:`evaluate`."""
+        """:func:`anchor_hessian` of the plan returned by :meth:`evaluate`."""
         no_rest = None if self.rest_bias is None else self.no_rest  # None: every row has a rest anchor
-        if not self.binary:  # sum_i w_i P_ir P_is from P_w = w P
-            unweighted = P * self.inv_weight
-            return anchor_hessian(P, self.k, no_rest, other=unweighted)
         return anchor_hessian(P, self.k, no_rest)
 
 
@@ -269,41 +259,62 @@ def _maximise(dual: _SemiDual, g: Tensor, tol: float, max_iter: int) -> Tuple[_P
     return point, n_iter + rescaled
 
 
-def _plain_newton(dual: _SemiDual, g: Tensor, tol: float, max_iter: int) -> Tensor:
-    """Full Newton steps without line search from ``g`` (after :func:`_rescale`); returns the
+def _histogram_newton(z: Tensor, w: Tensor, n_valid: Tensor, eps: Tensor, k: int, g: Tensor, tol: float,
+                      max_iter: int) -> Tensor:
+    """Full Newton steps on weighted points (a histogram of the scores) from ``g``; returns the
     potentials with the smallest marginal error seen, ``(rows, k+1)``.
 
-    For warm starts only: the problem that matters is solved afterwards by the safeguarded
+    For the warm start only: the problem that matters is solved afterwards by the safeguarded
     :func:`_maximise`, so a step that overshoots costs iterations there, never correctness.
-    On small problems the safeguards' bookkeeping (acceptance tests, host syncs) costs as
-    much as the Newton steps themselves.
+    On a thousand float64 points the cost is the dispatch of small ops, not arithmetic, so
+    this is :class:`_SemiDual` and :func:`_maximise` cut to about twenty ops a step: the
+    softmax in one op, no line search, the Hessian's diagonal as counts minus the Gram
+    diagonal (in float64 its cancellation is harmless for a warm start), and rows more than
+    100% off take the Sinkhorn-like step of :func:`_rescale` instead of Newton's.
+
+    Args:
+        z, w: ``(rows, m)`` float64 points and their weights (bin counts).
+        n_valid: ``(rows,)`` float64, every row ``> k`` (each has a rest anchor).
+        eps: ``(rows, 1)`` float64.
+        g: ``(rows, k + 1)`` float64 start, ``g_k = 0``.
     """
-    point, _ = _rescale(dual, dual.evaluate(g), tol)
-    best_g, best_err = point.g, point.err
-    for _ in range(max_iter):
-        if not bool((best_err > tol).any()):
+    y_eps = (_anchors(k, z) / eps).unsqueeze(-1)  # (rows, k+1, 1)
+    z, w = z.unsqueeze(1), w.unsqueeze(1)
+    target = torch.ones_like(g)
+    target[:, k] = n_valid - k
+    best_g, best_err = g, None
+    for step_index in range(max_iter + 1):
+        P = torch.softmax(torch.baddbmm(g.unsqueeze(-1), y_eps, z), dim=1)  # (rows, k+1, m)
+        Pw = P * w
+        counts = Pw.sum(-1)
+        err = (counts / target).sub_(1.0).abs_().amax(-1)
+        better = err < best_err if best_err is not None else torch.ones_like(err, dtype=torch.bool)
+        best_g = torch.where(better.unsqueeze(-1), g, best_g)
+        best_err = err if best_err is None else torch.minimum(err, best_err)
+        if step_index == max_iter or not bool((best_err > tol).any()):
             break
-        grad = (dual.target - point.counts)[:, : dual.k]
-        step = _solve(dual.hessian(point.P), grad, point.P.dtype).nan_to_num_(0.0, 0.0, 0.0)
-        point = dual.evaluate(point.g + torch.nn.functional.pad(step, (0, 1)))  # g_k stays 0
-        better = point.err < best_err
-        best_g = torch.where(better.unsqueeze(-1), point.g, best_g)
-        best_err = torch.where(better, point.err, best_err)
+        log_ratio = (target / counts.clamp_min(1e-300)).log_()
+        rescale = (log_ratio[:, :k] - log_ratio[:, k:]).clamp_(-50.0, 50.0)  # g_k stays 0
+        K = torch.diag_embed(counts[:, :k]).sub_(torch.bmm(Pw[:, :k], P[:, :k].transpose(1, 2)))
+        newton = _solve(K, (target - counts)[:, :k], torch.float64).nan_to_num_(0.0, 0.0, 0.0)
+        g = g + torch.nn.functional.pad(torch.where((err > 1.0).unsqueeze(-1), rescale, newton), (0, 1))
     return best_g
 
 
 def _binned_start(prep_z: Tensor, valid: Tensor, n_valid: Tensor, eps: Tensor, top: Tensor, k: int,
-                  g: Tensor, top_index: Optional[Tensor] = None, all_valid: bool = False) -> Optional[Tensor]:
+                  g: Tensor, tol: float, top_index: Optional[Tensor] = None, all_valid: bool = False
+                  ) -> Optional[Tensor]:
     """Potentials solved on a histogram of the scores, as a warm start for large, smooth problems.
 
     The problem depends on the scores only through their distribution; with bins much
     narrower than ``eps`` (here 1/16 of it) the binned solution is close to the exact one,
     and Newton on ``_BINS`` weighted points costs little. The best ``k + 1`` scores keep
-    their exact values. Returns None where the hard start is better (bins not narrow enough,
-    or n small).
+    their exact values; the histogram is solved to ``tol / 10`` (its own approximation error
+    is what remains). Returns None where the hard start is better (bins not narrow enough,
+    or n small), or where a row has no rest anchor (exactly k valid entries).
     """
     n = prep_z.shape[-1]
-    if n < 8 * _BINS:
+    if n < 8 * _BINS or bool((n_valid == k).any()):
         return None
     low = (prep_z if all_valid else torch.where(valid, prep_z, prep_z.new_tensor(math.inf))).amin(-1, keepdim=True)
     width = (top[:, :1] - low) / _BINS
@@ -327,10 +338,10 @@ def _binned_start(prep_z: Tensor, valid: Tensor, n_valid: Tensor, eps: Tensor, t
     z_bins = torch.cat([top, sums / counts.clamp_min(1.0)], dim=-1)
     w_bins = torch.cat([torch.ones_like(top), counts.clamp_min(0.0)], dim=-1)
     # A thousand points: solved in float64, where Newton reaches any tolerance.
-    # Small tensors, hundreds of ops: inference mode skips the autograd dispatch of each.
+    # Small tensors, over a hundred ops: inference mode skips the autograd dispatch of each.
     with torch.inference_mode():
-        dual = _SemiDual(z_bins.double(), w_bins.double(), n_valid.double(), eps.double(), k, binary=False)
-        g_bins = _plain_newton(dual, g, tol=1e-9, max_iter=_MAX_BIN_ITER)
+        g_bins = _histogram_newton(z_bins.double(), w_bins.double(), n_valid.double(), eps.double(), k, g,
+                                   tol=0.1 * tol, max_iter=_MAX_BIN_ITER)
     return g_bins.clone()  # a normal tensor again
 
 
@@ -386,7 +397,7 @@ def _solve_rows(z: Tensor, valid: Tensor, n_valid: Tensor, eps: Tensor, top: Ten
     is known to be all True (else it is checked)."""
     all_valid = all_valid or bool(valid.all())
     dual = _SemiDual(z, None if all_valid else valid, n_valid, eps, k)
-    warm = _binned_start(z, valid, n_valid, eps, top, k, g, top_index, all_valid)
+    warm = _binned_start(z, valid, n_valid, eps, top, k, g, tol, top_index, all_valid)
     return _maximise(dual, g if warm is None else warm, tol, max_iter)
 
 
