@@ -57,11 +57,11 @@ def anchor_hessian(P: Tensor, k: int, no_rest: Optional[Tensor]) -> Tensor:
     Returns:
         ``(rows, k, k)`` float64.
     """
-    gram = torch.bmm(P, P.transpose(1, 2)).double()  # (rows, k+1, k+1)
-    off = gram.clone()
+    # the k rank rows of the Gram matrix only: (rows, k, k+1), a fresh tensor (modified in place)
+    off = torch.bmm(P[:, :k], P.transpose(1, 2)).double()
     off.diagonal(dim1=-2, dim2=-1).zero_()
-    K = -off[:, :k, :k]
-    K.diagonal(dim1=-2, dim2=-1).copy_(off[:, :k].sum(-1))
+    K = -off[:, :, :k]
+    K.diagonal(dim1=-2, dim2=-1).copy_(off.sum(-1))
     return K if no_rest is None else K + no_rest.double()[:, None, None]
 
 
