@@ -196,6 +196,17 @@ def _merge(keep: Tensor, trial: _Point, current: _Point) -> _Point:
     return trial
 
 
+def _rescaling_step(target: Tensor, counts: Tensor, k: int, no_rest: Optional[Tensor] = None) -> Tensor:
+    """``(rows, k)`` Sinkhorn-like step ``log(target_r / count_r)`` of the rank potentials.
+
+    ``g_k`` stays 0 (the rest anchor's potential is fixed), so the step is taken relative to
+    the rest anchor's own ratio, except in ``no_rest`` rows (``(rows,)`` bool, None: none).
+    """
+    log_ratio = (target / counts.clamp_min(1e-300)).log()
+    rest_shift = log_ratio[:, k:] if no_rest is None else torch.where(no_rest, 0.0, log_ratio[:, k]).unsqueeze(-1)
+    return (log_ratio[:, :k] - rest_shift).clamp_(-50.0, 50.0)
+
+
 def _rescale(dual: _SemiDual, point: _Point, tol: float) -> Tuple[_Point, int]:
     """Sinkhorn-like steps ``g_r += log(target_r / count_r)`` while they pay off.
 
@@ -212,10 +223,7 @@ def _rescale(dual: _SemiDual, point: _Point, tol: float) -> Tuple[_Point, int]:
     for _ in range(_RESCALE_STEPS):
         if not bool(going.any()):
             break
-        log_ratio = (dual.target / point.counts.clamp_min(1e-300)).log()
-        # g_k stays 0 (the rest anchor's potential is fixed), so the shift is relative to it
-        rest_shift = torch.where(dual.no_rest, 0.0, log_ratio[:, k]).unsqueeze(-1)
-        step = torch.where(going.unsqueeze(-1), (log_ratio[:, :k] - rest_shift).clamp(-50.0, 50.0), 0.0)
+        step = torch.where(going.unsqueeze(-1), _rescaling_step(dual.target, point.counts, k, dual.no_rest), 0.0)
         trial = dual.evaluate(point.g + torch.nn.functional.pad(step, (0, 1)))
         steps += 1
         better = going & (trial.err < point.err)
@@ -282,19 +290,17 @@ def _histogram_newton(z: Tensor, w: Tensor, n_valid: Tensor, eps: Tensor, k: int
     z, w = z.unsqueeze(1), w.unsqueeze(1)
     target = torch.ones_like(g)
     target[:, k] = n_valid - k
-    best_g, best_err = g, None
+    best_g, best_err = g, torch.full_like(g[:, 0], math.inf)
     for step_index in range(max_iter + 1):
         P = torch.softmax(torch.baddbmm(g.unsqueeze(-1), y_eps, z), dim=1)  # (rows, k+1, m)
         Pw = P * w
         counts = Pw.sum(-1)
         err = (counts / target).sub_(1.0).abs_().amax(-1)
-        better = err < best_err if best_err is not None else torch.ones_like(err, dtype=torch.bool)
-        best_g = torch.where(better.unsqueeze(-1), g, best_g)
-        best_err = err if best_err is None else torch.minimum(err, best_err)
+        best_g = torch.where((err < best_err).unsqueeze(-1), g, best_g)
+        best_err = torch.minimum(err, best_err)
         if step_index == max_iter or not bool((best_err > tol).any()):
             break
-        log_ratio = (target / counts.clamp_min(1e-300)).log_()
-        rescale = (log_ratio[:, :k] - log_ratio[:, k:]).clamp_(-50.0, 50.0)  # g_k stays 0
+        rescale = _rescaling_step(target, counts, k)
         K = torch.diag_embed(counts[:, :k]).sub_(torch.bmm(Pw[:, :k], P[:, :k].transpose(1, 2)))
         newton = _solve(K, (target - counts)[:, :k], torch.float64).nan_to_num_(0.0, 0.0, 0.0)
         g = g + torch.nn.functional.pad(torch.where((err > 1.0).unsqueeze(-1), rescale, newton), (0, 1))
