@@ -248,3 +248,79 @@ def test_mix_embeddings_is_the_weighted_sum_of_token_embeddings(rng):
     expected = torch.einsum("bml,bmd->bld", A, embeddings[tokens]).reshape(12, 8)
     torch.testing.assert_close(mix_embeddings(embeddings, tokens, A), expected)
     assert torch.autograd.gradcheck(lambda e, a: mix_embeddings(e, tokens, a), (embeddings, A))
+
+
+def reference_soft_beam_search(decoder, enc, target, k, epsilon):
+    """Algorithm 2 of the paper written out for one sentence, densely (no window, no dropped
+    candidates): A over all k*V candidates; beam l's input is sum_{i,j} A[(i,j), l] E[j], its state
+    sum_i (sum_j A[(i,j), l]) h_i, its score and predecessor those of argmax_c A[c, l].
+
+    Returns ``(gold, final_scores, tokens)``: gold-token log-probs along the backtracked best
+    beam ``(T,)``, final cumulative scores ``(k,)`` and final beam sequences ``(k, T)``.
+    """
+    from fairseq_softtopk.ops import sorted_soft_topk
+
+    T = len(target)
+    E = decoder.embedding_matrix()
+    V = E.shape[0]
+    enc_k = enc.expand(k, -1)
+    state = decoder.initial_state(enc_k)
+    inputs = decoder.embed(torch.full((k,), BOS))
+    cum = torch.full((k,), -float("inf"), dtype=E.dtype)
+    cum[0] = 0.0
+    preds, toks, golds, cums = [], [], [], []
+    for t in range(T):
+        lprobs, new_state = decoder.step(inputs, state, enc_k)  # (k, V)
+        golds.append(lprobs[:, target[t]])
+        scores = (cum.unsqueeze(1) + lprobs).reshape(-1)
+        A = sorted_soft_topk(scores.unsqueeze(0), k, epsilon=epsilon, tol=1e-12)[0]  # (k*V, k)
+        next_inputs, next_states, pred, tok, next_cum = [], [], [], [], []
+        for l in range(k):
+            w = A[:, l].reshape(k, V)
+            next_inputs.append((w.sum(0).unsqueeze(1) * E).sum(0))
+            beam_w = w.sum(1)
+            next_states.append([(beam_w.view(-1, *[1] * (x.dim() - 1)) * x).sum(0) for x in new_state])
+            c = int(A[:, l].argmax())
+            pred.append(c // V)
+            tok.append(c % V)
+            next_cum.append(scores[c])
+        inputs = torch.stack(next_inputs)
+        state = type(new_state)(*[torch.stack([s[f] for s in next_states]) for f in range(len(new_state))])
+        cum = torch.stack(next_cum)
+        preds.append(pred)
+        toks.append(tok)
+        cums.append(cum)
+    beam = int(cums[-1].argmax())
+    gold = [None] * T
+    for t in range(T - 1, -1, -1):
+        gold[t] = golds[t][preds[t][beam]]
+        beam = preds[t][beam]
+    tokens = []
+    for l in range(k):
+        seq, b = [], l
+        for t in range(T - 1, -1, -1):
+            seq.append(toks[t][b])
+            b = preds[t][b]
+        tokens.append(seq[::-1])
+    return torch.stack(gold), cums[-1], tokens
+
+
+@pytest.mark.parametrize("epsilon", [0.3, 1.0])
+def test_soft_mode_equals_the_papers_algorithm_written_out(rng, epsilon):
+    """Mixed states (not the argmax predecessor's), mixed embeddings, and each beam scored by
+    its largest-weight candidate (not the A-weighted expectation), against a dense re-implementation."""
+    decoder = TinyDecoder(6, seed=5).double()
+    enc = torch.randn(2, 6, generator=rng, dtype=torch.float64)
+    target = torch.tensor([[2, 3, 4, 2, 5], [4, 4, 3, 5, PAD]])
+    k = 3
+    with torch.no_grad():
+        out = run(decoder, enc, target, beam=k, mode="soft", epsilon=epsilon, tol=1e-10)
+        # the test needs selections that are really soft, else mixing equals following the argmax
+        assert float(out.sharpness[:, 1:].min()) < 0.8
+        for b, length in enumerate([5, 4]):
+            gold, final, tokens = reference_soft_beam_search(decoder, enc[b:b + 1], target[b, :length].tolist(), k,
+                                                             epsilon)
+            torch.testing.assert_close(out.gold_lprobs[b, :length], gold, atol=1e-7, rtol=0)
+            if length == target.shape[1]:  # shorter sentences' final beams run on past their end
+                torch.testing.assert_close(out.final_scores[b], final, atol=1e-7, rtol=0)
+                assert out.tokens[b].tolist() == tokens

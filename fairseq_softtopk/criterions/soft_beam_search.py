@@ -6,12 +6,21 @@ NLL of the gold tokens along the best beam of a beam search unrolled for as many
 target has tokens (:mod:`fairseq_softtopk.modules.soft_beam_search`). ``--topk-mode hard`` is
 the paper's ablation: the same unrolling with the exact top-k.
 
+In soft mode, ``--selection-grad`` decides what flows back through the selection: the exact
+gradient (``full``, the paper's), the same capped per sentence and step (``capped``), or
+nothing (``none``: soft forward pass, gradient only through the mixed embeddings and states).
+Logged besides the losses: ``topk_sharpness``, ``topk_near_tie`` (share of steps where two of
+the k + 1 best candidates are within epsilon), and, from the backward pass, ``selgrad_log10``
+(mean log10 norm of the gradient reaching a step's selection, per sentence), ``selgrad_capped``
+and ``selgrad_over100`` (shares of those above the cap and above 100 gold-token gradients).
+
 The model must accept ``beam_search=`` in ``forward`` (``softtopk_lstm`` does): the unrolling
 then runs inside the model's forward, so that DistributedDataParallel sees it.
 """
 
 import math
 from dataclasses import dataclass, field
+from typing import List, Optional
 
 import torch
 from fairseq import metrics, utils
@@ -21,13 +30,17 @@ from omegaconf import II
 
 from ..modules.soft_beam_search import BeamSearchConfig, unroll_beam_search
 
+#: logged per sentence and step from the backward pass (see SelectionGradientStats)
+SELGRAD_KEYS = ("selgrad_count", "selgrad_log10_sum", "selgrad_capped", "selgrad_over100")
+
 
 @dataclass
 class SoftBeamSearchConfig(FairseqDataclass):
     train_beam: int = field(default=5, metadata={"help": "beam size k of the unrolled search"})
-    topk_epsilon: float = field(default=0.1, metadata={
+    topk_epsilon: float = field(default=0.03, metadata={
         "help": "entropic regularisation of the sorted SOFT top-k; with --topk-cost linear it is in nats "
-                "of cumulative log-likelihood (0.1: candidates 0.1 nats apart split about 73/27)"})
+                "of cumulative log-likelihood (0.03: candidates 0.03 nats apart split about 73/27; on Multi30k "
+                "the selection's largest weight averages 0.87 at 0.03, 0.69 at 0.1)"})
     topk_cost: ChoiceEnum(["linear", "sqeuclidean", "paper"]) = field(default="linear", metadata={
         "help": "cost scaling: linear (epsilon in nats, the same at any vocabulary size) or paper (squared "
                 "distance / its max: epsilon 0.1 selects nothing once there are thousands of candidates)"})
@@ -40,8 +53,44 @@ class SoftBeamSearchConfig(FairseqDataclass):
     candidate_pool: int = field(default=0, metadata={
         "help": "keep only the m best of the k*V candidates (hard selection) before the soft top-k; 0 = all "
                 "(solved on the window that carries all but tol/100 of every rank, with --topk-cost linear)"})
+    selection_grad: ChoiceEnum(["capped", "full", "none"]) = field(default="capped", metadata={
+        "help": "soft mode, gradient through the selection: capped (default: the exact gradient with its norm "
+                "capped per sentence and step by --selection-grad-cap, so that it cannot compound over the steps), "
+                "full (the paper's exact gradient; explodes at near ties) or none (soft forward pass, no gradient "
+                "through the selection)"})
+    selection_grad_cap: float = field(default=0.3, metadata={
+        "help": "with --selection-grad capped: the largest norm of the gradient reaching one step's selection "
+                "for one sentence, in units of one gold token's gradient in the beam term, i.e. (1 - p)"})
     label_smoothing: float = field(default=0.0, metadata={"help": "label smoothing of both loss terms"})
     sentence_avg: bool = II("optimization.sentence_avg")
+
+
+class SelectionGradientStats:
+    """Sums, filled during the backward pass, over (sentence, step) pairs whose selection matters.
+
+    The tensors are put into the logging output in the forward pass; fairseq reduces the
+    logging outputs only after the backward pass, so they hold the backward's numbers then.
+
+    Args:
+        cap: the cap on the norms (``inf`` when not capped).
+        unit: the size of one gold token's gradient in the beam term, ``1 - p``.
+        record: if a list, every norm (divided by ``unit``) is also appended to it (diagnostics).
+    """
+
+    def __init__(self, cap: float, unit: float, device: torch.device, record: Optional[List[float]] = None):
+        self.cap, self.unit, self.record = cap, unit, record
+        self.sums = torch.zeros(len(SELGRAD_KEYS), dtype=torch.float64, device=device)
+
+    def __call__(self, norms: torch.Tensor, live: torch.Tensor) -> None:
+        norms = norms.detach()[live].double()
+        if self.record is not None:
+            self.record += (norms / self.unit).tolist()
+        with torch.no_grad():
+            self.sums += torch.stack([norms.new_tensor(norms.numel()), norms.clamp_min(1e-12).log10().sum(),
+                                      (norms > self.cap).sum().double(), (norms > 100 * self.unit).sum().double()])
+
+    def logging_output(self) -> dict:
+        return {key: self.sums[i] for i, key in enumerate(SELGRAD_KEYS)}
 
 
 def smoothed_nll(gold_lprobs: torch.Tensor, sum_lprobs: torch.Tensor, mask: torch.Tensor, epsilon: float,
@@ -64,7 +113,7 @@ def smoothed_nll(gold_lprobs: torch.Tensor, sum_lprobs: torch.Tensor, mask: torc
 @register_criterion("soft_beam_search", dataclass=SoftBeamSearchConfig)
 class SoftBeamSearchCriterion(FairseqCriterion):
     def __init__(self, task, train_beam, topk_epsilon, topk_cost, topk_tol, topk_max_iter, teacher_forcing_ratio,
-                 topk_mode, candidate_pool, label_smoothing, sentence_avg):
+                 topk_mode, candidate_pool, selection_grad, selection_grad_cap, label_smoothing, sentence_avg):
         super().__init__(task)
         if not 0.0 <= teacher_forcing_ratio <= 1.0:
             raise ValueError(f"--teacher-forcing-ratio must be in [0, 1], got {teacher_forcing_ratio}")
@@ -72,22 +121,35 @@ class SoftBeamSearchCriterion(FairseqCriterion):
             raise ValueError(f"--train-beam must be >= 1, got {train_beam}")
         if candidate_pool and candidate_pool < train_beam:
             raise ValueError(f"--candidate-pool ({candidate_pool}) must be 0 or >= --train-beam ({train_beam})")
+        if not selection_grad_cap > 0:
+            raise ValueError(f"--selection-grad-cap must be > 0, got {selection_grad_cap}")
+        # the cap is given relative to one gold token's gradient in the beam term, (1 - p); p = 1 runs no search
+        unit = 1.0 - teacher_forcing_ratio if teacher_forcing_ratio < 1.0 else 1.0
         self.search = BeamSearchConfig(beam=train_beam, mode=str(topk_mode), epsilon=topk_epsilon,
                                        cost=str(topk_cost), tol=topk_tol, max_iter=topk_max_iter,
-                                       candidate_pool=candidate_pool)
+                                       candidate_pool=candidate_pool, selection_grad=str(selection_grad),
+                                       selection_grad_cap=selection_grad_cap * unit)
         self.p = teacher_forcing_ratio
         self.label_smoothing = label_smoothing
+        #: set to a list to collect every selection-gradient norm (scripts/diagnose_beam_gradients.py)
+        self.record_selection_grads: Optional[List[float]] = None
         self.sentence_avg = sentence_avg
 
     def forward(self, model, sample, reduce=True):
         target = sample["target"]
         bos = sample["net_input"]["prev_output_tokens"][0, 0].item()
 
+        run_beam = self.p < 1.0
+        observe = run_beam and self.search.mode == "soft" and self.search.selection_grad != "none" and model.training
+        stats = None
+        if observe:
+            cap = self.search.selection_grad_cap if self.search.selection_grad == "capped" else math.inf
+            stats = SelectionGradientStats(cap, 1.0 - self.p, target.device, self.record_selection_grads)
+
         def beam_search(encoder, decoder, encoder_out):
             return unroll_beam_search(decoder, encoder_out, encoder.reorder_encoder_out, target, self.padding_idx,
-                                      bos, self.search)
+                                      bos, self.search, grad_observer=stats)
 
-        run_beam = self.p < 1.0
         if run_beam:
             net_output, beam = model(**sample["net_input"], beam_search=beam_search)
         else:
@@ -114,6 +176,10 @@ class SoftBeamSearchCriterion(FairseqCriterion):
             logging_output["topk_sharpness_sum"] = beam.sharpness[steps].sum().data
             logging_output["topk_sharpness_count"] = int(steps.sum())
             logging_output["topk_unconverged"] = beam.n_unconverged
+            logging_output["topk_near_tie_sum"] = beam.near_tie[mask].sum().data
+            logging_output["topk_steps"] = int(mask.sum())
+        if stats is not None:
+            logging_output.update(stats.logging_output())
         return loss, sample_size, logging_output
 
     @staticmethod
@@ -132,6 +198,14 @@ class SoftBeamSearchCriterion(FairseqCriterion):
         if count:
             metrics.log_scalar("topk_sharpness", total("topk_sharpness_sum") / count, count, round=3)
             metrics.log_scalar("topk_unconverged", total("topk_unconverged"), round=0)
+        steps = total("topk_steps")
+        if steps:
+            metrics.log_scalar("topk_near_tie", total("topk_near_tie_sum") / steps, steps, round=3)
+        observed = total("selgrad_count")
+        if observed:
+            metrics.log_scalar("selgrad_log10", total("selgrad_log10_sum") / observed, observed, round=2)
+            metrics.log_scalar("selgrad_capped", total("selgrad_capped") / observed, observed, round=3)
+            metrics.log_scalar("selgrad_over100", total("selgrad_over100") / observed, observed, round=4)
 
     @staticmethod
     def logging_outputs_can_be_summed() -> bool:

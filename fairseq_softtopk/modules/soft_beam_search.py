@@ -11,6 +11,14 @@ cumulative log-likelihood and the *sorted* top-k of these scores picks the next 
 * hard mode: the exact top-k (ordinary beam search); the ablation of the paper, where no
   gradient flows through the selection.
 
+The gradient through the selection (soft mode) is controlled by ``selection_grad``:
+``"full"`` is the paper's exact gradient; ``"capped"`` caps its norm where it enters each
+step's operator, per sentence (:func:`fairseq_softtopk.ops.cap_row_grad_norm`), because the
+exact gradient compounds over the steps (the selection at step t mixes the states that score
+step t + 1) and explodes where candidates are within about epsilon of each other at a rank
+boundary; ``"none"`` keeps the soft forward pass and stops the gradient through A (gradient
+still flows through the mixed embeddings and states, as weighted sums).
+
 The loss along the search is the gold-token negative log-likelihood along the beam that
 ends with the largest likelihood, backtracked through the argmax predecessors.
 
@@ -21,12 +29,20 @@ The decoder only needs the "step on embeddings" interface of
 
 import math
 from dataclasses import dataclass
-from typing import Callable, List, NamedTuple, Tuple
+from typing import Callable, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from ..ops import sorted_soft_topk
+from ..ops import cap_row_grad_norm, sorted_soft_topk
+from ..ops._common import effective_epsilon
+
+SELECTION_GRADS = ("full", "capped", "none")
+
+#: ``(norms, live)``: called in the backward pass once per step with the ``(batch,)`` norms of
+#: the gradient reaching the step's soft top-k (before any cap) and the ``(batch,)`` bool
+#: mask of the sentences for which the step's selection matters (steps before their last).
+GradientObserver = Callable[[Tensor, Tensor], None]
 
 
 @dataclass
@@ -40,6 +56,14 @@ class BeamSearchConfig:
     tol: float = 1e-4
     max_iter: int = 50
     candidate_pool: int = 0  # 0: all k*V candidates; m > 0: the m best by hard selection
+    selection_grad: str = "full"  # soft mode: "full" | "capped" | "none" (module docstring)
+    selection_grad_cap: float = 1.0  # "capped": largest gradient norm per sentence and step
+
+    def __post_init__(self):
+        if self.selection_grad not in SELECTION_GRADS:
+            raise ValueError(f"selection_grad must be one of {SELECTION_GRADS}, got {self.selection_grad!r}")
+        if self.selection_grad == "capped" and not self.selection_grad_cap > 0:
+            raise ValueError(f"selection_grad_cap must be > 0, got {self.selection_grad_cap}")
 
 
 class BeamSearchOutput(NamedTuple):
@@ -55,6 +79,8 @@ class BeamSearchOutput(NamedTuple):
         tokens: ``(batch, beam, T)`` token sequence of each final beam (argmax candidates,
             backtracked; undefined after a sentence's length).
         sharpness: ``(batch, T, beam)`` largest weight in each column of A (1 = hard selection).
+        near_tie: ``(batch, T)`` bool: two of the k + 1 best candidates of the step are less than
+            the (effective, linear-cost) epsilon apart, i.e. a rank boundary is soft there.
         n_unconverged: number of steps whose top-k solve missed its tolerance.
     """
 
@@ -64,6 +90,7 @@ class BeamSearchOutput(NamedTuple):
     best_beam: Tensor
     tokens: Tensor
     sharpness: Tensor
+    near_tie: Tensor
     n_unconverged: int
 
 
@@ -82,7 +109,7 @@ def mix_state(state: NamedTuple, weights: Tensor) -> NamedTuple:
     return type(state)(*mixed)
 
 
-def exact_window(scores: Tensor, beam: int, epsilon: float, tol: float) -> Tensor:
+def exact_window(scores: Tensor, beam: int, epsilon: float, tol: float, kth: Optional[Tensor] = None) -> Tensor:
     """The candidates that carry all but ``tol / 100`` of every rank (linear cost), as a mask.
 
     The rank/rest boundary of the sorted soft top-k lies at most ``eps * log(2 (k+1)^2)``
@@ -93,13 +120,15 @@ def exact_window(scores: Tensor, beam: int, epsilon: float, tol: float) -> Tenso
 
     Args:
         scores: ``(batch, n)`` candidate scores (``-inf`` = not a candidate).
+        kth: ``(batch, 1)`` the (k+1)-th best score of each row, if known.
     Returns:
         ``(batch, n)`` bool, True inside the window.
     """
     scores = scores.detach()
     n = scores.shape[-1]
     margin = math.log(100.0 * n / tol) + math.log(2.0 * (beam + 1) ** 2)
-    kth = scores.topk(min(beam + 1, n), dim=-1).values[:, -1:]
+    if kth is None:
+        kth = scores.topk(min(beam + 1, n), dim=-1).values[:, -1:]
     return scores >= kth - margin * epsilon
 
 
@@ -164,21 +193,41 @@ def mix_embeddings(embeddings: Tensor, tokens: Tensor, A: Tensor) -> Tensor:
     return torch.nn.functional.embedding_bag(bags, embeddings, mode="sum", per_sample_weights=weights)
 
 
-def _select(scores: Tensor, beam: int, config: BeamSearchConfig):
+def near_ties(scores: Tensor, top: Tensor, config: BeamSearchConfig) -> Tensor:
+    """Rows where two of the k + 1 best candidates are closer than the effective epsilon.
+
+    Args:
+        scores: ``(batch, n)``; top: ``(batch, k + 1)`` their best values, sorted.
+    Returns:
+        ``(batch,)`` bool.
+    """
+    if config.cost == "paper":
+        valid = torch.isfinite(scores)
+        eps = effective_epsilon(torch.where(valid, scores, torch.zeros_like(scores)), valid, config.epsilon,
+                                config.cost, config.beam).squeeze(-1)
+    else:
+        eps = config.epsilon * (0.5 if config.cost == "sqeuclidean" else 1.0)
+    gaps = top[:, :-1] - top[:, 1:]
+    return (gaps < torch.as_tensor(eps, dtype=gaps.dtype).reshape(-1, 1)).any(-1)
+
+
+def _select(scores: Tensor, beam: int, config: BeamSearchConfig, kth: Tensor,
+            observe: Optional[Callable[[Tensor], None]]):
     """Top-k of the candidates ``(batch, n)``: candidate ids ``(batch, m)`` and A ``(batch, m, beam)``.
 
     With a pool (or in hard mode) only the m best candidates are kept (hard selection), and
     A is computed over them. Otherwise, with the linear cost, the soft top-k runs on the
     :func:`exact_window` of candidates (the others would get less than ``tol / 100`` of any
     rank; padding is ``-inf``, which the operator excludes); with the paper's cost, whose
-    scale depends on every candidate, on all of them.
+    scale depends on every candidate, on all of them. ``kth``: ``(batch, 1)`` the (k+1)-th
+    best score; ``observe``: gets the norms of the gradient reaching the operator.
     """
     pool = beam if config.mode == "hard" else config.candidate_pool
     ids = None
     if pool and pool < scores.shape[-1]:
         pool_scores, ids = scores.topk(pool, dim=-1, sorted=True)
     elif not pool and config.cost == "linear":
-        ids, valid = compact_rows(exact_window(scores, beam, config.epsilon, config.tol))
+        ids, valid = compact_rows(exact_window(scores, beam, config.epsilon, config.tol, kth))
         if ids.shape[1] < scores.shape[-1]:
             pool_scores = scores.gather(1, ids).masked_fill(~valid, -float("inf"))
         else:
@@ -188,13 +237,20 @@ def _select(scores: Tensor, beam: int, config: BeamSearchConfig):
     if config.mode == "hard":
         A = torch.eye(beam, dtype=scores.dtype, device=scores.device).expand(scores.shape[0], beam, beam)
         return ids, A, True
+    if config.selection_grad == "none":
+        pool_scores = pool_scores.detach()
+    elif pool_scores.requires_grad:
+        cap = config.selection_grad_cap if config.selection_grad == "capped" else math.inf
+        if observe is not None or cap < math.inf:
+            pool_scores = cap_row_grad_norm(pool_scores, cap, observe)
     A, info = sorted_soft_topk(pool_scores, beam, epsilon=config.epsilon, cost=config.cost, tol=config.tol,
                                max_iter=config.max_iter, return_info=True)
     return ids, A, info.converged
 
 
 def unroll_beam_search(decoder, encoder_out, reorder_encoder_out: Callable, target: Tensor, pad: int, bos: int,
-                       config: BeamSearchConfig) -> BeamSearchOutput:
+                       config: BeamSearchConfig, grad_observer: Optional[GradientObserver] = None
+                       ) -> BeamSearchOutput:
     """Unrolls (soft or hard) beam search for ``T = target.shape[1]`` steps.
 
     Args:
@@ -204,6 +260,7 @@ def unroll_beam_search(decoder, encoder_out, reorder_encoder_out: Callable, targ
             ``beam`` times).
         target: ``(batch, T)`` gold tokens, right-padded with ``pad`` (EOS included).
         bos: the token that starts decoding (fairseq feeds EOS).
+        grad_observer: see :data:`GradientObserver` (soft mode with a selection gradient).
     """
     batch, T = target.shape
     k = config.beam
@@ -221,6 +278,7 @@ def unroll_beam_search(decoder, encoder_out, reorder_encoder_out: Callable, targ
     history_smooth: List[Tensor] = []
     history_cum: List[Tensor] = []
     sharpness: List[Tensor] = []
+    ties: List[Tensor] = []
     n_unconverged = 0
     for t in range(T):
         lprobs, new_state = decoder.step(inputs, state, enc)  # (B*k) x V
@@ -234,7 +292,15 @@ def unroll_beam_search(decoder, encoder_out, reorder_encoder_out: Callable, targ
             cum = torch.full((batch, k), -float("inf"), dtype=lprobs.dtype, device=device)
             cum[:, 0] = 0.0
         scores = (cum.unsqueeze(-1) + lprobs).view(batch, k * V)  # candidate (i, j) -> i*V + j
-        ids, A, converged = _select(scores, k, config)
+        top = scores.detach().topk(min(k + 1, k * V), dim=-1).values
+        ties.append(near_ties(scores.detach(), top, config))
+        observe = None
+        if grad_observer is not None:
+            live = t < lengths - 1  # a sentence's last selection reaches no loss term
+
+            def observe(norms, live=live):
+                grad_observer(norms, live)
+        ids, A, converged = _select(scores, k, config, top[:, -1:], observe)
         n_unconverged += int(not converged)
         cand = ids if ids is not None else torch.arange(k * V, device=device).expand(batch, -1)
         if ids is not None and config.mode == "soft":
@@ -261,7 +327,8 @@ def unroll_beam_search(decoder, encoder_out, reorder_encoder_out: Callable, targ
         state = mix_state(new_state, state_weights)
     gold, smooth, best_beam = _backtrack(history_pred, history_gold, history_smooth, history_cum, lengths)
     tokens = _beam_tokens(history_pred, history_token)
-    return BeamSearchOutput(gold, smooth, cum, best_beam, tokens, torch.stack(sharpness, 1), n_unconverged)
+    return BeamSearchOutput(gold, smooth, cum, best_beam, tokens, torch.stack(sharpness, 1), torch.stack(ties, 1),
+                            n_unconverged)
 
 
 def _beam_tokens(pred: List[Tensor], token: List[Tensor]) -> Tensor:

@@ -4,19 +4,23 @@
 2020), solved to a tolerance (threshold root-finding / Newton on the semi-dual) and
 differentiated implicitly. ``sinkhorn_log`` is the log-domain Sinkhorn reference, and
 :mod:`fairseq_softtopk.ops.paper_algorithm` a re-implementation of the published algorithm,
-kept as baselines for tests and benchmarks.
+kept as baselines for tests and benchmarks. ``cap_row_grad_norm`` bounds the gradient that
+enters an operator, per row (soft beam search's remedy for gradients compounding over steps).
 """
 
 from ._common import COSTS, SolverInfo
+from .gradient_cap import RowGradientCapFunction, cap_row_grad_norm
 from .sinkhorn import sinkhorn_log
 from .soft_topk import SoftTopKFunction, soft_topk
 from .sorted_soft_topk import SortedSoftTopKFunction, sorted_soft_topk
 
 __all__ = [
     "COSTS",
+    "RowGradientCapFunction",
     "SolverInfo",
     "SoftTopKFunction",
     "SortedSoftTopKFunction",
+    "cap_row_grad_norm",
     "sinkhorn_log",
     "soft_topk",
     "sorted_soft_topk",

@@ -145,7 +145,7 @@ def prepare_scores(scores: Tensor, k: int, dim: int, largest: bool, epsilon: flo
                          f"(smallest such count: {int(n_valid.min())}, n={n})")
     if not all_valid:
         x = torch.where(valid, x, torch.zeros((), dtype=x.dtype, device=x.device))
-    eps = _effective_epsilon(x, None if all_valid else valid, epsilon, cost, n_anchor_steps)
+    eps = effective_epsilon(x, None if all_valid else valid, epsilon, cost, n_anchor_steps)
     sign = 1.0 if largest else -1.0
     z = sign * x  # a new tensor, centred in place below
     # Centring does not change the plan (a shift of z is absorbed by the anchor potentials).
@@ -164,7 +164,7 @@ def prepare_scores(scores: Tensor, k: int, dim: int, largest: bool, epsilon: flo
                           top_index=top_index, all_valid=all_valid)
 
 
-def _effective_epsilon(x: Tensor, valid: Optional[Tensor], epsilon: float, cost: str, n_anchor_steps: int) -> Tensor:
+def effective_epsilon(x: Tensor, valid: Optional[Tensor], epsilon: float, cost: str, n_anchor_steps: int) -> Tensor:
     """``(rows, 1)`` temperature of the equivalent linear-cost problem (see module docstring)."""
     if cost == "linear":
         return torch.full((x.shape[0], 1), float(epsilon), dtype=x.dtype, device=x.device)
