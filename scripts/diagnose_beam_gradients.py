@@ -35,7 +35,8 @@ from typing import Dict, List, Optional, Sequence
 import torch
 from fairseq_commands import PACKAGE_DIR
 
-import fairseq_softtopk
+sys.path.insert(0, str(PACKAGE_DIR.parent))  # this checkout's package (also from a git worktree), as --user-dir
+import fairseq_softtopk  # noqa: E402
 
 VARIANTS = {
     "hard": "--topk-mode hard",

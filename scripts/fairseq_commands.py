@@ -1,5 +1,6 @@
 """Running fairseq's command-line tools from scripts, with this package as ``--user-dir``."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +26,8 @@ def run_logged(cmd: Sequence[str], log_path: Optional[Path] = None, echo: bool =
     lines: List[str] = []
     log = open(log_path, "a", encoding="utf-8") if log_path else None
     try:
-        with subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # progress lines as they happen, not in 8 KB blocks
+        with subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
             for line in proc.stdout:
                 lines.append(line)
                 if log:

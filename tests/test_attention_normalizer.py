@@ -233,3 +233,17 @@ def test_softmax_ignores_k_and_epsilon(rng):
     scores = _scores(rng, 3, 5)
     torch.testing.assert_close(normalize_attention(scores, normalizer="softmax", k=None, epsilon=-1.0),
                                F.softmax(scores, -1))
+
+
+@pytest.mark.parametrize("name", ["softmax", "soft_topk", "hard_topk", "sparsemax", "entmax15"])
+def test_repr_with_a_fairseq_choice_member_as_name(name):
+    """fairseq passes ChoiceEnum members; the module's repr (fairseq logs the model) must be text."""
+    from fairseq.dataclass import ChoiceEnum
+
+    from fairseq_softtopk.modules.attention_normalizer import ATTENTION_NORMALIZERS, AttentionNormalizer
+
+    member = ChoiceEnum(list(ATTENTION_NORMALIZERS))(name)
+    k = 3 if "topk" in name else None
+    module = AttentionNormalizer(member, k=k)
+    assert type(module.name) is str and module.name == name
+    assert repr(module).startswith(f"AttentionNormalizer({name}")

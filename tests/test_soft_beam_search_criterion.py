@@ -173,3 +173,22 @@ def test_capped_selection_gradient_stays_bounded_where_the_exact_one_explodes(di
     assert norms["full"] > 1e3 * norms["hard"]
     assert norms["capped"] < 10 * norms["hard"]
     assert norms["none"] < 10 * norms["hard"]
+
+
+def test_diagnose_script_reports_each_sentences_gradient_norm(dictionary, rng):
+    """scripts/diagnose_beam_gradients.py: per-sentence norms as a direct backward computes them,
+    nearest-rank quantiles, and the selection-gradient norms of every live step."""
+    from diagnose_beam_gradients import diagnose_variant, quantiles
+
+    model = build_model(dictionary, scale=3.0)
+    batches = [make_sample(dictionary, rng, [n]) for n in (5, 7, 4)]
+    criterion = build_criterion(dictionary, topk_epsilon=0.05, selection_grad="full")
+    report = diagnose_variant(model, criterion, batches, seed=3)
+    expected = []
+    for i, sample in enumerate(batches):
+        torch.manual_seed(3 + i)
+        expected.append(_grad_norm(model, criterion, sample)[0])
+    assert report["grad_norms"] == pytest.approx(expected, rel=1e-12)
+    assert report["selection_grad"] is not None and 0 < report["sharpness"] <= 1
+    assert quantiles([5.0, 1.0, 3.0, 2.0, 4.0]) == {"median": 3.0, "p90": 5.0, "p99": 5.0, "max": 5.0}
+    assert quantiles(list(range(1, 101)))["p90"] == 90

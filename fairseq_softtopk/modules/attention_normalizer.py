@@ -193,7 +193,7 @@ class AttentionNormalizer(nn.Module):
                  tol: float = 1e-5, max_iter: int = 100):
         super().__init__()
         check_normalizer_options(name, k, epsilon)
-        self.name = name
+        self.name = str(name)  # a fairseq ChoiceEnum member is no str on every Python (its extra_repr must be)
         self.k = k
         self.epsilon = epsilon
         self.tol = tol
