@@ -252,6 +252,13 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def _run_flags(args: Sequence[str]) -> List[str]:
+    """fairseq-train arguments without the paths (data, save dir, pretrained checkpoint), so that a
+    run directory moved or copied elsewhere (results/ in git) is recognised as the same run."""
+    paths = {"--save-dir", "--finetune-from-model"}
+    return [arg for i, arg in enumerate(args[1:], 1) if args[i - 1] not in paths]
+
+
 def train_run(data_bin: Path, flags: Mapping[str, object], save_dir: Path,
               finetune_from: Optional[Path] = None) -> dict:
     """Trains (or resumes, or skips when ``done.json`` exists) one run into ``save_dir``.
@@ -267,8 +274,8 @@ def train_run(data_bin: Path, flags: Mapping[str, object], save_dir: Path,
     save_dir.mkdir(parents=True, exist_ok=True)
     if (save_dir / RUN).exists():
         earlier = json.loads((save_dir / RUN).read_text())["args"]
-        if earlier != args:
-            changed = sorted(set(earlier) ^ set(args))
+        if _run_flags(earlier) != _run_flags(args):
+            changed = sorted(set(_run_flags(earlier)) ^ set(_run_flags(args)))
             raise ValueError(f"{save_dir} holds a run with other fairseq-train arguments (differing: {changed}); "
                              f"use another --work-dir or remove {save_dir}")
     else:
@@ -296,9 +303,16 @@ def evaluate_run(run_dir: Path, data_bin: Path, ref_dir: Optional[Path], eval_cf
 
     settings = {key: eval_cfg.get(key) for key in EVAL_KEYS}
     cache = run_dir / EVAL
+    # the training run it scores, by done.json's finishing time: a copy of the run directory
+    # without checkpoints (results/ in git) keeps its scores
+    trained = json.loads((run_dir / DONE).read_text()).get("finished")
     if cache.exists():
         cached = json.loads(cache.read_text())
-        if cached.get("settings") == settings and cached.get("done_mtime") == (run_dir / DONE).stat().st_mtime:
+        same_run = cached.get("trained") == trained if "trained" in cached else \
+            cached.get("done_mtime") == (run_dir / DONE).stat().st_mtime  # caches written before "trained"
+        if cached.get("settings") == settings and same_run:
+            if "trained" not in cached:
+                _write_json_atomic(cache, {"settings": settings, "trained": trained, "subsets": cached["subsets"]})
             return cached["subsets"]
     subsets = {}
     for subset in eval_cfg.get("subsets") or ["valid", "test"]:
@@ -313,8 +327,7 @@ def evaluate_run(run_dir: Path, data_bin: Path, ref_dir: Optional[Path], eval_cf
         if subsets[subset]["n_sentences"] != n:  # the T- lines can miss dropped inputs too
             raise RuntimeError(f"{run_dir}: {subsets[subset]['n_sentences']} of the {n} {subset} sentences "
                                f"were translated")
-    _write_json_atomic(cache, {"settings": settings, "done_mtime": (run_dir / DONE).stat().st_mtime,
-                               "subsets": subsets})
+    _write_json_atomic(cache, {"settings": settings, "trained": trained, "subsets": subsets})
     return subsets
 
 

@@ -339,3 +339,18 @@ def test_changed_flags_missing_data_and_checkpoint_are_clear_errors(micro, tmp_p
         run_ablation(config, tmp_path / "no_data", tmp_path / "work")
     with pytest.raises(FileNotFoundError, match="pretrained checkpoint not found"):
         run_ablation(config, root / "bin", tmp_path / "work", pretrained=tmp_path / "missing.pt")
+
+
+@pytest.mark.slow
+def test_a_copy_without_checkpoints_elsewhere_reports_the_same_table(micro, tmp_path):
+    """results/ in git holds run directories without checkpoints, at another path: the runner
+    recognises every finished arm there (no training, no evaluation) and writes the same scores."""
+    import shutil
+
+    root, config, _ = micro
+    before = json.loads((root / "work" / "results.json").read_text())
+    copy = tmp_path / "results"
+    shutil.copytree(root / "work", copy, ignore=shutil.ignore_patterns("*.pt"))
+    results = run_ablation(config, root / "bin", copy, ref_dir=root / "raw", bootstrap_samples=200)
+    assert not list(copy.rglob("*.pt"))  # nothing was trained or needed
+    assert results["scores"] == before["scores"] and results["summary"] == before["summary"]
