@@ -159,7 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     opts = build_parser().parse_args(argv)
-    warnings.filterwarnings("ignore", module="hydra|fairseq|torch")  # configuration deprecations, not ours
+    for category in (UserWarning, DeprecationWarning):  # hydra's configuration deprecations, not ours
+        warnings.filterwarnings("ignore", category=category)
     logging.basicConfig(level=logging.WARNING)
     for name in ("fairseq", "hydra"):
         logging.getLogger(name).setLevel(logging.WARNING)
