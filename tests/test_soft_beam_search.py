@@ -324,3 +324,18 @@ def test_soft_mode_equals_the_papers_algorithm_written_out(rng, epsilon):
             if length == target.shape[1]:  # shorter sentences' final beams run on past their end
                 torch.testing.assert_close(out.final_scores[b], final, atol=1e-7, rtol=0)
                 assert out.tokens[b].tolist() == tokens
+
+
+def test_near_ties_compares_the_gaps_among_the_k_plus_one_best_with_epsilon():
+    from fairseq_softtopk.modules.soft_beam_search import near_ties
+
+    scores = torch.tensor([[0.0, -1.0, -2.0, -2.05, -9.0],  # ranks 3 / 4 (the rest boundary) 0.05 apart
+                           [0.0, -1.0, -2.0, -3.0, -3.01],  # the tie is below the k+1 best: none
+                           [0.0, -0.02, -2.0, -4.0, -6.0]])  # ranks 1 / 2 0.02 apart
+    top = scores.topk(4, dim=-1).values  # k = 3
+    config = BeamSearchConfig(beam=3, epsilon=0.1)
+    assert near_ties(scores, top, config).tolist() == [True, False, True]
+    assert near_ties(scores, top, BeamSearchConfig(beam=3, epsilon=0.03)).tolist() == [False, False, True]
+    # sqeuclidean is the linear problem at epsilon / 2
+    assert near_ties(scores, top, BeamSearchConfig(beam=3, epsilon=0.06, cost="sqeuclidean")).tolist() == \
+        [False, False, True]
