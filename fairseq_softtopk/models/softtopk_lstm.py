@@ -134,7 +134,7 @@ def softtopk_lstm_tiny(args) -> None:
 
 @register_model_architecture("softtopk_lstm", "softtopk_lstm_multi30k")
 def softtopk_lstm_multi30k(args) -> None:
-    """CPU-sized (about 6M parameters at a 7.8k/5.9k vocabulary): the config defaults."""
+    """CPU-sized (10,964,056 parameters with the joined 7,768-type Multi30k dictionary): the config defaults."""
     _set_defaults(args, dropout=0.3, encoder_embed_dim=256, encoder_hidden_size=256, encoder_layers=1,
                   decoder_embed_dim=256, decoder_hidden_size=512, decoder_layers=1, decoder_out_embed_dim=256,
                   decoder_maxout_pieces=2, attention_dim=256)
