@@ -37,7 +37,7 @@ from fairseq_commands import fairseq_command, run_logged
 logger = logging.getLogger("ablation")
 
 STAGES = ("pretrain", "finetune", "scratch")
-HEADER_KEYS = ("description", "stage", "data", "pretrain", "baseline", "default_arms", "notes")
+HEADER_KEYS = ("description", "stage", "data", "pretrain", "baseline", "compare_to", "default_arms", "notes")
 SECTIONS = ("model", "train", "arms", "eval")
 #: Flags an arm may not change: every arm gets the same update budget, batches and seed.
 BUDGET_FLAGS = ("max-update", "max-epoch", "seed", "max-tokens", "batch-size", "update-freq")
@@ -113,9 +113,10 @@ def validate_config(config: dict, _nested: bool = False) -> None:
     arms = config.get("arms") or {}
     if config.get("baseline") not in arms:
         raise ValueError(f"{where}: baseline {config.get('baseline')!r} is not one of the arms {sorted(arms)}")
-    missing = [a for a in config.get("default_arms") or [] if a not in arms]
-    if missing:
-        raise ValueError(f"{where}: default_arms {missing} are not defined under 'arms'")
+    for key in ("default_arms", "compare_to"):
+        missing = [a for a in config.get(key) or [] if a not in arms]
+        if missing:
+            raise ValueError(f"{where}: {key} {missing} are not defined under 'arms'")
     for name, flags in arms.items():
         if not isinstance(flags, dict):
             raise ValueError(f"{where}: arm {name!r} must be a mapping of flags, got {flags!r}")
@@ -403,11 +404,15 @@ def _mean_sd(values: Sequence[float]) -> tuple:
 
 def summarise(config: dict, runs: dict, arms: Sequence[str], seeds: Sequence[int], bootstrap_samples: int) -> dict:
     """Scores per arm/seed/subset, mean and spread over seeds, and paired bootstrap of every
-    arm against the baseline of the same seed."""
+    arm against the baseline of the same seed (``bootstrap``) and against each of the config's
+    ``compare_to`` arms (``bootstrap_vs``)."""
     from evaluate import paired_bootstrap
 
     baseline = config["baseline"]
-    scores, summary, bootstrap, train, signatures = {}, {}, {}, {}, {}
+    # paired bootstrap against the baseline, and against each compare_to arm that ran
+    references = [baseline] + [a for a in config.get("compare_to") or [] if a in runs and a != baseline]
+    scores, summary, train, signatures = {}, {}, {}, {}
+    against: Dict[str, dict] = {ref: {} for ref in references}
     for arm, by_seed in runs.items():
         for seed, run in by_seed.items():
             train.setdefault(arm, {})[seed] = {k: run["train"].get(k) for k in TRAIN_STATS}
@@ -415,25 +420,30 @@ def summarise(config: dict, runs: dict, arms: Sequence[str], seeds: Sequence[int
                 signatures = {"bleu": ev["bleu_signature"], "chrf": ev["chrf_signature"]}
                 scores.setdefault(arm, {}).setdefault(seed, {})[subset] = {
                     k: ev[k] for k in ("bleu", "chrf", "n_sentences", "reference")}
-                if arm in (baseline, "pretrained"):
-                    continue
-                base = runs[baseline][seed]["eval"][subset]
-                if base["references"] != ev["references"]:
-                    raise ValueError(f"{arm} and {baseline} (seed {seed}) were scored against different {subset} "
-                                     f"references ({ev['reference']} / {base['reference']})")
-                bootstrap.setdefault(arm, {}).setdefault(seed, {})[subset] = paired_bootstrap(
-                    base["hypotheses"], ev["hypotheses"], ev["references"], n_samples=bootstrap_samples)
+                for ref in references:
+                    if arm in (ref, "pretrained"):
+                        continue
+                    base = runs[ref].get(seed, {}).get("eval", {}).get(subset)
+                    if base is None:
+                        continue
+                    if base["references"] != ev["references"]:
+                        raise ValueError(f"{arm} and {ref} (seed {seed}) were scored against different {subset} "
+                                         f"references ({ev['reference']} / {base['reference']})")
+                    against[ref].setdefault(arm, {}).setdefault(seed, {})[subset] = paired_bootstrap(
+                        base["hypotheses"], ev["hypotheses"], ev["references"], n_samples=bootstrap_samples)
         for subset in next(iter(by_seed.values()))["eval"]:
             per_seed = [scores[arm][s][subset] for s in by_seed]
             (bleu, bleu_sd), (chrf, chrf_sd) = (_mean_sd([r[m] for r in per_seed]) for m in ("bleu", "chrf"))
             summary.setdefault(arm, {})[subset] = {"bleu_mean": bleu, "bleu_sd": bleu_sd, "chrf_mean": chrf,
                                                    "chrf_sd": chrf_sd, "n_seeds": len(per_seed)}
+    bootstrap = against.pop(baseline)
     return {
         "description": " ".join(str(config.get("description", "")).split()), "config": config["path"],
         "stage": config["stage"], "baseline": baseline, "arms": list(arms), "seeds": list(seeds),
         "arm_flags": {arm: flags_to_args(config["arms"][arm]) for arm in arms},
         "common_flags": flags_to_args(stage_flags(config)), "eval": config.get("eval") or {},
-        "signatures": signatures, "scores": scores, "summary": summary, "bootstrap": bootstrap, "train": train,
+        "signatures": signatures, "scores": scores, "summary": summary, "bootstrap": bootstrap,
+        "bootstrap_vs": against, "train": train,
         "bootstrap_method": f"paired bootstrap resampling, {bootstrap_samples} resamples, numpy seed 12345, "
                             f"two-sided p, percentile 95% CI of the difference (scripts/evaluate.py)",
         "notes": [" ".join(str(n).split()) for n in config.get("notes") or []],
@@ -483,6 +493,13 @@ def results_markdown(results: dict) -> str:
             name = {"pretrained": "pretrained (no fine-tuning)", base: f"{base} (baseline)"}.get(arm, arm)
             lines.append(f"| {name} | {bleu} | {chrf} | {' | '.join(cells)} | {grad} | "
                          f"{stats['wall_seconds'] or 0:.0f} ({stats['cpu_seconds'] or 0:.0f}) |")
+        for ref, arms_vs in (results.get("bootstrap_vs") or {}).items():
+            lines += ["", f"Against `{ref}` ({subset}):", "",
+                      f"| arm | ΔBLEU vs {ref} {spread} | {p} | ΔchrF vs {ref} {spread} | {p} |", "|---|---|---|---|---|"]
+            for arm in results["arms"]:
+                if arm in arms_vs:
+                    cells = [*_fmt_delta(arms_vs[arm], subset, "bleu"), *_fmt_delta(arms_vs[arm], subset, "chrf")]
+                    lines.append(f"| {arm} | {' | '.join(cells)} |")
         reference = results["scores"][base][str(results["seeds"][0])][subset]["reference"]
         lines += ["", f"Reference: `{reference}`.", ""]
     lines += ["## Settings", "", f"- config: `{results['config']}`; data: `{results['data_bin']}`",

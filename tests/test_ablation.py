@@ -69,6 +69,7 @@ def test_bad_override_is_an_error(item):
     ("train.save-dir=/tmp/x", "runner sets"),
     ("eval.bem=5", "unknown eval keys"),
     ("default_arms=[tf, nope]", "default_arms"),
+    ("compare_to=[nope]", "compare_to"),
 ])
 def test_invalid_config_is_rejected(override, message):
     with pytest.raises(ValueError, match=message):
@@ -235,6 +236,7 @@ description: tiny ablation (tests)
 stage: finetune
 pretrain: pretrain.yaml
 baseline: tf
+compare_to: [hard]
 default_arms: [tf, hard, soft]
 notes: [a test run]
 train: {criterion: soft_beam_search, train-beam: 2, optimizer: adam, lr: 0.005, batch-size: 32, max-update: 8,
@@ -285,6 +287,15 @@ def test_micro_ablation_writes_results_table_and_curves(micro):
         boot = on_disk["bootstrap"][arm]["1"]["test"]["bleu"]
         assert 0.0 < boot["p_value"] <= 1.0 and boot["delta_ci95"][0] <= boot["delta_ci95"][1]
     assert "tf" not in on_disk["bootstrap"]
+    # compare_to: every other arm (the baseline too) against hard, with hard's own hypotheses
+    against_hard = on_disk["bootstrap_vs"]["hard"]
+    assert set(against_hard) == {"tf", "soft"}
+    soft_vs_hard = against_hard["soft"]["1"]["test"]["bleu"]
+    scores = on_disk["scores"]
+    assert soft_vs_hard["delta"] == pytest.approx(scores["soft"]["1"]["test"]["bleu"] - scores["hard"]["1"]["test"]["bleu"],
+                                                  abs=0.01)
+    assert against_hard["tf"]["1"]["test"]["bleu"]["delta"] == pytest.approx(
+        -on_disk["bootstrap"]["hard"]["1"]["test"]["bleu"]["delta"], abs=0.01)
     assert on_disk["signatures"]["bleu"].startswith("nrefs:1|case:mixed|eff:no|tok:13a")
     assert on_disk["scores"]["tf"]["1"]["test"]["reference"] == str(root / "raw" / "test.tgt")
     # equal budgets: every arm stopped at update 8, started from the pretrained checkpoint
@@ -294,7 +305,8 @@ def test_micro_ablation_writes_results_table_and_curves(micro):
         assert read_valid_curve(work / "seed1" / arm / "train.log")[-1]["num_updates"] == 8
         assert len((work / "seed1" / arm / "test.hyp").read_text().splitlines()) == 30
     markdown = (work / "results.md").read_text()
-    for row in ("| pretrained (no fine-tuning) |", "| tf (baseline) |", "| hard |", "| soft |", "a test run"):
+    for row in ("| pretrained (no fine-tuning) |", "| tf (baseline) |", "| hard |", "| soft |", "a test run",
+                "Against `hard` (test):"):
         assert row in markdown
     assert (work / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (work / "curves.png").stat().st_size > 10_000
