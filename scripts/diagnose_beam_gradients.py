@@ -3,8 +3,9 @@
 
 For each of ``--sentences`` training sentences (a seeded sample) and each variant (a set of
 ``soft_beam_search`` criterion flags), this runs the criterion on that sentence alone, in
-training mode (dropout seeded per sentence, the same for every variant), normalises the loss by
-its target tokens as fairseq does, and takes the norm of the parameters' gradient. It prints,
+training mode (dropout seeded per sentence, the same for every variant), back-propagates the
+summed loss and divides the gradient by the target tokens, as fairseq does (the selection
+gradient's cap acts on the summed loss's gradient, as in training), and takes its norm. It prints,
 per variant, the quantiles (median, p90, p99, max) of those norms and their ratio to the hard
 variant's median; the norms of the gradient reaching each step's selection (per sentence and
 step, before any cap, in units of one gold token's beam-term gradient ``1 - p``); the share of
@@ -110,10 +111,10 @@ def diagnose_variant(model, criterion, batches: List[dict], seed: int) -> dict:
         model.zero_grad(set_to_none=True)
         criterion.record_selection_grads = step_norms  # every norm, not only the logged sums
         loss, sample_size, log = criterion(model, sample)
-        (loss / sample_size).backward()
+        loss.backward()  # as fairseq: the summed loss, then the gradients divided by the sample size
         total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params
                                                       if p.grad is not None]))
-        grad_norms.append(float(total))
+        grad_norms.append(float(total) / sample_size)
         criterion.record_selection_grads = None
         n = int(log.get("topk_steps", 0))
         steps += n
