@@ -1,6 +1,5 @@
 """The soft_beam_search criterion: its loss formula, its options, and the selection-gradient remedy."""
 
-import math
 from types import SimpleNamespace
 
 import pytest

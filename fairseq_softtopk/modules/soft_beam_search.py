@@ -27,6 +27,7 @@ The decoder only needs the "step on embeddings" interface of
 ``embed``, ``embedding_matrix`` and ``step``; states are NamedTuples of batch-first tensors.
 """
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable, List, NamedTuple, Optional, Tuple
@@ -295,11 +296,8 @@ def unroll_beam_search(decoder, encoder_out, reorder_encoder_out: Callable, targ
         top = scores.detach().topk(min(k + 1, k * V), dim=-1).values
         ties.append(near_ties(scores.detach(), top, config))
         observe = None
-        if grad_observer is not None:
-            live = t < lengths - 1  # a sentence's last selection reaches no loss term
-
-            def observe(norms, live=live):
-                grad_observer(norms, live)
+        if grad_observer is not None:  # a sentence's last selection reaches no loss term: not live
+            observe = functools.partial(_observe_step, grad_observer, t < lengths - 1)
         ids, A, converged = _select(scores, k, config, top[:, -1:], observe)
         n_unconverged += int(not converged)
         cand = ids if ids is not None else torch.arange(k * V, device=device).expand(batch, -1)
@@ -329,6 +327,10 @@ def unroll_beam_search(decoder, encoder_out, reorder_encoder_out: Callable, targ
     tokens = _beam_tokens(history_pred, history_token)
     return BeamSearchOutput(gold, smooth, cum, best_beam, tokens, torch.stack(sharpness, 1), torch.stack(ties, 1),
                             n_unconverged)
+
+
+def _observe_step(grad_observer: GradientObserver, live: Tensor, norms: Tensor) -> None:
+    grad_observer(norms, live)
 
 
 def _beam_tokens(pred: List[Tensor], token: List[Tensor]) -> Tensor:
