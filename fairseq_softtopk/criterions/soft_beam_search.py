@@ -143,8 +143,8 @@ class SoftBeamSearchCriterion(FairseqCriterion):
         observe = run_beam and self.search.mode == "soft" and self.search.selection_grad != "none" and model.training
         stats = None
         if observe:
-            cap = self.search.selection_grad_cap if self.search.selection_grad == "capped" else math.inf
-            stats = SelectionGradientStats(cap, 1.0 - self.p, target.device, self.record_selection_grads)
+            stats = SelectionGradientStats(self.search.grad_cap, 1.0 - self.p, target.device,
+                                           self.record_selection_grads)
 
         def beam_search(encoder, decoder, encoder_out):
             return unroll_beam_search(decoder, encoder_out, encoder.reorder_encoder_out, target, self.padding_idx,

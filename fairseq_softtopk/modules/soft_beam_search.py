@@ -66,6 +66,11 @@ class BeamSearchConfig:
         if self.selection_grad == "capped" and not self.selection_grad_cap > 0:
             raise ValueError(f"selection_grad_cap must be > 0, got {self.selection_grad_cap}")
 
+    @property
+    def grad_cap(self) -> float:
+        """The cap on the selection gradient per sentence and step (``inf`` unless ``"capped"``)."""
+        return self.selection_grad_cap if self.selection_grad == "capped" else math.inf
+
 
 class BeamSearchOutput(NamedTuple):
     """Results of one unrolled search over a batch.
@@ -241,9 +246,8 @@ def _select(scores: Tensor, beam: int, config: BeamSearchConfig, kth: Tensor,
     if config.selection_grad == "none":
         pool_scores = pool_scores.detach()
     elif pool_scores.requires_grad:
-        cap = config.selection_grad_cap if config.selection_grad == "capped" else math.inf
-        if observe is not None or cap < math.inf:
-            pool_scores = cap_row_grad_norm(pool_scores, cap, observe)
+        if observe is not None or config.grad_cap < math.inf:
+            pool_scores = cap_row_grad_norm(pool_scores, config.grad_cap, observe)
     A, info = sorted_soft_topk(pool_scores, beam, epsilon=config.epsilon, cost=config.cost, tol=config.tol,
                                max_iter=config.max_iter, return_info=True)
     return ids, A, info.converged
