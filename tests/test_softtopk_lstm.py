@@ -170,15 +170,33 @@ def test_embed_is_a_row_of_embedding_matrix(dictionary, rng):
 
 
 def test_step_applies_dropout_like_forward(dictionary, rng):
+    """Training mode: one step draws the same dropout masks, in the same order, as ``forward``.
+
+    On a one-token prefix every dropout site of ``forward`` sees a tensor with the same number
+    of elements as the step's, so the same seed gives the same masks: the two agree exactly
+    only if ``step`` drops out the same sites (embedding, input feed, between layers, ``o``,
+    readout). In eval mode (no dropout) the step chain equals ``forward`` at every position.
+    """
     src_tokens, src_lengths = source_batch(dictionary, rng, [5, 3])
     prev = target_prefix(dictionary, rng, 2, 3)
-    model = build_model(dictionary, dropout=0.5).train()
+    model = build_model(dictionary, dropout=0.5, encoder_layers=2, decoder_layers=2).train()
     encoder_out = model.encoder(src_tokens, src_lengths)
-    first, second = step_chain(model.decoder, prev, encoder_out), step_chain(model.decoder, prev, encoder_out)
-    assert not torch.allclose(first, second)  # dropout is active in step
+
+    def forward_one(seed):
+        torch.manual_seed(seed)
+        return model.get_normalized_probs(model.decoder(prev[:, :1], encoder_out), log_probs=True)[:, 0]
+
+    def step_one(seed):
+        torch.manual_seed(seed)
+        state = model.decoder.initial_state(encoder_out)
+        return model.decoder.step(model.decoder.embed(prev[:, 0]), state, encoder_out)[0]
+
+    torch.testing.assert_close(step_one(7), forward_one(7), rtol=0, atol=1e-6)
+    assert not torch.allclose(step_one(7), step_one(8))  # dropout is active in step
     model.eval()
-    torch.testing.assert_close(step_chain(model.decoder, prev, encoder_out),
-                               step_chain(model.decoder, prev, encoder_out), rtol=0, atol=0)
+    with torch.no_grad():
+        forward = model.get_normalized_probs(model(src_tokens, src_lengths, prev), log_probs=True)
+        torch.testing.assert_close(step_chain(model.decoder, prev, model.encoder(src_tokens, src_lengths)), forward)
 
 
 @pytest.mark.parametrize("left_pad", [True, False])
