@@ -32,157 +32,14 @@ import time
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence
 
+from ablation_config import EVAL_KEYS, flags_to_args, load_config, stage_flags
+from ablation_plot import plot_curves
+from ablation_report import results_markdown, summarise
 from fairseq_commands import fairseq_command, run_logged
 
 logger = logging.getLogger("ablation")
 
-STAGES = ("pretrain", "finetune", "scratch")
-HEADER_KEYS = ("description", "stage", "data", "pretrain", "baseline", "compare_to", "default_arms", "notes")
-SECTIONS = ("model", "train", "arms", "eval")
-#: Flags an arm may not change: every arm gets the same update budget, batches and seed.
-BUDGET_FLAGS = ("max-update", "max-epoch", "seed", "max-tokens", "batch-size", "update-freq")
-#: Flags the runner sets itself.
-MANAGED_FLAGS = ("save-dir", "finetune-from-model", "restore-file", "user-dir")
-EVAL_KEYS = ("beam", "batch_size", "subsets", "post_process", "detok_lang", "generate")
 DONE, RUN, EVAL = "done.json", "run.json", "eval.json"
-TRAIN_STATS = ("wall_seconds", "cpu_seconds", "gnorm_median", "clipped_percent")
-
-
-# ----------------------------------------------------------------------------- configs
-
-def _read_yaml(path: Path) -> dict:
-    import yaml
-
-    if not path.is_file():
-        raise FileNotFoundError(f"config not found: {path}")
-    try:
-        config = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as error:
-        raise ValueError(f"{path} is not valid YAML: {error}") from error
-    if not isinstance(config, dict):
-        raise ValueError(f"{path}: a config must be a YAML mapping, got {type(config).__name__}")
-    for name, flags in (config.get("arms") or {}).items():
-        config["arms"][name] = flags or {}  # an arm without flags is written "name:"
-    config["path"] = str(path)
-    return config
-
-
-def apply_override(config: dict, item: str) -> None:
-    """Applies ``section.key=value`` (value parsed as YAML; empty: null, which drops a flag).
-
-    Examples: ``train.max-update=300``, ``arms.soft.topk-epsilon=0.05``,
-    ``pretrain.train.max-epoch=2``, ``eval.beam=1``.
-    """
-    import yaml
-
-    key, sep, raw = item.partition("=")
-    if not sep or not key or key.startswith(".") or key.endswith("."):
-        raise ValueError(f"an override looks like section.flag=value, got {item!r}")
-    *parents, leaf = key.split(".")
-    node = config
-    for i, part in enumerate(parents):
-        if not isinstance(node.get(part), dict):
-            raise ValueError(f"override {item!r}: {'.'.join(parents[:i + 1])!r} is not a section of "
-                             f"{config.get('path', 'the config')}")
-        node = node[part]
-    node[leaf] = yaml.safe_load(raw) if raw.strip() else None
-
-
-def validate_config(config: dict, _nested: bool = False) -> None:
-    """Raises ``ValueError`` naming the first problem of a (resolved) config."""
-    where = config.get("path", "config")
-    unknown = sorted(set(config) - set(HEADER_KEYS) - set(SECTIONS) - {"path"})
-    if unknown:
-        raise ValueError(f"{where}: unknown keys {unknown} (header: {HEADER_KEYS}, sections: {SECTIONS})")
-    stage = config.get("stage")
-    if stage not in STAGES:
-        raise ValueError(f"{where}: stage must be one of {STAGES}, got {stage!r}")
-    for section in ("model", "train", "arms", "eval"):
-        if not isinstance(config.get(section) or {}, dict):
-            raise ValueError(f"{where}: {section!r} must be a mapping")
-    if not config.get("train"):
-        raise ValueError(f"{where}: needs a 'train' mapping of fairseq-train flags")
-    if stage == "finetune":
-        if not isinstance(config.get("pretrain"), dict) or config["pretrain"].get("stage") != "pretrain":
-            raise ValueError(f"{where}: a finetune config needs 'pretrain': the file name of a pretrain-stage config")
-        validate_config(config["pretrain"], _nested=True)
-    elif not (config.get("model") or {}).get("arch"):
-        raise ValueError(f"{where}: a {stage} config needs model.arch")
-    if stage == "pretrain":
-        return
-    arms = config.get("arms") or {}
-    if config.get("baseline") not in arms:
-        raise ValueError(f"{where}: baseline {config.get('baseline')!r} is not one of the arms {sorted(arms)}")
-    for key in ("default_arms", "compare_to"):
-        missing = [a for a in config.get(key) or [] if a not in arms]
-        if missing:
-            raise ValueError(f"{where}: {key} {missing} are not defined under 'arms'")
-    for name, flags in arms.items():
-        if not isinstance(flags, dict):
-            raise ValueError(f"{where}: arm {name!r} must be a mapping of flags, got {flags!r}")
-        budget = sorted(set(flags) & set(BUDGET_FLAGS))
-        if budget:
-            raise ValueError(f"{where}: arm {name!r} sets {budget}; arms share the update budget, batches and "
-                             f"seed (set them under 'train' or with --seeds)")
-    for section in ("model", "train", "arms"):
-        flags = config.get(section) or {}
-        names = [f for arm in flags.values() for f in arm] if section == "arms" else list(flags)
-        managed = sorted(set(names) & set(MANAGED_FLAGS))
-        if managed:
-            raise ValueError(f"{where}: {section} sets {managed}; the runner sets these itself")
-    unknown_eval = sorted(set(config.get("eval") or {}) - set(EVAL_KEYS))
-    if unknown_eval:
-        raise ValueError(f"{where}: unknown eval keys {unknown_eval} (known: {EVAL_KEYS})")
-
-
-def load_config(path, overrides: Sequence[str] = ()) -> dict:
-    """Reads a stage config, resolves its ``pretrain`` config (a path relative to it), applies
-    ``overrides`` (see :func:`apply_override`) and validates the result."""
-    path = Path(path)
-    config = _read_yaml(path)
-    if config.get("pretrain"):
-        pretrain = Path(config["pretrain"])
-        config["pretrain"] = _read_yaml(pretrain if pretrain.is_absolute() else path.parent / pretrain)
-    for item in overrides:
-        apply_override(config, item)
-    validate_config(config)
-    return config
-
-
-def stage_flags(config: dict, arm: Optional[str] = None) -> Dict[str, object]:
-    """fairseq-train flags of a stage (and arm): model flags (a finetune stage inherits its
-    pretrain config's, so the checkpoint fits), then ``train``, then the arm's."""
-    flags = dict(config["pretrain"].get("model") or {}) if config.get("stage") == "finetune" else {}
-    flags.update(config.get("model") or {})
-    flags.update(config["train"])
-    if arm is not None:
-        if arm not in config.get("arms", {}):
-            raise ValueError(f"unknown arm {arm!r}; {config['path']} defines {sorted(config.get('arms', {}))}")
-        flags.update(config["arms"][arm])
-    return flags
-
-
-def flags_to_args(flags: Mapping[str, object]) -> List[str]:
-    """``{"lr": 0.1, "no-epoch-checkpoints": True, "x": False, "y": None}`` -> ``["--lr", "0.1",
-    "--no-epoch-checkpoints"]``; lists become several values."""
-    args: List[str] = []
-    for name, value in flags.items():
-        if value is None or value is False:
-            continue
-        if isinstance(value, dict):
-            raise ValueError(f"flag {name!r}: a value must be a scalar or a list, got the mapping {value!r}")
-        if value is True:
-            args.append(f"--{name}")
-        elif isinstance(value, (list, tuple)):
-            args += [f"--{name}", *map(str, value)]
-        else:
-            args += [f"--{name}", str(value)]
-    return args
-
-
-def config_train_args(path, arm: Optional[str] = None, overrides: Sequence[str] = ()) -> List[str]:
-    """fairseq-train arguments (without data, save dir and seed) of a config file and arm."""
-    return flags_to_args(stage_flags(load_config(path, overrides), arm))
 
 
 # ----------------------------------------------------------------------------- data
@@ -258,6 +115,26 @@ def _run_flags(args: Sequence[str]) -> List[str]:
     run directory moved or copied elsewhere (results/ in git) is recognised as the same run."""
     paths = {"--save-dir", "--finetune-from-model"}
     return [arg for i, arg in enumerate(args[1:], 1) if args[i - 1] not in paths]
+
+
+_TRAIN_INNER = re.compile(r"\| train_inner \| .*\bgnorm=([^,]+), clip=([^,]+)")
+
+
+def read_train_stats(log_path: Path) -> dict:
+    """Median gradient norm (before clipping) and mean share of clipped updates over the
+    ``train_inner`` lines of a fairseq-train log (empty values when it logged none)."""
+    import statistics
+
+    gnorms, clips = [], []
+    if Path(log_path).exists():
+        for line in Path(log_path).read_text(encoding="utf-8", errors="replace").splitlines():
+            match = _TRAIN_INNER.search(line)
+            if match:
+                gnorms.append(float(match.group(1)))
+                clips.append(float(match.group(2)))
+    return {"gnorm_median": round(statistics.median(gnorms), 4) if gnorms else None,
+            "clipped_percent": round(statistics.fmean(clips), 1) if clips else None}
+
 
 
 def train_run(data_bin: Path, flags: Mapping[str, object], save_dir: Path,
@@ -347,7 +224,7 @@ def run_ablation(config: dict, data_bin, work_dir, ref_dir=None, seeds: Sequence
     """Pretrains (if needed), trains and evaluates every arm and seed, writes the report.
 
     Args:
-        config: from :func:`load_config`, stage ``finetune`` or ``scratch``.
+        config: from :func:`ablation_config.load_config`, stage ``finetune`` or ``scratch``.
         data_bin: fairseq-preprocess output directory.
         work_dir: where checkpoints, logs and the report go.
         ref_dir: directory of raw references ``{subset}.{target language}`` (None: score
@@ -392,197 +269,6 @@ def run_ablation(config: dict, data_bin, work_dir, ref_dir=None, seeds: Sequence
     (work_dir / "results.md").write_text(results_markdown(results), encoding="utf-8")
     logger.info("wrote %s, %s and %s", work_dir / "results.md", work_dir / "results.json", work_dir / "curves.png")
     return results
-
-
-# ----------------------------------------------------------------------------- results
-
-def _mean_sd(values: Sequence[float]) -> tuple:
-    import statistics
-
-    return round(statistics.fmean(values), 2), round(statistics.stdev(values), 2) if len(values) > 1 else 0.0
-
-
-def summarise(config: dict, runs: dict, arms: Sequence[str], seeds: Sequence[int], bootstrap_samples: int) -> dict:
-    """Scores per arm/seed/subset, mean and spread over seeds, and paired bootstrap of every
-    arm against the baseline of the same seed (``bootstrap``) and against each of the config's
-    ``compare_to`` arms (``bootstrap_vs``)."""
-    from evaluate import paired_bootstrap
-
-    baseline = config["baseline"]
-    # paired bootstrap against the baseline, and against each compare_to arm that ran
-    references = [baseline] + [a for a in config.get("compare_to") or [] if a in runs and a != baseline]
-    scores, summary, train, signatures = {}, {}, {}, {}
-    against: Dict[str, dict] = {ref: {} for ref in references}
-    for arm, by_seed in runs.items():
-        for seed, run in by_seed.items():
-            train.setdefault(arm, {})[seed] = {k: run["train"].get(k) for k in TRAIN_STATS}
-            for subset, ev in run["eval"].items():
-                signatures = {"bleu": ev["bleu_signature"], "chrf": ev["chrf_signature"]}
-                scores.setdefault(arm, {}).setdefault(seed, {})[subset] = {
-                    k: ev[k] for k in ("bleu", "chrf", "n_sentences", "reference")}
-                for ref in references:
-                    if arm in (ref, "pretrained"):
-                        continue
-                    base = runs[ref].get(seed, {}).get("eval", {}).get(subset)
-                    if base is None:
-                        continue
-                    if base["references"] != ev["references"]:
-                        raise ValueError(f"{arm} and {ref} (seed {seed}) were scored against different {subset} "
-                                         f"references ({ev['reference']} / {base['reference']})")
-                    against[ref].setdefault(arm, {}).setdefault(seed, {})[subset] = paired_bootstrap(
-                        base["hypotheses"], ev["hypotheses"], ev["references"], n_samples=bootstrap_samples)
-        for subset in next(iter(by_seed.values()))["eval"]:
-            per_seed = [scores[arm][s][subset] for s in by_seed]
-            (bleu, bleu_sd), (chrf, chrf_sd) = (_mean_sd([r[m] for r in per_seed]) for m in ("bleu", "chrf"))
-            summary.setdefault(arm, {})[subset] = {"bleu_mean": bleu, "bleu_sd": bleu_sd, "chrf_mean": chrf,
-                                                   "chrf_sd": chrf_sd, "n_seeds": len(per_seed)}
-    bootstrap = against.pop(baseline)
-    return {
-        "description": " ".join(str(config.get("description", "")).split()), "config": config["path"],
-        "stage": config["stage"], "baseline": baseline, "arms": list(arms), "seeds": list(seeds),
-        "arm_flags": {arm: flags_to_args(config["arms"][arm]) for arm in arms},
-        "common_flags": flags_to_args(stage_flags(config)), "eval": config.get("eval") or {},
-        "signatures": signatures, "scores": scores, "summary": summary, "bootstrap": bootstrap,
-        "bootstrap_vs": against, "train": train,
-        "bootstrap_method": f"paired bootstrap resampling, {bootstrap_samples} resamples, numpy seed 12345, "
-                            f"two-sided p, percentile 95% CI of the difference (scripts/evaluate.py)",
-        "notes": [" ".join(str(n).split()) for n in config.get("notes") or []],
-    }
-
-
-def _mean_or_none(values: Sequence[Optional[float]]) -> Optional[float]:
-    values = [v for v in values if v is not None]
-    return sum(values) / len(values) if values else None
-
-
-def _fmt_delta(arm_boot: Dict[str, dict], subset: str, metric: str) -> tuple:
-    """(difference cell, p cell) over seeds."""
-    rows = [by_subset[subset][metric] for by_subset in arm_boot.values()]
-    if len(rows) == 1:
-        lo, hi = rows[0]["delta_ci95"]
-        return f"{rows[0]['delta']:+.2f} [{lo:+.2f}, {hi:+.2f}]", f"{rows[0]['p_value']:.3g}"
-    mean, sd = _mean_sd([r["delta"] for r in rows])
-    return f"{mean:+.2f} ± {sd:.2f}", ", ".join(f"{r['p_value']:.3g}" for r in rows)
-
-
-def results_markdown(results: dict) -> str:
-    """The ``results.md`` report: one table per evaluated subset, then settings and notes."""
-    base, multi = results["baseline"], len(results["seeds"]) > 1
-    lines = [f"# Ablation: {Path(results['config']).stem}", "", results["description"], "",
-             f"Seeds: {', '.join(map(str, results['seeds']))}" + (" (mean ± sd over seeds; one p per seed)"
-                                                                   if multi else "")
-             + f". Baseline arm: `{base}`. Every arm: checkpoint_last after the same update budget.", ""]
-    rows = ["pretrained"] * ("pretrained" in results["summary"]) + results["arms"]
-    spread, p = ("(mean ± sd)", "p per seed") if multi else ("[95% CI]", "p")
-    subsets = list(results["summary"][results["arms"][0]])
-    for subset in subsets:
-        n = results["scores"][base][str(results["seeds"][0])][subset]["n_sentences"]
-        lines += [f"## {subset} ({n} sentences)", "",
-                  f"| arm | BLEU | chrF | ΔBLEU vs {base} {spread} | {p} | ΔchrF vs {base} {spread} | {p} "
-                  f"| grad norm (clipped) | train s (CPU s) |", "|---|---|---|---|---|---|---|---|---|"]
-        for arm in rows:
-            s = results["summary"][arm][subset]
-            bleu = f"{s['bleu_mean']:.2f}" + (f" ± {s['bleu_sd']:.2f}" if multi and arm != "pretrained" else "")
-            chrf = f"{s['chrf_mean']:.2f}" + (f" ± {s['chrf_sd']:.2f}" if multi and arm != "pretrained" else "")
-            cells = ["", "", "", ""]
-            if arm in results["bootstrap"]:
-                cells[0:2], cells[2:4] = _fmt_delta(results["bootstrap"][arm], subset, "bleu"), \
-                    _fmt_delta(results["bootstrap"][arm], subset, "chrf")
-            stats = {key: _mean_or_none([t.get(key) for t in results["train"][arm].values()]) for key in TRAIN_STATS}
-            grad = "" if stats["gnorm_median"] is None else f"{stats['gnorm_median']:.3g} ({stats['clipped_percent']:.0f}%)"
-            name = {"pretrained": "pretrained (no fine-tuning)", base: f"{base} (baseline)"}.get(arm, arm)
-            lines.append(f"| {name} | {bleu} | {chrf} | {' | '.join(cells)} | {grad} | "
-                         f"{stats['wall_seconds'] or 0:.0f} ({stats['cpu_seconds'] or 0:.0f}) |")
-        for ref, arms_vs in (results.get("bootstrap_vs") or {}).items():
-            lines += ["", f"Against `{ref}` ({subset}):", "",
-                      f"| arm | ΔBLEU vs {ref} {spread} | {p} | ΔchrF vs {ref} {spread} | {p} |", "|---|---|---|---|---|"]
-            for arm in results["arms"]:
-                if arm in arms_vs:
-                    cells = [*_fmt_delta(arms_vs[arm], subset, "bleu"), *_fmt_delta(arms_vs[arm], subset, "chrf")]
-                    lines.append(f"| {arm} | {' | '.join(cells)} |")
-        reference = results["scores"][base][str(results["seeds"][0])][subset]["reference"]
-        lines += ["", f"Reference: `{reference}`.", ""]
-    lines += ["## Settings", "", f"- config: `{results['config']}`; data: `{results['data_bin']}`",
-              f"- common fairseq-train flags: `{' '.join(results['common_flags'])}`"]
-    lines += [f"- arm `{arm}`: `{' '.join(flags) or '(none)'}`" for arm, flags in results["arm_flags"].items()]
-    lines += [f"- evaluation: {json.dumps(results['eval'])}",
-              f"- BLEU: `{results['signatures'].get('bleu')}`", f"- chrF: `{results['signatures'].get('chrf')}`",
-              f"- significance: {results['bootstrap_method']}",
-              "- grad norm: median over fairseq's logging intervals of the gradient norm before clipping, with the "
-              "share of updates clipped (--clip-norm); train s: wall-clock seconds of training (the machine may be "
-              "shared), CPU s: CPU seconds of its processes; both means over seeds", "", "## Notes", ""]
-    lines += [f"- {note}" for note in results["notes"]] or ["- (none)"]
-    lines += ["", "![validation curves](curves.png)", ""]
-    return "\n".join(lines)
-
-
-_VALID_LINE = re.compile(r"\| valid on '([^']+)' subset \| (.*)$")
-
-
-def read_valid_curve(log_path: Path, subset: str = "valid") -> List[dict]:
-    """``[{"num_updates", "loss", "nll_loss"}]`` from a fairseq-train log (``--log-format simple``),
-    sorted by updates; a resumed run's repeated points keep the last value."""
-    points = {}
-    if not Path(log_path).exists():
-        return []
-    for line in Path(log_path).read_text(encoding="utf-8", errors="replace").splitlines():
-        match = _VALID_LINE.search(line.rstrip())
-        if not match or match.group(1) != subset:
-            continue
-        fields = dict(part.partition(" ")[::2] for part in match.group(2).split(" | "))
-        n = int(float(fields["num_updates"]))
-        points[n] = {"num_updates": n, "loss": float(fields["loss"]), "nll_loss": float(fields.get("nll_loss", "nan"))}
-    return [points[n] for n in sorted(points)]
-
-
-_TRAIN_INNER = re.compile(r"\| train_inner \| .*\bgnorm=([^,]+), clip=([^,]+)")
-
-
-def read_train_stats(log_path: Path) -> dict:
-    """Median gradient norm (before clipping) and mean share of clipped updates over the
-    ``train_inner`` lines of a fairseq-train log (empty values when it logged none)."""
-    import statistics
-
-    gnorms, clips = [], []
-    if Path(log_path).exists():
-        for line in Path(log_path).read_text(encoding="utf-8", errors="replace").splitlines():
-            match = _TRAIN_INNER.search(line)
-            if match:
-                gnorms.append(float(match.group(1)))
-                clips.append(float(match.group(2)))
-    return {"gnorm_median": round(statistics.median(gnorms), 4) if gnorms else None,
-            "clipped_percent": round(statistics.fmean(clips), 1) if clips else None}
-
-
-def plot_curves(work_dir: Path, arms: Sequence[str], seeds: Sequence[int], png: Path) -> str:
-    """Validation NLL (teacher forced: comparable across arms) and validation loss (each arm's
-    own objective) per update, every arm and seed, to ``png``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    start = read_valid_curve(work_dir / "pretrain" / "train.log")[-1:]
-    fig, (ax_nll, ax_loss) = plt.subplots(1, 2, figsize=(11, 4))
-    for i, arm in enumerate(arms):
-        for j, seed in enumerate(seeds):
-            points = read_valid_curve(work_dir / f"seed{seed}" / arm / "train.log")
-            label = f"{arm} (seed {seed})" if len(seeds) > 1 else arm
-            style = dict(color=f"C{i}", linestyle=("-", "--", ":", "-.")[j % 4], marker=".")
-            nll = [{**start[0], "num_updates": 0}] + points if start else points
-            ax_nll.plot([p["num_updates"] for p in nll], [p["nll_loss"] for p in nll], label=label, **style)
-            ax_loss.plot([p["num_updates"] for p in points], [p["loss"] for p in points], label=label, **style)
-    xlabel = "fine-tuning updates" if start else "updates"
-    ax_nll.set(xlabel=xlabel + (" (0: pretrained)" if start else ""), ylabel="bits/token",
-               title="valid NLL, teacher forced")
-    ax_loss.set(xlabel=xlabel, ylabel="bits/token", title="valid loss (each arm's training objective)")
-    for ax in (ax_nll, ax_loss):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
-    return str(png)
 
 
 # ----------------------------------------------------------------------------- CLI

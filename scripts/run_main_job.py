@@ -25,7 +25,9 @@ import sys
 import time
 from pathlib import Path
 
-from ablation import load_config, results_markdown, run_ablation
+from ablation import run_ablation
+from ablation_config import load_config
+from ablation_report import results_markdown
 from fairseq_commands import binarize_toy_corpus
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "toy_finetune.yaml"

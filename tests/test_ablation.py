@@ -1,4 +1,5 @@
-"""Tests of scripts/ablation.py (configs, reports, end to end) and of the paired bootstrap in evaluate.py."""
+"""Tests of scripts/ablation.py and its modules ablation_config, ablation_report and ablation_plot
+(configs, reports, end to end) and of the paired bootstrap in evaluate.py."""
 
 import json
 import logging
@@ -8,8 +9,10 @@ from pathlib import Path
 import pytest
 
 import ablation
-from ablation import (apply_override, config_train_args, flags_to_args, load_config, read_valid_curve,
-                      run_ablation, stage_flags)
+import ablation_report
+from ablation import run_ablation
+from ablation_config import apply_override, config_train_args, flags_to_args, load_config, stage_flags
+from ablation_plot import read_valid_curve
 from evaluate import paired_bootstrap
 from fairseq_commands import PACKAGE_DIR, fairseq_command, run_logged
 
@@ -193,7 +196,7 @@ def test_summary_over_seeds_mean_spread_and_per_seed_bootstrap(synthetic_corpus)
                    "2": {"train": train, "eval": {"test": _fake_eval(other, refs)}}},
             "soft": {"1": {"train": train, "eval": {"test": _fake_eval(better, refs)}},
                      "2": {"train": train, "eval": {"test": _fake_eval(better, refs)}}}}
-    results = ablation.summarise(config, runs, ["tf", "soft"], [1, 2], bootstrap_samples=100)
+    results = ablation_report.summarise(config, runs, ["tf", "soft"], [1, 2], bootstrap_samples=100)
     tf_bleu = [runs["tf"][s]["eval"]["test"]["bleu"] for s in ("1", "2")]
     assert results["summary"]["tf"]["test"]["bleu_mean"] == pytest.approx(sum(tf_bleu) / 2, abs=0.01)
     assert results["summary"]["tf"]["test"]["bleu_sd"] == pytest.approx(abs(tf_bleu[0] - tf_bleu[1]) / 2 ** 0.5,
@@ -202,7 +205,7 @@ def test_summary_over_seeds_mean_spread_and_per_seed_bootstrap(synthetic_corpus)
     deltas = [results["bootstrap"]["soft"][s]["test"]["bleu"]["delta"] for s in ("1", "2")]
     assert deltas == pytest.approx([runs["soft"][s]["eval"]["test"]["bleu"] - tf_bleu[i]
                                     for i, s in enumerate(("1", "2"))], abs=0.02)
-    markdown = ablation.results_markdown({**results, "data_bin": "bin"})
+    markdown = ablation_report.results_markdown({**results, "data_bin": "bin"})
     cells = next(line for line in markdown.splitlines() if line.startswith("| soft |")).split(" | ")
     assert cells[1].endswith(" ± 0.00") and cells[3].startswith("+") and " ± " in cells[3]  # means ± sd
     assert cells[4] == "0.0198, 0.0198"  # one p per seed: 2 / (100 + 1) for a clearly better system

@@ -1,0 +1,149 @@
+"""The ablation runner's stage configs (``configs/*.yaml``): loading, ``--set`` overrides,
+validation, and the fairseq-train flags of a stage and arm (used by ``scripts/ablation.py``)."""
+
+from pathlib import Path
+from typing import Dict, List, Mapping, Optional, Sequence
+
+STAGES = ("pretrain", "finetune", "scratch")
+HEADER_KEYS = ("description", "stage", "data", "pretrain", "baseline", "compare_to", "default_arms", "notes")
+SECTIONS = ("model", "train", "arms", "eval")
+#: Flags an arm may not change: every arm gets the same update budget, batches and seed.
+BUDGET_FLAGS = ("max-update", "max-epoch", "seed", "max-tokens", "batch-size", "update-freq")
+#: Flags the runner sets itself.
+MANAGED_FLAGS = ("save-dir", "finetune-from-model", "restore-file", "user-dir")
+EVAL_KEYS = ("beam", "batch_size", "subsets", "post_process", "detok_lang", "generate")
+
+
+def _read_yaml(path: Path) -> dict:
+    import yaml
+
+    if not path.is_file():
+        raise FileNotFoundError(f"config not found: {path}")
+    try:
+        config = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as error:
+        raise ValueError(f"{path} is not valid YAML: {error}") from error
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: a config must be a YAML mapping, got {type(config).__name__}")
+    for name, flags in (config.get("arms") or {}).items():
+        config["arms"][name] = flags or {}  # an arm without flags is written "name:"
+    config["path"] = str(path)
+    return config
+
+
+def apply_override(config: dict, item: str) -> None:
+    """Applies ``section.key=value`` (value parsed as YAML; empty: null, which drops a flag).
+
+    Examples: ``train.max-update=300``, ``arms.soft.topk-epsilon=0.05``,
+    ``pretrain.train.max-epoch=2``, ``eval.beam=1``.
+    """
+    import yaml
+
+    key, sep, raw = item.partition("=")
+    if not sep or not key or key.startswith(".") or key.endswith("."):
+        raise ValueError(f"an override looks like section.flag=value, got {item!r}")
+    *parents, leaf = key.split(".")
+    node = config
+    for i, part in enumerate(parents):
+        if not isinstance(node.get(part), dict):
+            raise ValueError(f"override {item!r}: {'.'.join(parents[:i + 1])!r} is not a section of "
+                             f"{config.get('path', 'the config')}")
+        node = node[part]
+    node[leaf] = yaml.safe_load(raw) if raw.strip() else None
+
+
+def validate_config(config: dict, _nested: bool = False) -> None:
+    """Raises ``ValueError`` naming the first problem of a (resolved) config."""
+    where = config.get("path", "config")
+    unknown = sorted(set(config) - set(HEADER_KEYS) - set(SECTIONS) - {"path"})
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {unknown} (header: {HEADER_KEYS}, sections: {SECTIONS})")
+    stage = config.get("stage")
+    if stage not in STAGES:
+        raise ValueError(f"{where}: stage must be one of {STAGES}, got {stage!r}")
+    for section in ("model", "train", "arms", "eval"):
+        if not isinstance(config.get(section) or {}, dict):
+            raise ValueError(f"{where}: {section!r} must be a mapping")
+    if not config.get("train"):
+        raise ValueError(f"{where}: needs a 'train' mapping of fairseq-train flags")
+    if stage == "finetune":
+        if not isinstance(config.get("pretrain"), dict) or config["pretrain"].get("stage") != "pretrain":
+            raise ValueError(f"{where}: a finetune config needs 'pretrain': the file name of a pretrain-stage config")
+        validate_config(config["pretrain"], _nested=True)
+    elif not (config.get("model") or {}).get("arch"):
+        raise ValueError(f"{where}: a {stage} config needs model.arch")
+    if stage == "pretrain":
+        return
+    arms = config.get("arms") or {}
+    if config.get("baseline") not in arms:
+        raise ValueError(f"{where}: baseline {config.get('baseline')!r} is not one of the arms {sorted(arms)}")
+    for key in ("default_arms", "compare_to"):
+        missing = [a for a in config.get(key) or [] if a not in arms]
+        if missing:
+            raise ValueError(f"{where}: {key} {missing} are not defined under 'arms'")
+    for name, flags in arms.items():
+        if not isinstance(flags, dict):
+            raise ValueError(f"{where}: arm {name!r} must be a mapping of flags, got {flags!r}")
+        budget = sorted(set(flags) & set(BUDGET_FLAGS))
+        if budget:
+            raise ValueError(f"{where}: arm {name!r} sets {budget}; arms share the update budget, batches and "
+                             f"seed (set them under 'train' or with --seeds)")
+    for section in ("model", "train", "arms"):
+        flags = config.get(section) or {}
+        names = [f for arm in flags.values() for f in arm] if section == "arms" else list(flags)
+        managed = sorted(set(names) & set(MANAGED_FLAGS))
+        if managed:
+            raise ValueError(f"{where}: {section} sets {managed}; the runner sets these itself")
+    unknown_eval = sorted(set(config.get("eval") or {}) - set(EVAL_KEYS))
+    if unknown_eval:
+        raise ValueError(f"{where}: unknown eval keys {unknown_eval} (known: {EVAL_KEYS})")
+
+
+def load_config(path, overrides: Sequence[str] = ()) -> dict:
+    """Reads a stage config, resolves its ``pretrain`` config (a path relative to it), applies
+    ``overrides`` (see :func:`apply_override`) and validates the result."""
+    path = Path(path)
+    config = _read_yaml(path)
+    if config.get("pretrain"):
+        pretrain = Path(config["pretrain"])
+        config["pretrain"] = _read_yaml(pretrain if pretrain.is_absolute() else path.parent / pretrain)
+    for item in overrides:
+        apply_override(config, item)
+    validate_config(config)
+    return config
+
+
+def stage_flags(config: dict, arm: Optional[str] = None) -> Dict[str, object]:
+    """fairseq-train flags of a stage (and arm): model flags (a finetune stage inherits its
+    pretrain config's, so the checkpoint fits), then ``train``, then the arm's."""
+    flags = dict(config["pretrain"].get("model") or {}) if config.get("stage") == "finetune" else {}
+    flags.update(config.get("model") or {})
+    flags.update(config["train"])
+    if arm is not None:
+        if arm not in config.get("arms", {}):
+            raise ValueError(f"unknown arm {arm!r}; {config['path']} defines {sorted(config.get('arms', {}))}")
+        flags.update(config["arms"][arm])
+    return flags
+
+
+def flags_to_args(flags: Mapping[str, object]) -> List[str]:
+    """``{"lr": 0.1, "no-epoch-checkpoints": True, "x": False, "y": None}`` -> ``["--lr", "0.1",
+    "--no-epoch-checkpoints"]``; lists become several values."""
+    args: List[str] = []
+    for name, value in flags.items():
+        if value is None or value is False:
+            continue
+        if isinstance(value, dict):
+            raise ValueError(f"flag {name!r}: a value must be a scalar or a list, got the mapping {value!r}")
+        if value is True:
+            args.append(f"--{name}")
+        elif isinstance(value, (list, tuple)):
+            args += [f"--{name}", *map(str, value)]
+        else:
+            args += [f"--{name}", str(value)]
+    return args
+
+
+def config_train_args(path, arm: Optional[str] = None, overrides: Sequence[str] = ()) -> List[str]:
+    """fairseq-train arguments (without data, save dir and seed) of a config file and arm."""
+    return flags_to_args(stage_flags(load_config(path, overrides), arm))

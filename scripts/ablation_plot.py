@@ -1,0 +1,55 @@
+"""The ablation's ``curves.png``: validation curves per arm and seed, read from the
+fairseq-train logs and drawn with matplotlib (used by ``scripts/ablation.py``)."""
+
+import re
+from pathlib import Path
+from typing import List, Sequence
+
+_VALID_LINE = re.compile(r"\| valid on '([^']+)' subset \| (.*)$")
+
+
+def read_valid_curve(log_path: Path, subset: str = "valid") -> List[dict]:
+    """``[{"num_updates", "loss", "nll_loss"}]`` from a fairseq-train log (``--log-format simple``),
+    sorted by updates; a resumed run's repeated points keep the last value."""
+    points = {}
+    if not Path(log_path).exists():
+        return []
+    for line in Path(log_path).read_text(encoding="utf-8", errors="replace").splitlines():
+        match = _VALID_LINE.search(line.rstrip())
+        if not match or match.group(1) != subset:
+            continue
+        fields = dict(part.partition(" ")[::2] for part in match.group(2).split(" | "))
+        n = int(float(fields["num_updates"]))
+        points[n] = {"num_updates": n, "loss": float(fields["loss"]), "nll_loss": float(fields.get("nll_loss", "nan"))}
+    return [points[n] for n in sorted(points)]
+
+
+def plot_curves(work_dir: Path, arms: Sequence[str], seeds: Sequence[int], png: Path) -> str:
+    """Validation NLL (teacher forced: comparable across arms) and validation loss (each arm's
+    own objective) per update, every arm and seed, to ``png``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    start = read_valid_curve(work_dir / "pretrain" / "train.log")[-1:]
+    fig, (ax_nll, ax_loss) = plt.subplots(1, 2, figsize=(11, 4))
+    for i, arm in enumerate(arms):
+        for j, seed in enumerate(seeds):
+            points = read_valid_curve(work_dir / f"seed{seed}" / arm / "train.log")
+            label = f"{arm} (seed {seed})" if len(seeds) > 1 else arm
+            style = dict(color=f"C{i}", linestyle=("-", "--", ":", "-.")[j % 4], marker=".")
+            nll = [{**start[0], "num_updates": 0}] + points if start else points
+            ax_nll.plot([p["num_updates"] for p in nll], [p["nll_loss"] for p in nll], label=label, **style)
+            ax_loss.plot([p["num_updates"] for p in points], [p["loss"] for p in points], label=label, **style)
+    xlabel = "fine-tuning updates" if start else "updates"
+    ax_nll.set(xlabel=xlabel + (" (0: pretrained)" if start else ""), ylabel="bits/token",
+               title="valid NLL, teacher forced")
+    ax_loss.set(xlabel=xlabel, ylabel="bits/token", title="valid loss (each arm's training objective)")
+    for ax in (ax_nll, ax_loss):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return str(png)

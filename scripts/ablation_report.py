@@ -1,0 +1,131 @@
+"""The ablation report: ``results.json`` (scores per arm and seed, mean ± sd over seeds, paired
+bootstrap against the baseline and the ``compare_to`` arms) and its ``results.md`` tables
+(used by ``scripts/ablation.py``)."""
+
+import json
+from pathlib import Path
+from typing import Dict, Optional, Sequence
+
+from ablation_config import flags_to_args, stage_flags
+
+TRAIN_STATS = ("wall_seconds", "cpu_seconds", "gnorm_median", "clipped_percent")
+
+
+def _mean_sd(values: Sequence[float]) -> tuple:
+    import statistics
+
+    return round(statistics.fmean(values), 2), round(statistics.stdev(values), 2) if len(values) > 1 else 0.0
+
+
+def summarise(config: dict, runs: dict, arms: Sequence[str], seeds: Sequence[int], bootstrap_samples: int) -> dict:
+    """Scores per arm/seed/subset, mean and spread over seeds, and paired bootstrap of every
+    arm against the baseline of the same seed (``bootstrap``) and against each of the config's
+    ``compare_to`` arms (``bootstrap_vs``)."""
+    from evaluate import paired_bootstrap
+
+    baseline = config["baseline"]
+    # paired bootstrap against the baseline, and against each compare_to arm that ran
+    references = [baseline] + [a for a in config.get("compare_to") or [] if a in runs and a != baseline]
+    scores, summary, train, signatures = {}, {}, {}, {}
+    against: Dict[str, dict] = {ref: {} for ref in references}
+    for arm, by_seed in runs.items():
+        for seed, run in by_seed.items():
+            train.setdefault(arm, {})[seed] = {k: run["train"].get(k) for k in TRAIN_STATS}
+            for subset, ev in run["eval"].items():
+                signatures = {"bleu": ev["bleu_signature"], "chrf": ev["chrf_signature"]}
+                scores.setdefault(arm, {}).setdefault(seed, {})[subset] = {
+                    k: ev[k] for k in ("bleu", "chrf", "n_sentences", "reference")}
+                for ref in references:
+                    if arm in (ref, "pretrained"):
+                        continue
+                    base = runs[ref].get(seed, {}).get("eval", {}).get(subset)
+                    if base is None:
+                        continue
+                    if base["references"] != ev["references"]:
+                        raise ValueError(f"{arm} and {ref} (seed {seed}) were scored against different {subset} "
+                                         f"references ({ev['reference']} / {base['reference']})")
+                    against[ref].setdefault(arm, {}).setdefault(seed, {})[subset] = paired_bootstrap(
+                        base["hypotheses"], ev["hypotheses"], ev["references"], n_samples=bootstrap_samples)
+        for subset in next(iter(by_seed.values()))["eval"]:
+            per_seed = [scores[arm][s][subset] for s in by_seed]
+            (bleu, bleu_sd), (chrf, chrf_sd) = (_mean_sd([r[m] for r in per_seed]) for m in ("bleu", "chrf"))
+            summary.setdefault(arm, {})[subset] = {"bleu_mean": bleu, "bleu_sd": bleu_sd, "chrf_mean": chrf,
+                                                   "chrf_sd": chrf_sd, "n_seeds": len(per_seed)}
+    bootstrap = against.pop(baseline)
+    return {
+        "description": " ".join(str(config.get("description", "")).split()), "config": config["path"],
+        "stage": config["stage"], "baseline": baseline, "arms": list(arms), "seeds": list(seeds),
+        "arm_flags": {arm: flags_to_args(config["arms"][arm]) for arm in arms},
+        "common_flags": flags_to_args(stage_flags(config)), "eval": config.get("eval") or {},
+        "signatures": signatures, "scores": scores, "summary": summary, "bootstrap": bootstrap,
+        "bootstrap_vs": against, "train": train,
+        "bootstrap_method": f"paired bootstrap resampling, {bootstrap_samples} resamples, numpy seed 12345, "
+                            f"two-sided p, percentile 95% CI of the difference (scripts/evaluate.py)",
+        "notes": [" ".join(str(n).split()) for n in config.get("notes") or []],
+    }
+
+
+def _mean_or_none(values: Sequence[Optional[float]]) -> Optional[float]:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def _fmt_delta(arm_boot: Dict[str, dict], subset: str, metric: str) -> tuple:
+    """(difference cell, p cell) over seeds."""
+    rows = [by_subset[subset][metric] for by_subset in arm_boot.values()]
+    if len(rows) == 1:
+        lo, hi = rows[0]["delta_ci95"]
+        return f"{rows[0]['delta']:+.2f} [{lo:+.2f}, {hi:+.2f}]", f"{rows[0]['p_value']:.3g}"
+    mean, sd = _mean_sd([r["delta"] for r in rows])
+    return f"{mean:+.2f} ± {sd:.2f}", ", ".join(f"{r['p_value']:.3g}" for r in rows)
+
+
+def results_markdown(results: dict) -> str:
+    """The ``results.md`` report: one table per evaluated subset, then settings and notes."""
+    base, multi = results["baseline"], len(results["seeds"]) > 1
+    lines = [f"# Ablation: {Path(results['config']).stem}", "", results["description"], "",
+             f"Seeds: {', '.join(map(str, results['seeds']))}" + (" (mean ± sd over seeds; one p per seed)"
+                                                                   if multi else "")
+             + f". Baseline arm: `{base}`. Every arm: checkpoint_last after the same update budget.", ""]
+    rows = ["pretrained"] * ("pretrained" in results["summary"]) + results["arms"]
+    spread, p = ("(mean ± sd)", "p per seed") if multi else ("[95% CI]", "p")
+    subsets = list(results["summary"][results["arms"][0]])
+    for subset in subsets:
+        n = results["scores"][base][str(results["seeds"][0])][subset]["n_sentences"]
+        lines += [f"## {subset} ({n} sentences)", "",
+                  f"| arm | BLEU | chrF | ΔBLEU vs {base} {spread} | {p} | ΔchrF vs {base} {spread} | {p} "
+                  f"| grad norm (clipped) | train s (CPU s) |", "|---|---|---|---|---|---|---|---|---|"]
+        for arm in rows:
+            s = results["summary"][arm][subset]
+            bleu = f"{s['bleu_mean']:.2f}" + (f" ± {s['bleu_sd']:.2f}" if multi and arm != "pretrained" else "")
+            chrf = f"{s['chrf_mean']:.2f}" + (f" ± {s['chrf_sd']:.2f}" if multi and arm != "pretrained" else "")
+            cells = ["", "", "", ""]
+            if arm in results["bootstrap"]:
+                cells[0:2], cells[2:4] = _fmt_delta(results["bootstrap"][arm], subset, "bleu"), \
+                    _fmt_delta(results["bootstrap"][arm], subset, "chrf")
+            stats = {key: _mean_or_none([t.get(key) for t in results["train"][arm].values()]) for key in TRAIN_STATS}
+            grad = "" if stats["gnorm_median"] is None else f"{stats['gnorm_median']:.3g} ({stats['clipped_percent']:.0f}%)"
+            name = {"pretrained": "pretrained (no fine-tuning)", base: f"{base} (baseline)"}.get(arm, arm)
+            lines.append(f"| {name} | {bleu} | {chrf} | {' | '.join(cells)} | {grad} | "
+                         f"{stats['wall_seconds'] or 0:.0f} ({stats['cpu_seconds'] or 0:.0f}) |")
+        for ref, arms_vs in (results.get("bootstrap_vs") or {}).items():
+            lines += ["", f"Against `{ref}` ({subset}):", "",
+                      f"| arm | ΔBLEU vs {ref} {spread} | {p} | ΔchrF vs {ref} {spread} | {p} |", "|---|---|---|---|---|"]
+            for arm in results["arms"]:
+                if arm in arms_vs:
+                    cells = [*_fmt_delta(arms_vs[arm], subset, "bleu"), *_fmt_delta(arms_vs[arm], subset, "chrf")]
+                    lines.append(f"| {arm} | {' | '.join(cells)} |")
+        reference = results["scores"][base][str(results["seeds"][0])][subset]["reference"]
+        lines += ["", f"Reference: `{reference}`.", ""]
+    lines += ["## Settings", "", f"- config: `{results['config']}`; data: `{results['data_bin']}`",
+              f"- common fairseq-train flags: `{' '.join(results['common_flags'])}`"]
+    lines += [f"- arm `{arm}`: `{' '.join(flags) or '(none)'}`" for arm, flags in results["arm_flags"].items()]
+    lines += [f"- evaluation: {json.dumps(results['eval'])}",
+              f"- BLEU: `{results['signatures'].get('bleu')}`", f"- chrF: `{results['signatures'].get('chrf')}`",
+              f"- significance: {results['bootstrap_method']}",
+              "- grad norm: median over fairseq's logging intervals of the gradient norm before clipping, with the "
+              "share of updates clipped (--clip-norm); train s: wall-clock seconds of training (the machine may be "
+              "shared), CPU s: CPU seconds of its processes; both means over seeds", "", "## Notes", ""]
+    lines += [f"- {note}" for note in results["notes"]] or ["- (none)"]
+    lines += ["", "![validation curves](curves.png)", ""]
+    return "\n".join(lines)
