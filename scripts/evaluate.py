@@ -165,18 +165,90 @@ def evaluate_checkpoint(data_bin: str, checkpoint: str, ref: Optional[str], subs
     return result
 
 
-def _resample_scores(metric, hypotheses: Sequence[str], references: Sequence[str], weights):
-    """Corpus scores of ``metric`` on every bootstrap resample.
+def bleu_statistics(hypotheses: Sequence[str], references: Sequence[str]):
+    """Per-sentence BLEU sufficient statistics ``(n, 2 + 2 * 4)``: sys_len, ref_len, matches, totals.
+
+    Taken from sacrebleu's public ``BLEUScore`` fields of each sentence scored alone (the
+    statistics do not depend on smoothing); corpus BLEU of any weighting is
+    :func:`bleu_from_statistics` of ``weights @ stats``.
+    """
+    import numpy as np
+    import sacrebleu
+
+    bleu = sacrebleu.metrics.BLEU()
+    rows = []
+    for hyp, ref in zip(hypotheses, references):
+        s = bleu.corpus_score([hyp], [[ref]])
+        rows.append([s.sys_len, s.ref_len, *s.counts, *s.totals])
+    return np.asarray(rows, dtype=np.float64).reshape(-1, 2 + 2 * bleu.max_ngram_order)
+
+
+def bleu_from_statistics(stats) -> float:
+    """Corpus BLEU (sacrebleu's defaults: exp smoothing, 4-grams) from summed :func:`bleu_statistics`."""
+    import sacrebleu
+
+    order = 4
+    return sacrebleu.metrics.BLEU.compute_bleu(
+        correct=[int(x) for x in stats[2:2 + order]], total=[int(x) for x in stats[2 + order:]],
+        sys_len=int(stats[0]), ref_len=int(stats[1]), smooth_method="exp").score
+
+
+#: chrF's settings (sacrebleu's defaults, the signature ``nc:6|nw:0|space:no``).
+CHRF_CHAR_ORDER, CHRF_BETA = 6, 2
+
+
+def chrf_statistics(hypotheses: Sequence[str], references: Sequence[str]):
+    """Per-sentence chrF statistics ``(n, 3 * 6)``: hypothesis, reference and matching character
+    n-gram counts for n = 1..6 (whitespace removed), from sacrebleu's public n-gram helper."""
+    import numpy as np
+    from sacrebleu.metrics.helpers import extract_all_char_ngrams
+
+    rows = []
+    for hyp, ref in zip(hypotheses, references):
+        row = []
+        for h, r in zip(extract_all_char_ngrams(hyp, CHRF_CHAR_ORDER), extract_all_char_ngrams(ref, CHRF_CHAR_ORDER)):
+            n_hyp = sum(h.values())
+            # as sacrebleu: hypothesis n-grams count only where the reference has n-grams of that order
+            row += [n_hyp if r else 0, sum(r.values()), sum(min(c, r[g]) for g, c in h.items() if g in r)]
+        rows.append(row)
+    return np.asarray(rows, dtype=np.float64).reshape(-1, 3 * CHRF_CHAR_ORDER)
+
+
+def chrf_from_statistics(stats) -> float:
+    """Corpus chrF (Popovic, 2015; beta 2) from summed :func:`chrf_statistics`.
+
+    Precision and recall are averaged over the orders where both the hypothesis and the
+    reference have n-grams (sacrebleu's default, no epsilon smoothing), then combined in F_beta.
+    """
+    precisions, recalls = [], []
+    for i in range(CHRF_CHAR_ORDER):
+        n_hyp, n_ref, n_match = stats[3 * i: 3 * i + 3]
+        if n_hyp > 0 and n_ref > 0:
+            precisions.append(n_match / n_hyp)
+            recalls.append(n_match / n_ref)
+    if not precisions:
+        return 0.0
+    prec, rec = sum(precisions) / len(precisions), sum(recalls) / len(recalls)
+    factor = CHRF_BETA ** 2
+    return 100 * (1 + factor) * prec * rec / (factor * prec + rec) if prec + rec else 0.0
+
+
+#: metric name -> (per-sentence statistics, corpus score from summed statistics)
+BOOTSTRAP_METRICS = {"bleu": (bleu_statistics, bleu_from_statistics), "chrf": (chrf_statistics, chrf_from_statistics)}
+
+
+def _resample_scores(metric: str, hypotheses: Sequence[str], references: Sequence[str], weights):
+    """Corpus scores of ``metric`` (``bleu`` or ``chrf``) on every bootstrap resample.
 
     ``weights`` ``(n_samples, n_sentences)`` counts how often each sentence is drawn; corpus
     statistics are sums of sentence statistics, so ``weights @ stats`` gives every resample's
-    statistics at once. Uses sacrebleu's sufficient-statistics methods (what its own
-    ``sacrebleu.significance`` uses).
+    statistics at once.
     """
     import numpy as np
 
-    stats = np.asarray(metric._extract_corpus_statistics(list(hypotheses), [list(references)]), dtype=np.float64)
-    return np.array([metric._compute_score_from_stats(row.tolist()).score for row in weights @ stats])
+    statistics, score = BOOTSTRAP_METRICS[metric]
+    stats = statistics(hypotheses, references)
+    return np.array([score(row) for row in weights @ stats])
 
 
 def paired_bootstrap(baseline: Sequence[str], system: Sequence[str], references: Sequence[str],
@@ -213,8 +285,8 @@ def paired_bootstrap(baseline: Sequence[str], system: Sequence[str], references:
     for name, metric in (("bleu", sacrebleu.metrics.BLEU()), ("chrf", sacrebleu.metrics.CHRF())):
         base = metric.corpus_score(list(baseline), [list(references)]).score
         sys_score = metric.corpus_score(list(system), [list(references)]).score
-        base_star = _resample_scores(metric, baseline, references, weights)
-        sys_star = _resample_scores(metric, system, references, weights)
+        base_star = _resample_scores(name, baseline, references, weights)
+        sys_star = _resample_scores(name, system, references, weights)
         delta_star = sys_star - base_star
         tail = int(min((delta_star <= 0).sum(), (delta_star >= 0).sum()))
         result[name] = {

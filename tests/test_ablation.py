@@ -132,6 +132,25 @@ def synthetic_corpus():
     return refs, [corrupt(r, 0.5) for r in refs], [corrupt(r, 0.2) for r in refs], [corrupt(r, 0.5) for r in refs]
 
 
+def test_resample_statistics_reproduce_sacrebleu_corpus_scores(synthetic_corpus):
+    """Summed per-sentence statistics of a resample give sacrebleu's score of that resampled corpus."""
+    import numpy as np
+    import sacrebleu
+
+    from evaluate import BOOTSTRAP_METRICS
+
+    refs, base, _, _ = synthetic_corpus
+    refs = refs[:40] + ["Ein Mann.", "Zwei Hunde spielen im Schnee, nicht im Wasser!", "ja"]
+    hyps = base[:40] + ["Ein Mann", "", "Zwei Hunde laufen im Schnee."]  # empty and too short for 6-grams
+    metrics = {"bleu": sacrebleu.metrics.BLEU(), "chrf": sacrebleu.metrics.CHRF()}
+    rng = np.random.default_rng(0)
+    for draw in (np.arange(len(refs)), rng.integers(0, len(refs), len(refs)), rng.integers(0, len(refs), 5)):
+        weights = np.bincount(draw, minlength=len(refs)).astype(np.float64)
+        for name, (statistics, score) in BOOTSTRAP_METRICS.items():
+            expected = metrics[name].corpus_score([hyps[i] for i in draw], [[refs[i] for i in draw]]).score
+            assert score(weights @ statistics(hyps, refs)) == pytest.approx(expected, abs=1e-9), name
+
+
 def test_bootstrap_identical_systems_p_is_one(synthetic_corpus):
     refs, base, _, _ = synthetic_corpus
     result = paired_bootstrap(base, list(base), refs, n_samples=200)
