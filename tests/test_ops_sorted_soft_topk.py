@@ -168,7 +168,7 @@ def test_result_is_a_view_that_can_be_cloned_and_modified():
 
 def test_histogram_newton_solves_the_weighted_problem(rng):
     """The warm start's solver on weighted points is Sinkhorn on the points repeated by their weights."""
-    from fairseq_softtopk.ops.sorted_soft_topk import _hard_start, _histogram_newton
+    from fairseq_softtopk.ops.semi_dual_newton import _hard_start, _histogram_newton
 
     k, epsilon = 3, 0.3
     z = torch.randn(2, 12, generator=rng, dtype=torch.float64)
