@@ -23,8 +23,9 @@ from fairseq.models import FairseqIncrementalDecoder
 from fairseq.modules import FairseqDropout
 from torch import Tensor, nn
 
-from fairseq_softtopk.models.softtopk_lstm_encoder import SoftTopKLSTMEncoderOut, uniform_init_
+from fairseq_softtopk.models.softtopk_lstm_encoder import SoftTopKLSTMEncoderOut
 from fairseq_softtopk.modules.additive_attention import AdditiveAttention
+from fairseq_softtopk.modules.uniform_init import uniform_init_
 
 __all__ = ["SoftTopKLSTMDecoder", "SoftTopKLSTMDecoderState"]
 

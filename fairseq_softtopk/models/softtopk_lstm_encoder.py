@@ -7,14 +7,7 @@ from fairseq.models import FairseqEncoder
 from fairseq.modules import FairseqDropout
 from torch import Tensor, nn
 
-
-def uniform_init_(module: nn.Module, embedding: nn.Embedding, padding_idx: int) -> None:
-    """Uniform(-0.1, 0.1) for every parameter of ``module`` (as fairseq's ``lstm``), zero padding row."""
-    for param in module.parameters():
-        nn.init.uniform_(param, -0.1, 0.1)
-    with torch.no_grad():
-        embedding.weight[padding_idx].zero_()
-
+from fairseq_softtopk.modules.uniform_init import uniform_init_
 
 __all__ = ["SoftTopKLSTMEncoder", "SoftTopKLSTMEncoderOut"]
 
