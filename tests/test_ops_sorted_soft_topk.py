@@ -1,5 +1,7 @@
 """sorted_soft_topk: values and gradients against independent computations, limits, masks."""
 
+import math
+
 import pytest
 import torch
 
@@ -194,3 +196,24 @@ def test_histogram_start_on_large_masked_rows(rng):
     for b in range(2):
         ref = sorted_soft_topk(x[b][~mask[b]].double(), 5, epsilon=0.05, cost="paper", tol=1e-12)
         torch.testing.assert_close(out[b][~mask[b]].double(), ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_candidate_window_floor_bounds_what_lies_below(rng, k):
+    """Candidates crowded just below the window's floor carry less than tol / 100 of every rank,
+    with the default boundary gap and with the proven one, log(k (1 + tol) / (1 - k tol));
+    the latter is tight for k = 1 at tied best scores."""
+    from fairseq_softtopk.ops import candidate_window
+
+    eps, tol, n_below = 0.1, 1e-4, 3000
+    top = torch.cat([torch.zeros(1, k + 1, dtype=torch.float64),  # k + 1 tied best scores
+                     torch.rand(3, k + 1, generator=rng, dtype=torch.float64) * 3 * eps])
+    kth = top.amin(-1, keepdim=True)
+    for gap in (None, math.log(k * (1 + tol) / (1 - k * tol))):
+        floor = candidate_window(kth, k, eps, tol, n_out=n_below, boundary_gap=gap)
+        below = floor - 1e-3 * eps * torch.rand(4, n_below, generator=rng, dtype=torch.float64)
+        A = sorted_soft_topk(torch.cat([top, below], -1), k, epsilon=eps, tol=1e-12)
+        mass = A[:, k + 1:].sum(1)  # (rows, k): what the candidates below the floor put on each rank
+        assert float(mass.max()) < tol / 100
+        if k == 1 and gap is not None:
+            assert float(mass[0].max()) > 0.99 * tol / 100

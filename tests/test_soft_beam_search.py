@@ -194,15 +194,16 @@ def test_soft_search_gradient_matches_finite_differences(rng, epsilon):
     assert analytic == pytest.approx(numeric, rel=1e-6, abs=1e-8)
 
 
-def test_exact_window_changes_nothing_at_the_tolerance(rng):
+def test_candidate_window_changes_nothing_at_the_tolerance(rng):
     """The default soft search solves on a window of candidates; the full problem agrees."""
-    from fairseq_softtopk.modules.soft_beam_search import compact_rows, exact_window
-    from fairseq_softtopk.ops import sorted_soft_topk
+    from fairseq_softtopk.modules.soft_beam_search import compact_rows
+    from fairseq_softtopk.ops import candidate_window, sorted_soft_topk
 
     scores = torch.cat([torch.randn(4, 6, generator=rng, dtype=torch.float64) * 0.2,
                         -3 - 10 * torch.rand(4, 3000, generator=rng, dtype=torch.float64)], dim=-1)
     scores = scores[:, torch.randperm(3006, generator=rng)]
-    inside = exact_window(scores, 3, epsilon=0.1, tol=1e-8)
+    kth = scores.topk(4, dim=-1).values[:, -1:]
+    inside = scores >= candidate_window(kth, 3, epsilon=0.1, tol=1e-8, n_out=scores.shape[-1])
     assert 4 <= int(inside.sum(-1).min()) and int(inside.sum(-1).max()) < 3006
     full = sorted_soft_topk(scores, 3, epsilon=0.1, tol=1e-10)
     ids, valid = compact_rows(inside)

@@ -35,7 +35,7 @@ from typing import Callable, List, NamedTuple, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..ops import cap_row_grad_norm, sorted_soft_topk
+from ..ops import candidate_window, cap_row_grad_norm, sorted_soft_topk
 from ..ops._common import effective_epsilon
 
 SELECTION_GRADS = ("full", "capped", "none")
@@ -113,29 +113,6 @@ def mix_state(state: NamedTuple, weights: Tensor) -> NamedTuple:
         flat = tensor.reshape(batch, beam, -1)  # B x k x (rest)
         mixed.append(torch.bmm(weights.transpose(1, 2).to(flat.dtype), flat).reshape(tensor.shape))
     return type(state)(*mixed)
-
-
-def exact_window(scores: Tensor, beam: int, epsilon: float, tol: float, kth: Optional[Tensor] = None) -> Tensor:
-    """The candidates that carry all but ``tol / 100`` of every rank (linear cost), as a mask.
-
-    The rank/rest boundary of the sorted soft top-k lies at most ``eps * log(2 (k+1)^2)``
-    below the (k+1)-th best score (otherwise the k+1 best would put more than k units of mass
-    on the k ranks), and a candidate ``d`` epsilons below the boundary puts at most
-    ``exp(-d)`` on a rank; so candidates more than ``log(100 n / tol) + log(2 (k+1)^2)``
-    epsilons below the (k+1)-th best change nothing at the solver's tolerance.
-
-    Args:
-        scores: ``(batch, n)`` candidate scores (``-inf`` = not a candidate).
-        kth: ``(batch, 1)`` the (k+1)-th best score of each row, if known.
-    Returns:
-        ``(batch, n)`` bool, True inside the window.
-    """
-    scores = scores.detach()
-    n = scores.shape[-1]
-    margin = math.log(100.0 * n / tol) + math.log(2.0 * (beam + 1) ** 2)
-    if kth is None:
-        kth = scores.topk(min(beam + 1, n), dim=-1).values[:, -1:]
-    return scores >= kth - margin * epsilon
 
 
 def compact_rows(mask: Tensor) -> Tuple[Tensor, Tensor]:
@@ -223,9 +200,9 @@ def _select(scores: Tensor, beam: int, config: BeamSearchConfig, kth: Tensor,
 
     With a pool (or in hard mode) only the m best candidates are kept (hard selection), and
     A is computed over them. Otherwise, with the linear cost, the soft top-k runs on the
-    :func:`exact_window` of candidates (the others would get less than ``tol / 100`` of any
-    rank; padding is ``-inf``, which the operator excludes); with the paper's cost, whose
-    scale depends on every candidate, on all of them. ``kth``: ``(batch, 1)`` the (k+1)-th
+    :func:`~fairseq_softtopk.ops.candidate_window` of candidates (the others would get less
+    than ``tol / 100`` of any rank; padding is ``-inf``, which the operator excludes); with
+    the paper's cost, whose scale depends on every candidate, on all of them. ``kth``: ``(batch, 1)`` the (k+1)-th
     best score; ``observe``: gets the norms of the gradient reaching the operator.
     """
     pool = beam if config.mode == "hard" else config.candidate_pool
@@ -233,7 +210,8 @@ def _select(scores: Tensor, beam: int, config: BeamSearchConfig, kth: Tensor,
     if pool and pool < scores.shape[-1]:
         pool_scores, ids = scores.topk(pool, dim=-1, sorted=True)
     elif not pool and config.cost == "linear":
-        ids, valid = compact_rows(exact_window(scores, beam, config.epsilon, config.tol, kth))
+        floor = candidate_window(kth, beam, config.epsilon, config.tol, n_out=scores.shape[-1])
+        ids, valid = compact_rows(scores.detach() >= floor)
         if ids.shape[1] < scores.shape[-1]:
             pool_scores = scores.gather(1, ids).masked_fill(~valid, -float("inf"))
         else:
@@ -306,7 +284,7 @@ def unroll_beam_search(decoder, encoder_out, reorder_encoder_out: Callable, targ
         n_unconverged += int(not converged)
         cand = ids if ids is not None else torch.arange(k * V, device=device).expand(batch, -1)
         if ids is not None and config.mode == "soft":
-            # the same budget as exact_window's: all but tol / 100 of every rank is kept
+            # the same budget as candidate_window's: all but tol / 100 of every rank is kept
             A, cand = drop_negligible(A, cand, config.tol / 100)
         best = A.argmax(1)  # (B, k): the candidate each new beam follows
         best_cand = cand.gather(1, best)

@@ -6,9 +6,12 @@ differentiated implicitly. ``sinkhorn_log`` is the log-domain Sinkhorn reference
 :mod:`fairseq_softtopk.ops.paper_algorithm` a re-implementation of the published algorithm,
 kept as baselines for tests and benchmarks. ``cap_row_grad_norm`` bounds the gradient that
 enters an operator, per row (soft beam search's remedy for gradients compounding over steps).
+``candidate_window`` bounds which candidates can carry a non-negligible part of a sorted soft
+top-k (the operator's solver and soft beam search both cut their candidates with it).
 """
 
 from ._common import COSTS, SolverInfo
+from .candidate_window import candidate_window
 from .gradient_cap import RowGradientCapFunction, cap_row_grad_norm
 from .sinkhorn import sinkhorn_log
 from .soft_topk import SoftTopKFunction, soft_topk
@@ -20,6 +23,7 @@ __all__ = [
     "SolverInfo",
     "SoftTopKFunction",
     "SortedSoftTopKFunction",
+    "candidate_window",
     "cap_row_grad_norm",
     "sinkhorn_log",
     "soft_topk",

@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 from ._common import PreparedScores, SolverInfo, hard_topk_indices
+from .candidate_window import candidate_window
 
 _ARMIJO = 1e-4
 _MAX_BACKTRACK = 12
@@ -47,6 +48,7 @@ _MAX_BIN_ITER = 8  # steps on the histogram (4-7 from the hard start in bench_op
 _RESCALE_STEPS = 4
 _RESCALE_GAIN = 8.0  # rescaling continues while each step divides the marginal error by this much
 _LOG2E, _LN2 = 1.0 / math.log(2.0), math.log(2.0)
+_WINDOW_GAP = 2.0  # first guess of the rank/rest boundary's distance below the (k+1)-th best, in epsilons
 
 
 def anchors(k: int, like: Tensor) -> Tensor:
@@ -399,8 +401,9 @@ def newton_solve(prep: PreparedScores, k: int, tol: float, max_iter: int) -> Tup
     """Maximises the semi-dual of the prepared rows by damped Newton; returns the plan ``(rows, k+1, n)`` and info.
 
     Elements far below the best ``k + 1`` (in units of epsilon) belong to the rest anchor
-    up to ``exp(-margin)``; Newton runs on the window of the others only (the top few hundred
-    of tens of thousands of beam candidates, say). The window widens until the solution
+    up to ``exp(margin)``; Newton runs on the window of the others only (the top few hundred
+    of tens of thousands of beam candidates, say; :func:`candidate_window`, with a first
+    boundary gap of :data:`_WINDOW_GAP` epsilons). The window widens until the solution
     confirms that every element left out puts less than ``tol / 100`` in total on the ranks.
     """
     problem = _Problem.prepared(prep, k)
@@ -408,10 +411,12 @@ def newton_solve(prep: PreparedScores, k: int, tol: float, max_iter: int) -> Tup
     rows, n = z.shape
     no_rest = problem.no_rest
     g = _hard_start(top, no_rest, eps, k)
-    out_of_window = (n_valid - k).clamp_min(1).double()
-    margin = torch.log(0.01 * tol / out_of_window).unsqueeze(-1)  # (rows, 1), negative
+    # At most n_valid - k elements are left out; each may put exp(margin) on a rank.
+    out_of_window = (n_valid - k).clamp_min(1).double().unsqueeze(-1)
+    margin = torch.log(0.01 * tol / out_of_window)  # (rows, 1), negative
     edge = top[:, -1:] if top.shape[-1] > k else top[:, -1:] - 1.0
-    cut = torch.where(no_rest.unsqueeze(-1), torch.full_like(edge, -math.inf), edge + (margin - 2.0).to(z.dtype) * eps)
+    floor = candidate_window(edge, k, eps, tol, out_of_window, boundary_gap=_WINDOW_GAP)
+    cut = torch.where(no_rest.unsqueeze(-1), torch.full_like(edge, -math.inf), floor)
     # Where every entry lies above the cut (smooth problems), one reduction tells, without a mask.
     dense = problem.all_valid and bool((z.amin(-1, keepdim=True) >= cut).all())
     while not dense:
@@ -435,7 +440,7 @@ def newton_solve(prep: PreparedScores, k: int, tol: float, max_iter: int) -> Tup
             P.scatter_(2, index.unsqueeze(1).expand(-1, k + 1, -1), solved.P)
             P[:, k].scatter_(1, index, torch.where(inside_w, solved.P[:, k], valid.gather(-1, index).to(z.dtype)))
             return P, _info(solved.err, n_iter, tol)
-        cut = cut + (margin - 2.0).to(z.dtype) * eps  # widen the window and solve again
+        cut = cut + (margin - _WINDOW_GAP).to(z.dtype) * eps  # widen the window and solve again
     solved, n_iter = _solve_rows(problem, g, tol, max_iter)
     return solved.P, _info(solved.err, n_iter, tol)
 
