@@ -23,16 +23,20 @@ def clean_env() -> dict:
     """A minimal environment for fairseq subprocesses: nothing inherited that changes loading."""
     import os
 
-    env = {key: os.environ[key] for key in ("PATH", "HOME", "LANG", "TMPDIR") if key in os.environ}
+    # PYTHONPATH stays: on some machines fairseq itself is installed through it
+    env = {key: os.environ[key] for key in ("PATH", "HOME", "LANG", "TMPDIR", "PYTHONPATH") if key in os.environ}
     env["OMP_NUM_THREADS"] = "1"  # tests share two cores
     return env
 
 
 def run_fairseq(tool: str, args, cwd=None, check=True):
-    """Runs ``python -m fairseq_cli.<tool> *args`` in a clean environment; returns the process."""
+    """Runs ``python -m fairseq_cli.<tool> *args`` (no ``--user-dir`` added) in a clean environment;
+    returns the process."""
     import subprocess
 
-    cmd = [sys.executable, "-m", f"fairseq_cli.{tool}", *map(str, args)]
+    from fairseq_commands import fairseq_command
+
+    cmd = fairseq_command(tool, args, user_dir=False)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=clean_env(), cwd=cwd)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
@@ -42,12 +46,9 @@ def run_fairseq(tool: str, args, cwd=None, check=True):
 @pytest.fixture(scope="session")
 def toy_data_bin(tmp_path_factory):
     """A small toy corpus, binarised with a joined dictionary: ``(raw_dir, data_bin)``."""
-    from fairseq_softtopk.data.toy_language_pair import write_toy_corpus
+    from fairseq_commands import binarize_toy_corpus
 
     root = tmp_path_factory.mktemp("toy")
-    raw, data_bin = root / "raw", root / "bin"
-    write_toy_corpus(raw, splits={"train": (400, 11), "valid": (40, 12), "test": (40, 13)})
-    run_fairseq("preprocess", ["--source-lang", "src", "--target-lang", "tgt", "--trainpref", raw / "train",
-                               "--validpref", raw / "valid", "--testpref", raw / "test", "--destdir", data_bin,
-                               "--joined-dictionary", "--workers", "1"])
-    return raw, data_bin
+    data_bin = binarize_toy_corpus(root, splits={"train": (400, 11), "valid": (40, 12), "test": (40, 13)},
+                                   joined_dictionary=True)
+    return root / "raw", data_bin
