@@ -16,16 +16,16 @@ Example::
 """
 
 import argparse
+import itertools
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, Iterator, List, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import torch
-from fairseq_commands import PACKAGE_DIR, binarize_toy_corpus
-
-import fairseq_softtopk
+from bench_harness import build_training_parts, timed_updates, training_batches
+from fairseq_commands import binarize_toy_corpus
 
 NORMALIZERS = ("fairseq", "softmax", "soft_topk", "hard_topk", "sparsemax", "entmax15")
 #: What ``fairseq`` means in the table: fairseq's transformer with its fused attention.
@@ -36,55 +36,24 @@ CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
 def build_trainer_parts(data_bin: Path, arch: str, normalizer: str, k: int, epsilon: float, max_tokens: int,
                         seed: int):
     """``(task, model, criterion)`` for one normaliser, parameters initialised from ``seed``."""
-    from fairseq import options, tasks, utils
-    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
     from fairseq.models.transformer import TransformerModel
 
-    fairseq_softtopk.register()  # before the parser lists the architectures
-    parser = options.get_training_parser()
-    args = options.parse_args_and_arch(parser, [
-        str(data_bin), "--user-dir", str(PACKAGE_DIR), "--cpu", "--arch", arch, "--share-all-embeddings",
-        "--attention-normalizer", "softmax" if normalizer == REFERENCE else normalizer,
-        "--attention-topk", str(k), "--attention-topk-epsilon", str(epsilon),
-        "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
-        "--max-tokens", str(max_tokens), "--seed", str(seed), "--dropout", "0.1"])
-    cfg = convert_namespace_to_omegaconf(args)
-    utils.set_torch_seed(seed)
-    task = tasks.setup_task(cfg.task)
-    task.load_dataset("train")
-    if normalizer == REFERENCE:
-        model = TransformerModel.build_model(cfg.model, task)  # same sizes, fairseq's attention
-    else:
-        model = task.build_model(cfg.model)
-    return task, model, task.build_criterion(cfg.criterion)
-
-
-def _endless_batches(task, max_tokens: int, seed: int) -> Iterator[dict]:
-    """Training batches, epoch after epoch (the same sequence for every normaliser)."""
-    epochs = task.get_batch_iterator(dataset=task.dataset("train"), max_tokens=max_tokens, seed=seed,
-                                     ignore_invalid_inputs=True)
-    while True:
-        yield from epochs.next_epoch_itr(shuffle=True)
+    flags = ["--arch", arch, "--share-all-embeddings",
+             "--attention-normalizer", "softmax" if normalizer == REFERENCE else normalizer,
+             "--attention-topk", k, "--attention-topk-epsilon", epsilon,
+             "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
+             "--max-tokens", max_tokens, "--dropout", "0.1"]
+    # the reference: the same sizes with fairseq's own (fused) attention
+    build_model = (lambda cfg, task: TransformerModel.build_model(cfg, task)) if normalizer == REFERENCE else None
+    return build_training_parts(data_bin, flags, seed, build_model=build_model)
 
 
 def time_training(task, model, criterion, updates: int, max_tokens: int, warmup: int, seed: int,
                   clock=time.process_time) -> Tuple[List[float], List[int]]:
     """Trains ``warmup + updates`` updates; seconds and target tokens of each of the last ``updates``."""
-    batches = _endless_batches(task, max_tokens, seed)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    model.train()
-    seconds, tokens = [], []
-    for step in range(warmup + updates):
-        sample = next(batches)
-        start = clock()
-        optimizer.zero_grad()
-        loss, _, _ = criterion(model, sample)
-        loss.backward()
-        optimizer.step()
-        if step >= warmup:
-            seconds.append(clock() - start)
-            tokens.append(int(sample["ntokens"]))
-    return seconds, tokens
+    batches = itertools.islice(training_batches(task, max_tokens, seed), warmup + updates)
+    records = timed_updates(model, criterion, batches, warmup, clock=clock)
+    return [r["seconds"] for r in records], [r["tokens"] for r in records]
 
 
 def run_benchmark(data_bin: Path, arch: str, normalizers: Sequence[str], updates: int, repeats: int, k: int,

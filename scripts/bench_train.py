@@ -17,19 +17,21 @@ How things are measured:
 
 * Each configuration runs in a fresh subprocess (``--repeats`` times, interleaved); an
   update's time is its fastest run, which discards most slowdowns from other load.
-* Top-k share: ``fwd`` is the wall time inside
-  ``fairseq_softtopk.modules.soft_beam_search.sorted_soft_topk`` (the Newton solve included),
-  ``bwd`` the wall time inside ``SortedSoftTopKFunction.backward`` (implicit differentiation),
-  both patched with timing wrappers (CUDA: synchronised). ``select`` is the whole candidate
-  selection ``_select`` (the pool's / hard mode's ``torch.topk`` plus the soft operator's
-  forward), so ``beam_hard`` shows what its selection costs. ``Newton it.`` is the mean
-  number of Newton iterations per solve (from the operator's ``SolverInfo``).
+* Top-k share: from a second, profiled pass over the same updates (same initial parameters
+  and batches; ``--profile-updates`` of them), the time inside the package's named
+  ``torch.profiler`` ranges over the profiled time of those updates: ``fwd`` is
+  ``softtopk::sorted_soft_topk`` (the operator's forward, Newton solve included), ``bwd``
+  ``softtopk::sorted_soft_topk_backward`` (implicit differentiation), ``select`` the whole
+  candidate selection ``softtopk::select_beams`` (window, or the pool's / hard mode's
+  ``torch.topk``, plus the operator's forward), so ``beam_hard`` shows what its selection
+  costs. The timed pass runs without the profiler. ``Newton it.`` is the mean number of
+  Newton iterations per batched solve (the criterion's ``topk_newton`` logging).
 * Memory: CPU, the peak resident set size of the worker process during training (the peak
   is reset with ``/proc/self/clear_refs`` before the first update; elsewhere it is the peak
   since the process started) and its growth over the RSS before training; CUDA,
   ``torch.cuda.max_memory_allocated``.
 * ``--profile CONFIG`` prints ``torch.profiler`` tables instead: self CPU time by region
-  (operator forward / backward, rest of the selection, other forward / backward, optimizer)
+  (the named ranges, other forward / backward, optimizer)
   with each region's costliest ops, then the top ops overall.
 * The operator's cost depends on how peaked the model's distribution is: from a random
   initialisation every candidate is nearly tied. ``--pretrain-updates N`` (or
@@ -47,6 +49,7 @@ Example::
 """
 
 import argparse
+import itertools
 import json
 import logging
 import os
@@ -55,16 +58,17 @@ import shlex
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 import torch
-from fairseq_commands import PACKAGE_DIR, binarize_toy_corpus
-
-import fairseq_softtopk
+from bench_harness import build_training_parts, range_seconds, timed_updates, training_batches
+from fairseq_commands import binarize_toy_corpus
 
 CONFIGS = ("teacher_forcing", "beam_hard", "beam_soft", "beam_soft_pool")
+#: table column -> the package's named profiler range it reads
+RANGE_KEYS = {"topk_fwd": "softtopk::sorted_soft_topk", "topk_bwd": "softtopk::sorted_soft_topk_backward",
+              "select": "softtopk::select_beams"}
 BASELINE = "beam_hard"
 TARGET_RATIO = 1.25  # issue 4: soft <= 1.25x the time of hard at k=5 on the Multi30k-sized model
 _RESULT_TAG = "BENCH_RESULT "
@@ -72,9 +76,11 @@ _RESULT_TAG = "BENCH_RESULT "
 TOY_SPLITS = {"train": (3000, 11), "valid": (100, 12)}
 
 
-def criterion_args(config: str, beam: int, epsilon: float, pool: int, ratio: float) -> List[str]:
+def criterion_args(config: str, beam: int, epsilon: Optional[float], pool: int, ratio: float) -> List[str]:
     """``soft_beam_search`` flags of one configuration (one of :data:`CONFIGS`)."""
-    common = ["--criterion", "soft_beam_search", "--train-beam", str(beam), "--topk-epsilon", str(epsilon)]
+    common = ["--criterion", "soft_beam_search", "--train-beam", str(beam)]
+    if epsilon is not None:  # None: the criterion's default
+        common += ["--topk-epsilon", str(epsilon)]
     flags = {
         "teacher_forcing": ["--teacher-forcing-ratio", "1.0"],
         "beam_hard": ["--teacher-forcing-ratio", str(ratio), "--topk-mode", "hard"],
@@ -87,93 +93,20 @@ def criterion_args(config: str, beam: int, epsilon: float, pool: int, ratio: flo
 
 
 def build_parts(opts: argparse.Namespace, config: str):
-    """``(task, model, criterion)`` of one configuration, parameters initialised from ``opts.seed``."""
-    from fairseq import options, tasks, utils
-    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
-
-    fairseq_softtopk.register()  # before the parser lists the architectures
-    parser = options.get_training_parser()
-    argv = [str(opts.data), "--user-dir", str(PACKAGE_DIR), "--arch", opts.arch, "--max-tokens", str(opts.max_tokens),
-            "--seed", str(opts.seed),
-            *criterion_args(config, opts.beam, opts.epsilon, opts.candidate_pool, opts.teacher_forcing_ratio)]
-    if opts.device == "cpu":
-        argv.append("--cpu")
-    cfg = convert_namespace_to_omegaconf(options.parse_args_and_arch(parser, argv))
-    utils.set_torch_seed(opts.seed)
-    task = tasks.setup_task(cfg.task)
-    task.load_dataset("train")
-    model = task.build_model(cfg.model)
+    """``(task, model, criterion)`` of one configuration, parameters initialised from ``opts.seed``
+    (then loaded from ``opts.checkpoint`` where given)."""
+    flags = ["--arch", opts.arch, "--max-tokens", opts.max_tokens,
+             *criterion_args(config, opts.beam, opts.epsilon, opts.candidate_pool, opts.teacher_forcing_ratio)]
+    task, model, criterion = build_training_parts(opts.data, flags, opts.seed, opts.device)
     if opts.checkpoint:
         state = torch.load(opts.checkpoint, map_location="cpu", weights_only=True)
         model.load_state_dict(state.get("model", state))  # a fairseq checkpoint or a bare state dict
-    return task, model.to(opts.device), task.build_criterion(cfg.criterion)
+    return task, model, criterion
 
 
 def fixed_batches(task, max_tokens: int, count: int, seed: int, device: str) -> List[dict]:
     """The first ``count`` training batches of a seeded shuffle (epoch after epoch), on ``device``."""
-    from fairseq import utils
-
-    epochs = task.get_batch_iterator(dataset=task.dataset("train"), max_tokens=max_tokens, seed=seed,
-                                     ignore_invalid_inputs=True)
-    batches: List[dict] = []
-    while len(batches) < count:
-        before = len(batches)
-        for sample in epochs.next_epoch_itr(shuffle=True):
-            batches.append(utils.move_to_cuda(sample) if device.startswith("cuda") else sample)
-            if len(batches) == count:
-                break
-        if len(batches) == before:
-            raise ValueError(f"no training batch fits --max-tokens {max_tokens}")
-    return batches
-
-
-class TopKTimer:
-    """Patches timing wrappers around the top-k operator while active (see the module docstring)."""
-
-    def __init__(self, device: str):
-        self.cuda = device.startswith("cuda")
-        self.totals = dict.fromkeys(("topk_fwd", "topk_bwd", "select", "topk_calls", "newton_iters"), 0.0)
-
-    def sync(self) -> None:
-        """Waits for queued CUDA work (no-op on CPU), so that wall times cover it."""
-        if self.cuda:
-            torch.cuda.synchronize()
-
-    def _timed(self, key: str, fn):
-        def wrapper(*args, **kwargs):
-            with torch.profiler.record_function(f"bench::{key}"):
-                self.sync()
-                start = time.perf_counter()
-                out = fn(*args, **kwargs)
-                self.sync()
-                self.totals[key] += time.perf_counter() - start
-            if isinstance(out, tuple) and hasattr(out[-1], "n_iter"):  # (A, SolverInfo) of return_info=True
-                self.totals["topk_calls"] += 1
-                self.totals["newton_iters"] += out[-1].n_iter
-            return out
-        return wrapper
-
-    def __enter__(self) -> "TopKTimer":
-        from fairseq_softtopk.modules import soft_beam_search as search
-        from fairseq_softtopk.ops.sorted_soft_topk import SortedSoftTopKFunction
-
-        self._saved = (search.sorted_soft_topk, search._select, SortedSoftTopKFunction.__dict__["backward"])
-        search.sorted_soft_topk = self._timed("topk_fwd", search.sorted_soft_topk)
-        search._select = self._timed("select", search._select)
-        # autograd looks ``backward`` up on the class when the graph runs, so a patched one is used
-        SortedSoftTopKFunction.backward = staticmethod(self._timed("topk_bwd", SortedSoftTopKFunction.backward))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        from fairseq_softtopk.modules import soft_beam_search as search
-        from fairseq_softtopk.ops.sorted_soft_topk import SortedSoftTopKFunction
-
-        search.sorted_soft_topk, search._select, SortedSoftTopKFunction.backward = self._saved
-
-    def take(self) -> Dict[str, float]:
-        """The seconds (and solver calls / Newton iterations) accumulated since the last call, reset to 0."""
-        out, self.totals = self.totals, dict.fromkeys(self.totals, 0.0)
-        return out
+    return list(itertools.islice(training_batches(task, max_tokens, seed, device), count))
 
 
 def _rss_mib(field: str) -> Optional[float]:
@@ -196,26 +129,25 @@ def _reset_peak_rss() -> bool:
         return False
 
 
-def train_updates(model, criterion, batches: List[dict], warmup: int, timer: TopKTimer,
-                  optimizer: Optional[torch.optim.Optimizer] = None) -> List[Dict[str, float]]:
-    """Trains on ``batches`` (with Adam unless given ``optimizer``); per timed update (after ``warmup``):
-    seconds, target tokens and the top-k seconds of :class:`TopKTimer`."""
-    optimizer = optimizer or torch.optim.Adam(model.parameters(), lr=1e-3)
-    model.train()
-    records = []
-    for step, sample in enumerate(batches):
-        timer.sync()
-        timer.take()
-        start = time.perf_counter()
-        optimizer.zero_grad()
-        loss, _, _ = criterion(model, sample)
-        loss.backward()
-        optimizer.step()
-        timer.sync()
-        seconds = time.perf_counter() - start
-        if step >= warmup:
-            records.append({"seconds": seconds, "tokens": int(sample["ntokens"]), **timer.take()})
-    return records
+def update_record(record: dict) -> Dict[str, float]:
+    """One timed update of :func:`bench_harness.timed_updates` as this benchmark keeps it."""
+    logging = record["logging"]
+    return {"seconds": record["seconds"], "tokens": record["tokens"],
+            "newton_iters": logging.get("topk_newton_iters", 0.0), "solves": logging.get("topk_solves", 0.0)}
+
+
+def profiled_shares(model, criterion, batches: List[dict], warmup: int, device: str) -> Dict[str, float]:
+    """Seconds of the timed updates of ``batches`` under ``torch.profiler`` and inside each named range."""
+    from torch.profiler import ProfilerActivity, profile
+
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    timed_updates(model, criterion, batches[:warmup], 0, device, optimizer=optimizer)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    with profile(activities=activities) as prof:
+        records = timed_updates(model, criterion, batches[warmup:], 0, device, optimizer=optimizer)
+    ranges = range_seconds(prof.events(), RANGE_KEYS.values())
+    return {"profiled_seconds": sum(r["seconds"] for r in records),
+            **{key: ranges[name] for key, name in RANGE_KEYS.items()}}
 
 
 def _setup(opts: argparse.Namespace, config: str):
@@ -228,8 +160,14 @@ def _setup(opts: argparse.Namespace, config: str):
 
 
 def run_config(opts: argparse.Namespace, config: str) -> dict:
-    """Builds and trains one configuration in this process; ``{"updates": [...], "peak_mib", "growth_mib"}``."""
+    """Builds and trains one configuration in this process.
+
+    Returns ``{"updates": [...], "peak_mib", "growth_mib", "profile": {...}}``: the timed pass
+    (no profiler), then the profiled pass (:func:`profiled_shares`) over the first
+    ``opts.profile_updates`` of the same updates from the same initial parameters.
+    """
     model, criterion, batches = _setup(opts, config)
+    initial = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
     cuda = opts.device.startswith("cuda")
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -237,11 +175,12 @@ def run_config(opts: argparse.Namespace, config: str) -> dict:
     else:
         before = _rss_mib("VmRSS")
         _reset_peak_rss()
-    with TopKTimer(opts.device) as timer:
-        records = train_updates(model, criterion, batches, opts.warmup, timer)
+    records = [update_record(r) for r in timed_updates(model, criterion, batches, opts.warmup, opts.device)]
     peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else _rss_mib("VmHWM")
     growth = None if peak is None or before is None else peak - before
-    return {"updates": records, "peak_mib": peak, "growth_mib": growth}
+    model.load_state_dict(initial)
+    shares = profiled_shares(model, criterion, batches[: opts.warmup + opts.profile_updates], opts.warmup, opts.device)
+    return {"updates": records, "peak_mib": peak, "growth_mib": growth, "profile": shares}
 
 
 def pretrain(opts: argparse.Namespace, path: Path) -> None:
@@ -250,8 +189,7 @@ def pretrain(opts: argparse.Namespace, path: Path) -> None:
     # another seed: other batches than the timed ones
     pre = argparse.Namespace(**{**vars(opts), "updates": opts.pretrain_updates, "warmup": 0, "seed": opts.seed + 1})
     model, criterion, batches = _setup(pre, "teacher_forcing")
-    with TopKTimer(opts.device) as timer:
-        records = train_updates(model, criterion, batches, 0, timer)
+    records = timed_updates(model, criterion, batches, 0, opts.device)
     torch.save(model.state_dict(), path)
     print(f"pretrained {len(records)} teacher-forced updates in {sum(r['seconds'] for r in records):.0f} s "
           f"-> {path}", flush=True)
@@ -278,17 +216,18 @@ def run_benchmark(opts: argparse.Namespace, argv: Sequence[str], configs: Sequen
 
 
 def summarize(results: List[dict]) -> dict:
-    """Totals over the updates (fastest run of each update) and the largest memory of the runs."""
+    """Totals over the updates (fastest run of each update), the largest memory of the runs and
+    the range shares of the fastest profiled pass."""
     fastest = [min(update, key=lambda r: r["seconds"]) for update in zip(*(r["updates"] for r in results))]
     seconds = sum(r["seconds"] for r in fastest)
-    total = {key: sum(r[key] for r in fastest) for key in ("topk_fwd", "topk_bwd", "select")}
+    profile = min((r["profile"] for r in results), key=lambda p: p["profiled_seconds"])
     peaks = [r["peak_mib"] for r in results if r["peak_mib"] is not None]
     growths = [r["growth_mib"] for r in results if r["growth_mib"] is not None]
-    calls = sum(r["topk_calls"] for r in fastest)
+    solves = sum(r["solves"] for r in fastest)
     return {"tokens_per_s": sum(r["tokens"] for r in fastest) / seconds, "ms_per_update": 1e3 * seconds / len(fastest),
             "peak_mib": max(peaks, default=float("nan")), "growth_mib": max(growths, default=float("nan")),
-            "newton_per_call": sum(r["newton_iters"] for r in fastest) / calls if calls else float("nan"),
-            **{f"{key}_share": value / seconds for key, value in total.items()}}
+            "newton_per_call": sum(r["newton_iters"] for r in fastest) / solves if solves else float("nan"),
+            **{f"{key}_share": profile[key] / profile["profiled_seconds"] for key in RANGE_KEYS}}
 
 
 def format_table(summary: Dict[str, dict], memory: str) -> str:
@@ -311,11 +250,11 @@ def format_table(summary: Dict[str, dict], memory: str) -> str:
 
 
 def _region(event) -> str:
-    """Where a profiled op ran: the innermost ``bench::`` range, the optimizer, other backward or forward."""
+    """Where a profiled op ran: the innermost ``softtopk::`` range, the optimizer, other backward or forward."""
     backward = False
     while event is not None:
-        if event.name.startswith("bench::"):
-            return event.name[len("bench::"):]
+        if event.name.startswith("softtopk::"):
+            return event.name[len("softtopk::"):]
         if event.name.startswith("Optimizer."):
             return "optimizer"
         backward = backward or event.name.startswith("autograd::engine::evaluate_function")
@@ -346,10 +285,9 @@ def profile_config(opts: argparse.Namespace, config: str, rows: int) -> str:
     model, criterion, batches = _setup(opts, config)
     cuda = opts.device.startswith("cuda")
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    with TopKTimer(opts.device) as timer:
-        train_updates(model, criterion, batches[: opts.warmup], 0, timer, optimizer)
-        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
-            records = train_updates(model, criterion, batches[opts.warmup:], 0, timer, optimizer)
+    timed_updates(model, criterion, batches[: opts.warmup], 0, opts.device, optimizer=optimizer)
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        records = timed_updates(model, criterion, batches[opts.warmup:], 0, opts.device, optimizer=optimizer)
     seconds = sum(r["seconds"] for r in records)
     ops = prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total",
                                     row_limit=rows, max_name_column_width=60)
@@ -384,7 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=int, default=3, help="untimed updates before timing")
     parser.add_argument("--repeats", type=int, default=1, help="interleaved runs per config (fastest per update)")
     parser.add_argument("--beam", type=int, default=5, help="--train-beam k")
-    parser.add_argument("--epsilon", type=float, default=0.1, help="--topk-epsilon")
+    parser.add_argument("--epsilon", type=float, default=None, help="--topk-epsilon (default: the criterion's)")
     parser.add_argument("--candidate-pool", type=int, default=50, help="m of beam_soft_pool")
     parser.add_argument("--teacher-forcing-ratio", type=float, default=0.8, help="p of the beam configs")
     parser.add_argument("--max-tokens", type=int, default=2000)
@@ -396,6 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--pretrain-updates", type=int, default=0,
                         help="first train this many teacher-forced updates (untimed, once) and start every config "
                              "from the result; 0: from --checkpoint or random initialisation")
+    parser.add_argument("--profile-updates", type=int, default=5,
+                        help="updates of the profiled pass that measures the top-k shares (at most --updates)")
     parser.add_argument("--in-process", action="store_true", help="no subprocess per run (memory then accumulates)")
     parser.add_argument("--profile", metavar="CONFIG", help="print a torch.profiler table for this config instead")
     parser.add_argument("--profile-rows", type=int, default=25)
@@ -411,9 +351,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     unknown = [c for c in configs + [opts.profile or CONFIGS[0]] if c not in CONFIGS]
     if unknown:
         parser.error(f"unknown configurations {unknown}; choose from {CONFIGS}")
-    if min(opts.updates, opts.repeats, opts.threads) < 1 or opts.warmup < 0:
-        parser.error(f"need --updates, --repeats, --threads >= 1 and --warmup >= 0, got {opts.updates}, "
-                     f"{opts.repeats}, {opts.threads}, {opts.warmup}")
+    if min(opts.updates, opts.repeats, opts.threads, opts.profile_updates) < 1 or opts.warmup < 0:
+        parser.error(f"need --updates, --repeats, --threads, --profile-updates >= 1 and --warmup >= 0, got "
+                     f"{opts.updates}, {opts.repeats}, {opts.threads}, {opts.profile_updates}, {opts.warmup}")
+    opts.profile_updates = min(opts.profile_updates, opts.updates)
     if opts.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error("--device cuda but torch.cuda.is_available() is False")
     if opts.worker:

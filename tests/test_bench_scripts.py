@@ -18,28 +18,45 @@ def test_criterion_args_per_config():
 
 
 def test_summarize_takes_the_fastest_run_of_each_update():
-    def update(seconds, topk):
-        return {"seconds": seconds, "tokens": 10, "topk_fwd": topk, "topk_bwd": 0.0, "select": topk,
-                "topk_calls": 2.0, "newton_iters": 2.0 * seconds}
+    def update(seconds, newton):
+        return {"seconds": seconds, "tokens": 10, "newton_iters": newton, "solves": 2.0}
 
-    runs = [{"updates": [update(2.0, 1.0), update(1.0, 0.5)], "peak_mib": 100.0, "growth_mib": 10.0},
-            {"updates": [update(1.0, 0.25), update(3.0, 3.0)], "peak_mib": 120.0, "growth_mib": 5.0}]
+    def profile(seconds, fwd):
+        return {"profiled_seconds": seconds, "topk_fwd": fwd, "topk_bwd": 0.1, "select": 2 * fwd}
+
+    runs = [{"updates": [update(2.0, 8.0), update(1.0, 2.0)], "peak_mib": 100.0, "growth_mib": 10.0,
+             "profile": profile(4.0, 1.0)},
+            {"updates": [update(1.0, 4.0), update(3.0, 6.0)], "peak_mib": 120.0, "growth_mib": 5.0,
+             "profile": profile(2.0, 1.0)}]
     summary = bench_train.summarize(runs)
     assert summary["ms_per_update"] == pytest.approx(1000.0)  # (1.0 + 1.0) / 2 updates
     assert summary["tokens_per_s"] == pytest.approx(10.0)
-    assert summary["topk_fwd_share"] == pytest.approx(0.75 / 2.0)
-    assert summary["newton_per_call"] == pytest.approx(1.0)  # (2 + 2) iterations / (2 + 2) calls
+    assert summary["newton_per_call"] == pytest.approx(1.5)  # (4 + 2) iterations / (2 + 2) solves
+    assert summary["topk_fwd_share"] == pytest.approx(0.5)  # the faster profiled pass: 1.0 of 2.0 s
+    assert summary["select_share"] == pytest.approx(1.0)
     assert summary["peak_mib"] == 120.0 and summary["growth_mib"] == 10.0
 
 
-def test_timer_restores_the_operator():
-    from fairseq_softtopk.modules import soft_beam_search as search
-    from fairseq_softtopk.ops.sorted_soft_topk import SortedSoftTopKFunction
+def test_range_seconds_reads_the_named_ranges_of_a_profile():
+    """The package's ranges, as torch.profiler records them, timed against a known sleep."""
+    import time
 
-    before = (search.sorted_soft_topk, search._select, SortedSoftTopKFunction.__dict__["backward"])
-    with bench_train.TopKTimer("cpu"):
-        assert search.sorted_soft_topk is not before[0]
-    assert (search.sorted_soft_topk, search._select, SortedSoftTopKFunction.__dict__["backward"]) == before
+    from bench_harness import range_seconds
+    from torch.profiler import ProfilerActivity, profile
+
+    from fairseq_softtopk.ops import sorted_soft_topk
+
+    x = torch.randn(3, 50, dtype=torch.float64, requires_grad=True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with torch.profiler.record_function("softtopk::select_beams"):
+            time.sleep(0.05)
+            A = sorted_soft_topk(x, 3, epsilon=0.1)
+        A.sum().backward()
+    seconds = range_seconds(prof.events())
+    assert 0.05 <= seconds["softtopk::select_beams"] < 0.5
+    assert 0 < seconds["softtopk::sorted_soft_topk"] < seconds["softtopk::select_beams"] - 0.05 + 1e-3
+    assert seconds["softtopk::sorted_soft_topk_backward"] > 0
+    assert seconds["softtopk::mix_beams"] == 0.0
 
 
 @pytest.mark.slow
@@ -58,17 +75,25 @@ def test_bench_train_prints_a_row_per_config(toy_data_bin, capsys):
     rows = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in out.splitlines()
             if re.match(r"\| (teacher_forcing|beam_\w+) \|", line)}
     assert set(rows) == set(bench_train.CONFIGS)
-    assert rows["beam_hard"][-1].strip() == "1.00x"
-    assert rows["teacher_forcing"][3].strip() == "0.0%"  # no top-k without the beam
-    assert float(rows["beam_soft"][3].strip().rstrip("%")) > 0.0
-    assert float(rows["beam_soft"][4].strip().rstrip("%")) > 0.0  # backward of the operator was timed
-    assert rows["beam_hard"][6].strip() == "-" and float(rows["beam_soft"][6]) >= 0  # Newton iterations per call
+    ms = {name: float(row[1]) for name, row in rows.items()}
+    for name, row in rows.items():  # the ratio column is the table's own ms/update over hard's
+        assert float(row[-1].strip().rstrip("x")) == pytest.approx(ms[name] / ms["beam_hard"], abs=0.01)
+    assert ms["teacher_forcing"] < ms["beam_hard"]  # no search at all
+    share = {name: [float(row[i].strip().rstrip("%")) for i in (3, 4, 5)] for name, row in rows.items()}
+    assert share["teacher_forcing"] == [0.0, 0.0, 0.0]  # no top-k without the beam
+    assert share["beam_hard"][:2] == [0.0, 0.0] and share["beam_hard"][2] > 0  # hard: topk only
+    for name in ("beam_soft", "beam_soft_pool"):
+        fwd, bwd, select = share[name]
+        assert 0 < fwd < select < 100 and 0 < bwd < 100  # the selection contains the operator's forward
+        assert float(rows[name][6]) >= 1  # Newton iterations per solve, from the criterion's logging
+    assert rows["beam_hard"][6].strip() == "-" and rows["teacher_forcing"][6].strip() == "-"
     assert "target <= 1.25x" in out
 
     # one configuration in its own process, as the default (isolated) mode runs them
     result = bench_train.run_isolated(bench_train.build_parser().parse_args(tiny), tiny, "beam_soft")
     assert len(result["updates"]) == 2 and result["peak_mib"] > 0
-    assert all(r["topk_fwd"] > 0 for r in result["updates"])
+    assert all(r["newton_iters"] >= r["solves"] > 0 for r in result["updates"])
+    assert 0 < result["profile"]["topk_fwd"] < result["profile"]["select"] < result["profile"]["profiled_seconds"]
 
 
 def test_bench_ops_prints_every_method_with_our_solver_converged(capsys):
@@ -78,10 +103,16 @@ def test_bench_ops_prints_every_method_with_our_solver_converged(capsys):
     rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| topk n=")
             or line.startswith("| sorted n=")]
     assert [r[1].strip() for r in rows] == ["ours", "paper", "unrolled", "topk"] * 2
+    medians = {(r[0].strip(), r[1].strip()): float(r[2]) for r in rows}
     for r in rows:
-        median, best = float(r[2]), float(r[4])
+        case, method, median, best = r[0].strip(), r[1].strip(), float(r[2]), float(r[4])
         assert 0 < best <= median
-        if r[1].strip() == "ours":
+        if method != "topk":  # "vs topk" is the median over torch.topk's: topk cancels between two rows
+            vs_topk_paper = float(next(o for o in rows if o[0] == r[0] and o[1].strip() == "paper")[3])
+            assert float(r[3]) / vs_topk_paper == pytest.approx(median / medians[(case, "paper")], rel=0.05)
+        if method == "ours":
             assert float(r[7]) <= 1e-4 and "NOT CONVERGED" not in r[8]
-        if r[1].strip() == "topk":
-            assert float(r[3]) == 1.0 and float(r[5]) == 1.0
+            faster = float(re.search(r"([0-9.]+)x faster", r[8]).group(1))
+            assert faster == pytest.approx(medians[(case, "paper")] / median, rel=0.1)
+        if method == "unrolled":  # autograd keeps every Sinkhorn iteration; ours keeps one plan
+            assert float(r[6]) > float(next(o for o in rows if o[0] == r[0] and o[1].strip() == "ours")[6])

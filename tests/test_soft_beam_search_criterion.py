@@ -9,7 +9,7 @@ from fairseq.data import Dictionary
 
 from fairseq_softtopk.criterions.soft_beam_search import SoftBeamSearchCriterion
 from fairseq_softtopk.models.softtopk_lstm import SoftTopKLSTMConfig, SoftTopKLSTMModel
-from fairseq_softtopk.modules.soft_beam_search import BeamSearchConfig, unroll_beam_search
+from fairseq_softtopk.modules.beam_search import BeamSearchConfig, unroll_beam_search
 from fairseq_softtopk.ops import cap_row_grad_norm
 
 

@@ -3,14 +3,15 @@
 ``loss = p * L_tf + (1 - p) * L_beam`` (Xie et al. 2020, section 5.2), where ``L_tf`` is the
 label-smoothed NLL of the gold target under teacher forcing and ``L_beam`` the label-smoothed
 NLL of the gold tokens along the best beam of a beam search unrolled for as many steps as the
-target has tokens (:mod:`fairseq_softtopk.modules.soft_beam_search`). ``--topk-mode hard`` is
+target has tokens (:mod:`fairseq_softtopk.modules.beam_search`). ``--topk-mode hard`` is
 the paper's ablation: the same unrolling with the exact top-k.
 
 In soft mode, ``--selection-grad`` decides what flows back through the selection: the exact
 gradient (``full``, the paper's), the same capped per sentence and step (``capped``), or
 nothing (``none``: soft forward pass, gradient only through the mixed embeddings and states).
 Logged besides the losses: ``topk_sharpness``, ``topk_near_tie`` (share of steps where two of
-the k + 1 best candidates are within epsilon), and, from the backward pass, ``selgrad_log10``
+the k + 1 best candidates are within epsilon), ``topk_newton`` (Newton iterations per batched
+solve; soft mode), and, from the backward pass, ``selgrad_log10``
 (mean log10 norm of the gradient reaching a step's selection, per sentence), ``selgrad_capped``
 and ``selgrad_over100`` (shares of those above the cap and above 100 gold-token gradients).
 
@@ -28,7 +29,7 @@ from fairseq.criterions import FairseqCriterion, register_criterion
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from omegaconf import II
 
-from ..modules.soft_beam_search import BeamSearchConfig, unroll_beam_search
+from ..modules.beam_search import BeamSearchConfig, unroll_beam_search
 
 #: logged per sentence and step from the backward pass (see SelectionGradientStats)
 SELGRAD_KEYS = ("selgrad_count", "selgrad_log10_sum", "selgrad_capped", "selgrad_over100")
@@ -178,6 +179,9 @@ class SoftBeamSearchCriterion(FairseqCriterion):
             logging_output["topk_unconverged"] = beam.n_unconverged
             logging_output["topk_near_tie_sum"] = beam.near_tie[mask].sum().data
             logging_output["topk_steps"] = int(mask.sum())
+            if self.search.mode == "soft":  # one batched solve per decoding step
+                logging_output["topk_newton_iters"] = beam.newton_iters
+                logging_output["topk_solves"] = target.size(1)
         if stats is not None:
             logging_output.update(stats.logging_output())
         return loss, sample_size, logging_output
@@ -201,6 +205,9 @@ class SoftBeamSearchCriterion(FairseqCriterion):
         steps = total("topk_steps")
         if steps:
             metrics.log_scalar("topk_near_tie", total("topk_near_tie_sum") / steps, steps, round=3)
+        solves = total("topk_solves")
+        if solves:
+            metrics.log_scalar("topk_newton", total("topk_newton_iters") / solves, solves, round=1)
         observed = total("selgrad_count")
         if observed:
             metrics.log_scalar("selgrad_log10", total("selgrad_log10_sum") / observed, observed, round=2)

@@ -2,7 +2,7 @@
 
 from .additive_attention import AdditiveAttention
 from .attention_normalizer import ATTENTION_NORMALIZERS, AttentionNormalizer, normalize_attention
-from .soft_beam_search import BeamSearchConfig, BeamSearchOutput, unroll_beam_search
+from .beam_search import BeamSearchConfig, BeamSearchOutput, unroll_beam_search
 
 __all__ = [
     "ATTENTION_NORMALIZERS",

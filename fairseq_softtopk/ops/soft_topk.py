@@ -96,11 +96,12 @@ class SoftTopKFunction(torch.autograd.Function):
         logits, eps = ctx.saved_tensors
         grad_z = None
         if ctx.needs_input_grad[0]:
-            w = torch.sigmoid(logits) * torch.sigmoid(-logits)  # 0 where excluded (logit -inf)
-            g = grad_output.to(w.dtype)
-            w_sum = w.sum(-1, keepdim=True)
-            mean_g = (w * g).sum(-1, keepdim=True) / torch.where(w_sum > 0, w_sum, torch.ones_like(w_sum))
-            grad_z = w / eps * (g - mean_g)
+            with torch.profiler.record_function("softtopk::soft_topk_backward"):
+                w = torch.sigmoid(logits) * torch.sigmoid(-logits)  # 0 where excluded (logit -inf)
+                g = grad_output.to(w.dtype)
+                w_sum = w.sum(-1, keepdim=True)
+                mean_g = (w * g).sum(-1, keepdim=True) / torch.where(w_sum > 0, w_sum, torch.ones_like(w_sum))
+                grad_z = w / eps * (g - mean_g)
         return grad_z, None, None
 
 
@@ -146,13 +147,14 @@ def soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = True, ep
         tensor([1.0000, 0.0067, 0.9933, 0.0000])
     """
     check_inputs(scores, k, epsilon, mask, cost, tol, max_iter)
-    prep = prepare_scores(scores, k, dim, largest, epsilon, mask, cost, n_anchor_steps=1)
-    if hard:
-        out, info = _hard_indicator(prep, k), SolverInfo(True, 0, 0.0)
-    else:
-        logits, info = _threshold_solve(prep, k, tol, max_iter)
-        out = SoftTopKFunction.apply(oriented_rows(scores, dim, prep), logits, prep.eps)
-    out = restore_shape(out, scores, dim).to(scores.dtype)
+    with torch.profiler.record_function("softtopk::soft_topk"):  # a named range for torch.profiler
+        prep = prepare_scores(scores, k, dim, largest, epsilon, mask, cost, n_anchor_steps=1)
+        if hard:
+            out, info = _hard_indicator(prep, k), SolverInfo(True, 0, 0.0)
+        else:
+            logits, info = _threshold_solve(prep, k, tol, max_iter)
+            out = SoftTopKFunction.apply(oriented_rows(scores, dim, prep), logits, prep.eps)
+        out = restore_shape(out, scores, dim).to(scores.dtype)
     return (out, info) if return_info else out
 
 

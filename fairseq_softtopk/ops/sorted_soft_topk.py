@@ -52,6 +52,12 @@ class SortedSoftTopKFunction(torch.autograd.Function):
         P, eps, no_rest = ctx.saved_tensors  # P: (rows, k+1, n)
         if not ctx.needs_input_grad[0]:
             return None, None, None, None
+        with torch.profiler.record_function("softtopk::sorted_soft_topk_backward"):
+            return SortedSoftTopKFunction._vjp(P, eps, no_rest, grad_output), None, None, None
+
+    @staticmethod
+    def _vjp(P: Tensor, eps: Tensor, no_rest: Tensor, grad_output: Tensor) -> Tensor:
+        """``dL/dz`` ``(rows, n)`` from ``dL/dA`` ``(rows, n, k)`` (see :meth:`backward`)."""
         k = P.shape[1] - 1
         P_ranks = P[:, :k]  # G is 0 on the rest anchor: only the rank rows enter the sums
         y = anchors(k, P)[:k].expand(P.shape[0], 1, k)  # (rows, 1, k)
@@ -64,7 +70,7 @@ class SortedSoftTopKFunction(torch.autograd.Function):
         y_bar, Pyu, Pu = torch.bmm(torch.cat([y, y * u.unsqueeze(1), u.unsqueeze(1)], dim=1), P_ranks).unbind(1)
         # (direct - implicit) with direct = yPG - G_bar y_bar and implicit = Pyu - y_bar Pu
         grad = yPG.sub_(Pyu).sub_(y_bar.mul_(G_bar.sub_(Pu)))
-        return grad.div_(eps), None, None, None
+        return grad.div_(eps)
 
 
 def sorted_soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = True, epsilon: float = 0.1,
@@ -103,14 +109,16 @@ def sorted_soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = T
         ``reshape`` rather than ``view``, and ``clone`` before modifying it in place).
     """
     check_inputs(scores, k, epsilon, mask, cost, tol, max_iter)
-    prep = prepare_scores(scores, k, dim, largest, epsilon, mask, cost, n_anchor_steps=k)
-    if hard:
-        idx = hard_topk_indices(prep.z, k, prep.valid, largest=True)  # (rows, k)
-        out = torch.zeros(*prep.z.shape, k, dtype=prep.z.dtype, device=prep.z.device)  # (rows, n, k)
-        out.scatter_(1, idx.unsqueeze(1), 1.0)
-        info = SolverInfo(True, 0, 0.0)
-    else:
-        P, info = newton_solve(prep, k, tol, max_iter)
-        out = SortedSoftTopKFunction.apply(oriented_rows(scores, dim, prep), P, prep.eps, prep.n_valid == k)
-    out = restore_shape(out, scores, dim, extra=(k,)).to(scores.dtype)
+    # a named range for torch.profiler (scripts/bench_train.py reads it)
+    with torch.profiler.record_function("softtopk::sorted_soft_topk"):
+        prep = prepare_scores(scores, k, dim, largest, epsilon, mask, cost, n_anchor_steps=k)
+        if hard:
+            idx = hard_topk_indices(prep.z, k, prep.valid, largest=True)  # (rows, k)
+            out = torch.zeros(*prep.z.shape, k, dtype=prep.z.dtype, device=prep.z.device)  # (rows, n, k)
+            out.scatter_(1, idx.unsqueeze(1), 1.0)
+            info = SolverInfo(True, 0, 0.0)
+        else:
+            P, info = newton_solve(prep, k, tol, max_iter)
+            out = SortedSoftTopKFunction.apply(oriented_rows(scores, dim, prep), P, prep.eps, prep.n_valid == k)
+        out = restore_shape(out, scores, dim, extra=(k,)).to(scores.dtype)
     return (out, info) if return_info else out

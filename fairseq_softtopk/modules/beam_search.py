@@ -88,6 +88,7 @@ class BeamSearchOutput(NamedTuple):
         near_tie: ``(batch, T)`` bool: two of the k + 1 best candidates of the step are less than
             the (effective, linear-cost) epsilon apart, i.e. a rank boundary is soft there.
         n_unconverged: number of steps whose top-k solve missed its tolerance.
+        newton_iters: Newton iterations of all the steps' soft top-k solves (0 in hard mode).
     """
 
     gold_lprobs: Tensor
@@ -98,6 +99,7 @@ class BeamSearchOutput(NamedTuple):
     sharpness: Tensor
     near_tie: Tensor
     n_unconverged: int
+    newton_iters: int
 
 
 def mix_state(state: NamedTuple, weights: Tensor) -> NamedTuple:
@@ -162,8 +164,10 @@ def drop_negligible(A: Tensor, cand: Tensor, budget: float) -> Tuple[Tensor, Ten
 def mix_embeddings(embeddings: Tensor, tokens: Tensor, A: Tensor) -> Tensor:
     """Soft beam inputs ``inputs[b, l] = sum_c A[b, c, l] * embeddings[tokens[b, c]]``.
 
-    One weighted bag of embeddings per new beam (``embedding_bag``), so no
-    ``(batch, m, dim)`` gather is stored for the backward pass.
+    Few candidates (a window or pool, ``m <= V``): one weighted bag of embeddings per new beam
+    (``embedding_bag``), so no ``(batch, m, dim)`` gather is stored for the backward pass.
+    More candidates than tokens (all ``k * V``): the weights are first summed per token,
+    ``(batch, V, beam)``, and multiplied with the embedding matrix.
 
     Args:
         embeddings: ``(V, dim)``; tokens: ``(batch, m)`` token ids; A: ``(batch, m, beam)``.
@@ -171,6 +175,10 @@ def mix_embeddings(embeddings: Tensor, tokens: Tensor, A: Tensor) -> Tensor:
         ``(batch * beam, dim)``.
     """
     batch, m, beam = A.shape
+    V = embeddings.shape[0]
+    if m > V:
+        token_weights = A.new_zeros(batch, V, beam).scatter_add(1, tokens.unsqueeze(-1).expand(-1, -1, beam), A)
+        return torch.einsum("bvl,vd->bld", token_weights.to(embeddings.dtype), embeddings).reshape(batch * beam, -1)
     bags = tokens.unsqueeze(1).expand(batch, beam, m).reshape(batch * beam, m)
     weights = A.transpose(1, 2).reshape(batch * beam, m).to(embeddings.dtype)
     return torch.nn.functional.embedding_bag(bags, embeddings, mode="sum", per_sample_weights=weights)
@@ -194,41 +202,75 @@ def near_ties(scores: Tensor, top: Tensor, config: BeamSearchConfig) -> Tensor:
     return (gaps < torch.as_tensor(eps, dtype=gaps.dtype).reshape(-1, 1)).any(-1)
 
 
-def _select(scores: Tensor, beam: int, config: BeamSearchConfig, kth: Tensor,
-            observe: Optional[Callable[[Tensor], None]]):
-    """Top-k of the candidates ``(batch, n)``: candidate ids ``(batch, m)`` and A ``(batch, m, beam)``.
+class Selection(NamedTuple):
+    """One step's choice of the next beams among the candidates ``c = i * V + j`` (beam i, token j).
+
+    Attributes:
+        candidates: ``(batch, m)`` candidate ids (all ``k * V`` of them, or a window / pool).
+        weights: ``(batch, m, beam)`` A: the weight of each candidate in each new beam
+            (one-hot columns in hard mode); the weights of padded entries are 0.
+        converged: whether the soft top-k solve met its tolerance (True in hard mode).
+        n_iter: Newton iterations of the solve (0 in hard mode).
+    """
+
+    candidates: Tensor
+    weights: Tensor
+    converged: bool
+    n_iter: int
+
+
+class StepRecord(NamedTuple):
+    """What one decoding step leaves for backtracking: ``(batch, beam)`` tensors per new beam."""
+
+    predecessor: Tensor  # the old beam of the candidate the new beam follows (argmax of its column of A)
+    token: Tensor  # that candidate's token
+    cum_score: Tensor  # that candidate's cumulative log-likelihood
+    gold_lprobs: Tensor  # per *old* beam: log-probability of the gold token at this step
+    smooth_lprobs: Tensor  # per old beam: sum of the log-probabilities over the vocabulary
+    sharpness: Tensor  # largest weight in the new beam's column of A
+    near_tie: Tensor  # (batch,): see BeamSearchOutput.near_tie
+
+
+def select_beams(scores: Tensor, beam: int, config: BeamSearchConfig, kth: Tensor,
+                 observe: Optional[Callable[[Tensor], None]] = None) -> Selection:
+    """Top-k of the candidates ``scores`` ``(batch, n)``, as a :class:`Selection`.
 
     With a pool (or in hard mode) only the m best candidates are kept (hard selection), and
     A is computed over them. Otherwise, with the linear cost, the soft top-k runs on the
     :func:`~fairseq_softtopk.ops.candidate_window` of candidates (the others would get less
-    than ``tol / 100`` of any rank; padding is ``-inf``, which the operator excludes); with
-    the paper's cost, whose scale depends on every candidate, on all of them. ``kth``: ``(batch, 1)`` the (k+1)-th
-    best score; ``observe``: gets the norms of the gradient reaching the operator.
+    than ``tol / 100`` of any rank; padding is ``-inf``, which the operator excludes), and the
+    candidates left with a negligible weight are dropped after the solve; with the paper's
+    cost, whose scale depends on every candidate, the operator sees all of them.
+
+    Args:
+        kth: ``(batch, 1)`` the (k+1)-th best score.
+        observe: gets the ``(batch,)`` norms of the gradient reaching the operator.
     """
-    pool = beam if config.mode == "hard" else config.candidate_pool
-    ids = None
-    if pool and pool < scores.shape[-1]:
-        pool_scores, ids = scores.topk(pool, dim=-1, sorted=True)
-    elif not pool and config.cost == "linear":
-        floor = candidate_window(kth, beam, config.epsilon, config.tol, n_out=scores.shape[-1])
-        ids, valid = compact_rows(scores.detach() >= floor)
-        if ids.shape[1] < scores.shape[-1]:
+    batch, n = scores.shape
+    with torch.profiler.record_function("softtopk::select_beams"):
+        pool = beam if config.mode == "hard" else config.candidate_pool
+        if pool and pool < n:
+            pool_scores, ids = scores.topk(pool, dim=-1, sorted=True)
+        elif not pool and config.cost == "linear":
+            floor = candidate_window(kth, beam, config.epsilon, config.tol, n_out=n)
+            ids, valid = compact_rows(scores.detach() >= floor)
             pool_scores = scores.gather(1, ids).masked_fill(~valid, -float("inf"))
         else:
-            ids = None
-    if ids is None:
-        pool_scores = scores
-    if config.mode == "hard":
-        A = torch.eye(beam, dtype=scores.dtype, device=scores.device).expand(scores.shape[0], beam, beam)
-        return ids, A, True
-    if config.selection_grad == "none":
-        pool_scores = pool_scores.detach()
-    elif pool_scores.requires_grad:
-        if observe is not None or config.grad_cap < math.inf:
+            ids = torch.arange(n, device=scores.device).expand(batch, n)
+            pool_scores = scores
+        if config.mode == "hard":
+            A = torch.eye(beam, dtype=scores.dtype, device=scores.device).expand(batch, beam, beam)
+            return Selection(ids, A, True, 0)
+        if config.selection_grad == "none":
+            pool_scores = pool_scores.detach()
+        elif pool_scores.requires_grad and (observe is not None or config.grad_cap < math.inf):
             pool_scores = cap_row_grad_norm(pool_scores, config.grad_cap, observe)
-    A, info = sorted_soft_topk(pool_scores, beam, epsilon=config.epsilon, cost=config.cost, tol=config.tol,
-                               max_iter=config.max_iter, return_info=True)
-    return ids, A, info.converged
+        A, info = sorted_soft_topk(pool_scores, beam, epsilon=config.epsilon, cost=config.cost, tol=config.tol,
+                                   max_iter=config.max_iter, return_info=True)
+        if ids.shape[1] < n:
+            # the same budget as candidate_window's: all but tol / 100 of every rank is kept
+            A, ids = drop_negligible(A, ids, config.tol / 100)
+        return Selection(ids, A, info.converged, info.n_iter)
 
 
 def unroll_beam_search(decoder, encoder_out, reorder_encoder_out: Callable, target: Tensor, pad: int, bos: int,
@@ -248,104 +290,89 @@ def unroll_beam_search(decoder, encoder_out, reorder_encoder_out: Callable, targ
     batch, T = target.shape
     k = config.beam
     device = target.device
-    order = torch.arange(batch, device=device).repeat_interleave(k)
-    enc = reorder_encoder_out(encoder_out, order)
+    enc = reorder_encoder_out(encoder_out, torch.arange(batch, device=device).repeat_interleave(k))
     state = decoder.initial_state(enc)
     inputs = decoder.embed(torch.full((batch * k,), bos, dtype=torch.long, device=device))
     embeddings = decoder.embedding_matrix()  # V x D
     lengths = target.ne(pad).sum(-1)
     cum = None
-    history_pred: List[Tensor] = []
-    history_token: List[Tensor] = []
-    history_gold: List[Tensor] = []
-    history_smooth: List[Tensor] = []
-    history_cum: List[Tensor] = []
-    sharpness: List[Tensor] = []
-    ties: List[Tensor] = []
-    n_unconverged = 0
+    records: List[StepRecord] = []
+    n_unconverged = newton_iters = 0
     for t in range(T):
         lprobs, new_state = decoder.step(inputs, state, enc)  # (B*k) x V
         V = lprobs.shape[-1]
         lprobs = lprobs.view(batch, k, V)
         gold = target[:, t].clamp_min(0).view(batch, 1, 1).expand(batch, k, 1)
-        history_gold.append(lprobs.gather(-1, gold).squeeze(-1))
-        history_smooth.append(lprobs.sum(-1))
+        gold_lprobs, smooth_lprobs = lprobs.gather(-1, gold).squeeze(-1), lprobs.sum(-1)
         lprobs = lprobs.to(torch.promote_types(lprobs.dtype, torch.float32))  # scores in >= float32
         if cum is None:  # only beam 0 is live at the first step: the others would duplicate it
             cum = torch.full((batch, k), -float("inf"), dtype=lprobs.dtype, device=device)
             cum[:, 0] = 0.0
         scores = (cum.unsqueeze(-1) + lprobs).view(batch, k * V)  # candidate (i, j) -> i*V + j
         top = scores.detach().topk(min(k + 1, k * V), dim=-1).values
-        ties.append(near_ties(scores.detach(), top, config))
         observe = None
         if grad_observer is not None:  # a sentence's last selection reaches no loss term: not live
             observe = functools.partial(_observe_step, grad_observer, t < lengths - 1)
-        ids, A, converged = _select(scores, k, config, top[:, -1:], observe)
+        cand, A, converged, n_iter = select_beams(scores, k, config, top[:, -1:], observe)
         n_unconverged += int(not converged)
-        cand = ids if ids is not None else torch.arange(k * V, device=device).expand(batch, -1)
-        if ids is not None and config.mode == "soft":
-            # the same budget as candidate_window's: all but tol / 100 of every rank is kept
-            A, cand = drop_negligible(A, cand, config.tol / 100)
-        best = A.argmax(1)  # (B, k): the candidate each new beam follows
-        best_cand = cand.gather(1, best)
-        history_pred.append(best_cand // V)
-        history_token.append(best_cand % V)
+        newton_iters += n_iter
+        best_cand = cand.gather(1, A.argmax(1))  # (B, k): the candidate each new beam follows
         cum = scores.gather(1, best_cand)
-        history_cum.append(cum)
-        sharpness.append(A.detach().amax(1))
-        # Next inputs and states: token weights (B x V x k) and predecessor weights (B x k x k).
-        beam_of = cand // V
-        token_of = cand % V
-        state_weights = torch.zeros(batch, k, k, dtype=A.dtype, device=device).scatter_add_(
-            1, beam_of.unsqueeze(-1).expand(-1, -1, k), A)
-        if ids is None:
-            token_weights = A.view(batch, k, V, k).sum(1)  # B x V x k
-            inputs = torch.einsum("bvl,vd->bld", token_weights.to(embeddings.dtype), embeddings)
-            inputs = inputs.reshape(batch * k, -1)
-        else:
-            inputs = mix_embeddings(embeddings, token_of, A)
-        state = mix_state(new_state, state_weights)
-    gold, smooth, best_beam = _backtrack(history_pred, history_gold, history_smooth, history_cum, lengths)
-    tokens = _beam_tokens(history_pred, history_token)
-    return BeamSearchOutput(gold, smooth, cum, best_beam, tokens, torch.stack(sharpness, 1), torch.stack(ties, 1),
-                            n_unconverged)
+        records.append(StepRecord(best_cand // V, best_cand % V, cum, gold_lprobs, smooth_lprobs,
+                                  A.detach().amax(1), near_ties(scores.detach(), top, config)))
+        # next inputs: mixed embeddings of the candidates' tokens; states: mixed predecessors
+        with torch.profiler.record_function("softtopk::mix_beams"):
+            inputs = mix_embeddings(embeddings, cand % V, A)
+            state_weights = torch.zeros(batch, k, k, dtype=A.dtype, device=device).scatter_add_(
+                1, (cand // V).unsqueeze(-1).expand(-1, -1, k), A)  # B x k_old x k_new
+            state = mix_state(new_state, state_weights)
+    gold, smooth, best_beam = _backtrack(records, lengths)
+    return BeamSearchOutput(gold, smooth, cum, best_beam, _beam_tokens(records),
+                            torch.stack([r.sharpness for r in records], 1),
+                            torch.stack([r.near_tie for r in records], 1), n_unconverged, newton_iters)
 
 
 def _observe_step(grad_observer: GradientObserver, live: Tensor, norms: Tensor) -> None:
     grad_observer(norms, live)
 
 
-def _beam_tokens(pred: List[Tensor], token: List[Tensor]) -> Tensor:
+def _beam_tokens(records: List[StepRecord]) -> Tensor:
     """``(batch, beam, T)`` sequences of the final beams, following argmax predecessors."""
-    beam = torch.arange(pred[-1].shape[1], device=pred[-1].device).expand_as(pred[-1])
+    last = records[-1].predecessor
+    beam = torch.arange(last.shape[1], device=last.device).expand_as(last)
     out = []
-    for t in range(len(pred) - 1, -1, -1):
-        out.append(token[t].gather(1, beam))
-        beam = pred[t].gather(1, beam)
+    for record in reversed(records):
+        out.append(record.token.gather(1, beam))
+        beam = record.predecessor.gather(1, beam)
     return torch.stack(out[::-1], -1)
 
 
-def _backtrack(pred: List[Tensor], gold: List[Tensor], smooth: List[Tensor], cum: List[Tensor], lengths: Tensor):
+def _backtrack(records: List[StepRecord], lengths: Tensor):
     """Follows the argmax predecessors back from the best final beam of each sentence.
 
     Step ``t`` scored the extensions of the beams alive before it, so the gold token ``t``
     is read from the predecessor that the path's beam after step ``t`` came from.
+
+    Returns:
+        ``(gold, smooth, best_beam)``: ``(batch, T)``, ``(batch, T)`` (0 after a sentence's
+        length) and ``(batch,)``.
     """
     batch = lengths.shape[0]
-    T = len(pred)
+    T = len(records)
     rows = torch.arange(batch, device=lengths.device)
     beam = torch.zeros(batch, dtype=torch.long, device=lengths.device)
     gold_path = [None] * T
     smooth_path = [None] * T
     best_beam = torch.zeros_like(beam)
     for t in range(T - 1, -1, -1):
+        record = records[t]
         ends_here = lengths == t + 1
-        start = cum[t].argmax(-1)
+        start = record.cum_score.argmax(-1)
         beam = torch.where(ends_here, start, beam)
         best_beam = torch.where(ends_here, start, best_beam)
-        predecessor = pred[t][rows, beam]
+        predecessor = record.predecessor[rows, beam]
         inside = t < lengths
-        gold_path[t] = torch.where(inside, gold[t][rows, predecessor], torch.zeros_like(gold[t][:, 0]))
-        smooth_path[t] = torch.where(inside, smooth[t][rows, predecessor], torch.zeros_like(smooth[t][:, 0]))
+        gold_path[t] = torch.where(inside, record.gold_lprobs[rows, predecessor], 0.0)
+        smooth_path[t] = torch.where(inside, record.smooth_lprobs[rows, predecessor], 0.0)
         beam = predecessor
     return torch.stack(gold_path, 1), torch.stack(smooth_path, 1), best_beam

@@ -1,4 +1,4 @@
-"""Unrolled beam search (modules/soft_beam_search.py) on a small recurrent decoder."""
+"""Unrolled beam search (modules/beam_search.py) on a small recurrent decoder."""
 
 import itertools
 from typing import NamedTuple
@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from fairseq_softtopk.modules.soft_beam_search import BeamSearchConfig, mix_state, unroll_beam_search
+from fairseq_softtopk.modules.beam_search import BeamSearchConfig, mix_state, unroll_beam_search
 
 BOS, PAD = 0, 1
 
@@ -196,7 +196,7 @@ def test_soft_search_gradient_matches_finite_differences(rng, epsilon):
 
 def test_candidate_window_changes_nothing_at_the_tolerance(rng):
     """The default soft search solves on a window of candidates; the full problem agrees."""
-    from fairseq_softtopk.modules.soft_beam_search import compact_rows
+    from fairseq_softtopk.modules.beam_search import compact_rows
     from fairseq_softtopk.ops import candidate_window, sorted_soft_topk
 
     scores = torch.cat([torch.randn(4, 6, generator=rng, dtype=torch.float64) * 0.2,
@@ -214,7 +214,7 @@ def test_candidate_window_changes_nothing_at_the_tolerance(rng):
 
 
 def test_compact_rows_lists_the_true_columns_of_each_row(rng):
-    from fairseq_softtopk.modules.soft_beam_search import compact_rows
+    from fairseq_softtopk.modules.beam_search import compact_rows
 
     mask = torch.rand(7, 40, generator=rng) < 0.3
     mask[3] = False  # an empty row is all padding
@@ -227,7 +227,7 @@ def test_compact_rows_lists_the_true_columns_of_each_row(rng):
 
 
 def test_drop_negligible_keeps_every_rank_within_the_budget(rng):
-    from fairseq_softtopk.modules.soft_beam_search import drop_negligible
+    from fairseq_softtopk.modules.beam_search import drop_negligible
     from fairseq_softtopk.ops import sorted_soft_topk
 
     scores = torch.randn(5, 400, generator=rng, dtype=torch.float64) * 2
@@ -241,14 +241,15 @@ def test_drop_negligible_keeps_every_rank_within_the_budget(rng):
 
 
 def test_mix_embeddings_is_the_weighted_sum_of_token_embeddings(rng):
-    from fairseq_softtopk.modules.soft_beam_search import mix_embeddings
+    from fairseq_softtopk.modules.beam_search import mix_embeddings
 
-    embeddings = torch.randn(30, 8, generator=rng, dtype=torch.float64, requires_grad=True)
-    tokens = torch.randint(0, 30, (3, 11), generator=rng)
-    A = torch.rand(3, 11, 4, generator=rng, dtype=torch.float64, requires_grad=True)
-    expected = torch.einsum("bml,bmd->bld", A, embeddings[tokens]).reshape(12, 8)
-    torch.testing.assert_close(mix_embeddings(embeddings, tokens, A), expected)
-    assert torch.autograd.gradcheck(lambda e, a: mix_embeddings(e, tokens, a), (embeddings, A))
+    for m in (11, 45):  # fewer candidates than tokens (embedding bags) and more (summed per token)
+        embeddings = torch.randn(30, 8, generator=rng, dtype=torch.float64, requires_grad=True)
+        tokens = torch.randint(0, 30, (3, m), generator=rng)
+        A = torch.rand(3, m, 4, generator=rng, dtype=torch.float64, requires_grad=True)
+        expected = torch.einsum("bml,bmd->bld", A, embeddings[tokens]).reshape(12, 8)
+        torch.testing.assert_close(mix_embeddings(embeddings, tokens, A), expected)
+        assert torch.autograd.gradcheck(lambda e, a: mix_embeddings(e, tokens, a), (embeddings, A))
 
 
 def reference_soft_beam_search(decoder, enc, target, k, epsilon):
@@ -328,7 +329,7 @@ def test_soft_mode_equals_the_papers_algorithm_written_out(rng, epsilon):
 
 
 def test_near_ties_compares_the_gaps_among_the_k_plus_one_best_with_epsilon():
-    from fairseq_softtopk.modules.soft_beam_search import near_ties
+    from fairseq_softtopk.modules.beam_search import near_ties
 
     scores = torch.tensor([[0.0, -1.0, -2.0, -2.05, -9.0],  # ranks 3 / 4 (the rest boundary) 0.05 apart
                            [0.0, -1.0, -2.0, -3.0, -3.01],  # the tie is below the k+1 best: none
@@ -340,3 +341,25 @@ def test_near_ties_compares_the_gaps_among_the_k_plus_one_best_with_epsilon():
     # sqeuclidean is the linear problem at epsilon / 2
     assert near_ties(scores, top, BeamSearchConfig(beam=3, epsilon=0.06, cost="sqeuclidean")).tolist() == \
         [False, False, True]
+
+
+def test_newton_iterations_are_counted_over_the_steps(setup):
+    """``newton_iters`` is the sum of the iterations that each step's solve reports (0 in hard mode)."""
+    from unittest import mock
+
+    from fairseq_softtopk.modules import beam_search
+    from fairseq_softtopk.ops import sorted_soft_topk
+
+    decoder, enc, target = setup
+    reported = []
+
+    def counting(*args, **kwargs):
+        out, info = sorted_soft_topk(*args, **kwargs)
+        reported.append(info.n_iter)
+        return out, info
+
+    with mock.patch.object(beam_search, "sorted_soft_topk", counting):
+        out = run(decoder, enc, target, beam=2, epsilon=0.3, tol=1e-9)
+    assert len(reported) == target.shape[1] and sum(reported) > 0
+    assert out.newton_iters == sum(reported)
+    assert run(decoder, enc, target, beam=2, mode="hard").newton_iters == 0

@@ -1,0 +1,114 @@
+"""What the training benchmarks (``bench_train.py``, ``bench_attention.py``) share.
+
+Building a fairseq task, model and criterion from command-line flags, drawing the same
+training batches for every configuration, timing updates, and reading the package's named
+``torch.profiler`` ranges (``softtopk::...``, placed once in the code) from a profile.
+"""
+
+import time
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence
+
+import torch
+from fairseq_commands import PACKAGE_DIR
+
+import fairseq_softtopk
+
+#: The named ranges of the package (``torch.profiler.record_function``) and where they are.
+RANGES = {
+    "softtopk::select_beams": "the beam search's candidate selection (window or pool, operator forward)",
+    "softtopk::mix_beams": "the beam search's mixing of embeddings and states",
+    "softtopk::sorted_soft_topk": "sorted_soft_topk forward (preparation and Newton solve)",
+    "softtopk::sorted_soft_topk_backward": "sorted_soft_topk backward (implicit differentiation)",
+    "softtopk::soft_topk": "soft_topk forward",
+    "softtopk::soft_topk_backward": "soft_topk backward",
+}
+
+
+def build_training_parts(data_bin, flags: Sequence[str], seed: int, device: str = "cpu",
+                         build_model: Optional[Callable] = None):
+    """``(task, model, criterion)`` of ``fairseq-train DATA_BIN FLAGS``, parameters initialised from ``seed``.
+
+    ``build_model(cfg.model, task)`` replaces the task's model builder (e.g. fairseq's own
+    Transformer as a reference); the model is moved to ``device``.
+    """
+    from fairseq import options, tasks, utils
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+    fairseq_softtopk.register()  # before the parser lists the architectures
+    argv = [str(data_bin), "--user-dir", str(PACKAGE_DIR), "--seed", str(seed), *map(str, flags)]
+    if device == "cpu":
+        argv.append("--cpu")
+    cfg = convert_namespace_to_omegaconf(options.parse_args_and_arch(options.get_training_parser(), argv))
+    utils.set_torch_seed(seed)
+    task = tasks.setup_task(cfg.task)
+    task.load_dataset("train")
+    model = build_model(cfg.model, task) if build_model else task.build_model(cfg.model)
+    return task, model.to(device), task.build_criterion(cfg.criterion)
+
+
+def training_batches(task, max_tokens: int, seed: int, device: str = "cpu") -> Iterator[dict]:
+    """Training batches of a seeded shuffle, epoch after epoch (the same sequence for every configuration).
+
+    Raises:
+        ValueError: if no training batch fits ``max_tokens``.
+    """
+    from fairseq import utils
+
+    epochs = task.get_batch_iterator(dataset=task.dataset("train"), max_tokens=max_tokens, seed=seed,
+                                     ignore_invalid_inputs=True)
+    while True:
+        empty = True
+        for sample in epochs.next_epoch_itr(shuffle=True):
+            empty = False
+            yield utils.move_to_cuda(sample) if device.startswith("cuda") else sample
+        if empty:
+            raise ValueError(f"no training batch fits --max-tokens {max_tokens}")
+
+
+def synchronize(device: str) -> None:
+    """Waits for queued CUDA work (no-op on CPU), so that wall times cover it."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timed_updates(model, criterion, batches: Iterable[dict], warmup: int, device: str = "cpu",
+                  clock: Callable[[], float] = time.perf_counter,
+                  optimizer: Optional[torch.optim.Optimizer] = None) -> List[dict]:
+    """Trains on ``batches`` (Adam, lr 1e-3, unless given ``optimizer``).
+
+    Returns, per update after the first ``warmup``: ``seconds`` (of ``clock``, the update from
+    zero_grad to the optimizer step), ``tokens`` (target tokens) and ``logging`` (the
+    criterion's logging output, tensors as numbers).
+    """
+    optimizer = optimizer or torch.optim.Adam(model.parameters(), lr=1e-3)
+    model.train()
+    records = []
+    for step, sample in enumerate(batches):
+        synchronize(device)
+        start = clock()
+        optimizer.zero_grad()
+        loss, _, logging_output = criterion(model, sample)
+        loss.backward()
+        optimizer.step()
+        synchronize(device)
+        seconds = clock() - start
+        if step >= warmup:
+            logging = {key: float(value) for key, value in logging_output.items()}
+            records.append({"seconds": seconds, "tokens": int(sample["ntokens"]), "logging": logging})
+    return records
+
+
+def range_seconds(events, names: Iterable[str] = RANGES) -> Dict[str, float]:
+    """Total wall seconds inside each named range of a ``torch.profiler`` profile's ``events()``.
+
+    A range's time is measured on the host thread that entered it (forward ranges on the
+    training thread, backward ranges on autograd's): on CUDA it includes waiting for the GPU
+    only where the code synchronises inside the range.
+    """
+    from torch.autograd import DeviceType
+
+    totals = dict.fromkeys(names, 0.0)
+    for event in events:
+        if event.name in totals and event.device_type == DeviceType.CPU:  # not the GPU's copy of a range
+            totals[event.name] += event.cpu_time_total / 1e6  # us -> s
+    return totals
