@@ -14,6 +14,16 @@ def rng():
     return torch.Generator().manual_seed(1234)
 
 
+def word_dictionary(n_words: int):
+    """A fairseq ``Dictionary`` of the special symbols and ``w0 ... w{n_words - 1}``."""
+    from fairseq.data import Dictionary
+
+    dictionary = Dictionary()
+    for i in range(n_words):
+        dictionary.add_symbol(f"w{i}")
+    return dictionary
+
+
 @pytest.fixture
 def repo_root() -> Path:
     return REPO

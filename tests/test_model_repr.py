@@ -12,11 +12,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 from fairseq import options
-from fairseq.data import Dictionary
 from fairseq.dataclass import ChoiceEnum
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from fairseq.models import ARCH_MODEL_REGISTRY
 from omegaconf import open_dict
+
+from conftest import word_dictionary
 
 import fairseq_softtopk
 from fairseq_softtopk.modules.attention_normalizer import ATTENTION_NORMALIZERS
@@ -25,11 +26,8 @@ fairseq_softtopk.register()
 ARCHS = sorted(name for name, cls in ARCH_MODEL_REGISTRY.items() if cls.__module__.startswith("fairseq_softtopk"))
 
 
-def _dictionary() -> Dictionary:
-    d = Dictionary()
-    for i in range(20):
-        d.add_symbol(f"w{i}")
-    return d
+def _dictionary():
+    return word_dictionary(20)
 
 
 def test_every_architecture_of_the_package_is_listed():

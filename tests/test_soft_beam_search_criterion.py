@@ -5,7 +5,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 from fairseq.criterions.label_smoothed_cross_entropy import label_smoothed_nll_loss
-from fairseq.data import Dictionary
+
+from conftest import word_dictionary
 
 from fairseq_softtopk.criterions.soft_beam_search import SoftBeamSearchCriterion
 from fairseq_softtopk.models.softtopk_lstm import SoftTopKLSTMConfig, SoftTopKLSTMModel
@@ -14,11 +15,8 @@ from fairseq_softtopk.ops import cap_row_grad_norm
 
 
 @pytest.fixture
-def dictionary() -> Dictionary:
-    d = Dictionary()
-    for i in range(13):
-        d.add_symbol(f"w{i}")
-    return d
+def dictionary():
+    return word_dictionary(13)
 
 
 def build_model(dictionary, scale: float = 1.0) -> SoftTopKLSTMModel:

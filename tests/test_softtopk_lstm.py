@@ -11,9 +11,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 from fairseq import options
-from fairseq.data import Dictionary
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from fairseq.sequence_generator import SequenceGenerator
+
+from conftest import word_dictionary
 
 import fairseq_softtopk.models.softtopk_lstm as softtopk_lstm
 import fairseq_softtopk.modules.additive_attention as additive_attention
@@ -31,11 +32,8 @@ def rng() -> torch.Generator:
 
 
 @pytest.fixture
-def dictionary() -> Dictionary:
-    d = Dictionary()
-    for i in range(17):
-        d.add_symbol(f"w{i}")
-    return d
+def dictionary():
+    return word_dictionary(17)
 
 
 def build_model(dictionary, dtype=torch.float64, **overrides) -> SoftTopKLSTMModel:

@@ -11,10 +11,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from fairseq.data import Dictionary
 from fairseq.models import ARCH_MODEL_REGISTRY, MODEL_REGISTRY
 from fairseq.models.transformer import TransformerModel
 from fairseq.modules.multihead_attention import MultiheadAttention
+
+from conftest import word_dictionary
 
 import fairseq_softtopk
 from fairseq_softtopk.modules import topk_multihead_attention as tmha
@@ -34,10 +35,7 @@ def rng():
 
 
 def _dictionary(n_words=20):
-    dictionary = Dictionary()
-    for i in range(n_words):
-        dictionary.add_symbol(f"w{i}")
-    return dictionary
+    return word_dictionary(n_words)
 
 
 def build_model(seed=0, **options):
