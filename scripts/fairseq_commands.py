@@ -1,6 +1,7 @@
 """Running fairseq's command-line tools from scripts, with this package as ``--user-dir``."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,9 +18,25 @@ def fairseq_command(tool: str, args: Sequence[str], user_dir: bool = True) -> Li
     return cmd
 
 
-def run_logged(cmd: Sequence[str], log_path: Optional[Path] = None, echo: bool = True) -> str:
-    """Runs ``cmd``, echoing its output (fairseq's progress logging) and keeping a copy.
+_VALID_LINE = re.compile(r"epoch (\d+) \| valid on '[^']+' subset \| loss ([0-9.]+) .*?\| num_updates (\d+)")
 
+
+def progress_line(label: str, line: str) -> Optional[str]:
+    """A one-line summary of a fairseq validation log line (``None`` for any other line)."""
+    match = _VALID_LINE.search(line)
+    if not match:
+        return None
+    epoch, loss, updates = match.groups()
+    return f"{label}: epoch {int(epoch)}, update {updates}: valid loss {loss}"
+
+
+def run_logged(cmd: Sequence[str], log_path: Optional[Path] = None, echo: bool = True,
+               progress: Optional[str] = None) -> str:
+    """Runs ``cmd``, keeping a copy of its output (fairseq's progress logging) in ``log_path``.
+
+    Args:
+        echo: print every output line as it comes.
+        progress: with ``echo=False``, print one line per validation, labelled ``progress``.
     Raises:
         RuntimeError: on a non-zero exit, with the tail of the output.
     """
@@ -32,8 +49,9 @@ def run_logged(cmd: Sequence[str], log_path: Optional[Path] = None, echo: bool =
                 lines.append(line)
                 if log:
                     log.write(line)
-                if echo:
-                    sys.stdout.write(line)
+                summary = progress_line(progress, line) if progress and not echo else None
+                if echo or summary:
+                    sys.stdout.write(line if echo else summary + "\n")
                     sys.stdout.flush()
         if proc.returncode != 0:
             tail = "".join(lines[-40:])
@@ -44,24 +62,31 @@ def run_logged(cmd: Sequence[str], log_path: Optional[Path] = None, echo: bool =
     return "".join(lines)
 
 
-def binarize_toy_corpus(work: Path, splits=None, joined_dictionary: bool = False) -> Path:
-    """The embedded toy corpus -> ``work/raw`` (text) and ``work/bin`` (fairseq binary data).
+def binarize_toy_corpus(work: Path, splits=None, joined_dictionary: bool = False, corpus: str = "toy") -> Path:
+    """An embedded generated corpus -> ``work/raw`` (text) and ``work/bin`` (fairseq binary data).
 
-    Both steps are skipped when their output exists (``write_toy_corpus`` refuses to overwrite
-    different text; a ``bin`` without its last file is redone).
+    Both steps are skipped when their output exists (the writers refuse to overwrite different
+    text; a ``bin`` without its last file is redone).
 
     Args:
-        splits: ``{split: (pairs, seed)}`` for ``write_toy_corpus`` (default: its standard sizes).
+        splits: ``{split: (pairs, seed)}`` for the corpus writer (default: its standard sizes).
+        corpus: ``"toy"`` (:mod:`fairseq_softtopk.data.toy_language_pair`, short and easy: tests)
+            or ``"demo"`` (:mod:`fairseq_softtopk.data.demo_language_pair`, the main job's).
     Returns:
         ``work/bin``.
     """
     import shutil
 
-    from fairseq_softtopk.data.toy_language_pair import SPLITS, write_toy_corpus
+    from fairseq_softtopk.data import demo_language_pair, toy_language_pair
 
-    splits = splits or SPLITS
+    writers = {"toy": (toy_language_pair.write_toy_corpus, toy_language_pair.SPLITS),
+               "demo": (demo_language_pair.write_demo_corpus, demo_language_pair.DEMO_SPLITS)}
+    if corpus not in writers:
+        raise ValueError(f"corpus must be one of {sorted(writers)}, got {corpus!r}")
+    write, default_splits = writers[corpus]
+    splits = splits or default_splits
     raw, data_bin = Path(work) / "raw", Path(work) / "bin"
-    write_toy_corpus(raw, splits=splits)
+    write(raw, splits=splits)
     last = list(splits)[-1]
     if not (data_bin / f"{last}.src-tgt.tgt.idx").exists():
         shutil.rmtree(data_bin, ignore_errors=True)

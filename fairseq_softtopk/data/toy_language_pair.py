@@ -103,18 +103,25 @@ def write_toy_corpus(out_dir: Path, src: str = "src", tgt: str = "tgt", splits=N
     Existing identical files are left as they are; existing different files are an error
     (nothing is overwritten silently).
     """
+    splits = splits or SPLITS
+    return write_pairs(out_dir, {split: generate_corpus(n, seed) for split, (n, seed) in splits.items()}, src, tgt)
+
+
+def write_pairs(out_dir: Path, pairs: Dict[str, List[Tuple[str, str]]], src: str = "src",
+                tgt: str = "tgt") -> Dict[str, int]:
+    """Writes ``{split}.{src,tgt}`` for ``{split: [(source, target), ...]}``; returns lines per split.
+
+    Raises:
+        FileExistsError: if a file exists with other content (nothing is overwritten).
+    """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    counts = {}
-    for split, (n_pairs, seed) in (splits or SPLITS).items():
-        pairs = generate_corpus(n_pairs, seed)
-        for side, lang in ((0, src), (1, tgt)):
-            path = out_dir / f"{split}.{lang}"
-            text = "".join(pair[side] + "\n" for pair in pairs)
-            if path.exists():
-                if path.read_text() != text:
-                    raise FileExistsError(f"{path} exists with different content; remove it or use another --out")
-                continue
+    texts = {out_dir / f"{split}.{lang}": "".join(pair[side] + "\n" for pair in split_pairs)
+             for split, split_pairs in pairs.items() for side, lang in ((0, src), (1, tgt))}
+    for path, text in texts.items():  # check everything before writing anything
+        if path.exists() and path.read_text() != text:
+            raise FileExistsError(f"{path} exists with different content; remove it or use another --out")
+    for path, text in texts.items():
+        if not path.exists():
             path.write_text(text)
-        counts[split] = len(pairs)
-    return counts
+    return {split: len(split_pairs) for split, split_pairs in pairs.items()}
