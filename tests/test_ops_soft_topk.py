@@ -187,3 +187,65 @@ def test_bad_scores_raise():
         soft_topk(torch.tensor([1.0, float("inf"), 0.0]), 1)
     with pytest.raises(ValueError, match="exceeds the number of valid"):
         soft_topk(torch.tensor([1.0, -float("inf"), -float("inf")]), 2)
+
+
+def _hard_indicator(x, k, largest=True):
+    return torch.zeros_like(x).scatter_(-1, x.topk(k, dim=-1, largest=largest).indices, 1.0)
+
+
+@pytest.mark.parametrize("dtype, magnitude", [(torch.float32, 1e38), (torch.float64, 1e308)])
+@pytest.mark.parametrize("largest", [True, False])
+def test_finite_scores_of_any_magnitude_give_the_hard_limit(rng, dtype, magnitude, largest):
+    """Scores whose gaps are ~1e37 epsilons: the exact result is the hard top-k (was NaN near the
+    dtype's largest number: the logits z / epsilon and the centring overflowed)."""
+    x = torch.randn(4, 10, generator=rng, dtype=torch.float64)
+    x = (x / x.abs().amax(-1, keepdim=True) * 1.7 * magnitude).to(dtype)  # up to 1.7 magnitude, no ties
+    x.requires_grad_()
+    out, info = soft_topk(x, 3, largest=largest, return_info=True)
+    assert info.converged and info.marginal_error == 0.0, info
+    torch.testing.assert_close(out, _hard_indicator(x.detach(), 3, largest), atol=1e-30, rtol=0)
+    grad, = torch.autograd.grad((out * torch.randn(4, 10, generator=rng, dtype=dtype)).sum(), x)
+    assert torch.isfinite(grad).all()
+
+
+@pytest.mark.parametrize("dtype, exponent", [(torch.float32, 126), (torch.float64, 1022)])
+def test_scaling_scores_and_epsilon_together_changes_nothing_up_to_the_largest_number(rng, dtype, exponent):
+    """The linear cost's plan depends on scores / epsilon only: rows whose best scores add up past the
+    dtype's largest number (they are centred between them) give the plan of the scaled-down row exactly."""
+    x = torch.randn(3, 12, generator=rng, dtype=torch.float64).clamp(-3.9, 3.9)
+    x[:, :4] = torch.tensor([3.9, 3.5, 3.2, 2.9], dtype=torch.float64)  # the best sum past 2**(exponent + 2)
+    scale = 2.0 ** exponent
+    small = x.to(dtype).requires_grad_()
+    large = (x * scale).to(dtype).requires_grad_()
+    weights = torch.randn(3, 12, generator=rng, dtype=torch.float64).to(dtype)
+    for kwargs in (dict(epsilon=0.5), dict(epsilon=0.5, cost="sqeuclidean"), dict(epsilon=0.05, largest=False)):
+        expected = soft_topk(small, 3, **kwargs)
+        out = soft_topk(large, 3, **{**kwargs, "epsilon": kwargs["epsilon"] * scale})
+        assert torch.equal(out, expected), kwargs
+        grad, = torch.autograd.grad((out * weights).sum(), large)  # scale times smaller: mostly 0 here
+        assert torch.isfinite(grad).all()
+
+
+def test_paper_cost_at_extreme_magnitudes_is_uniform_as_its_normalisation_makes_it(rng):
+    """The paper divides the squared distance by its row maximum m**2, so the logits are about
+    2 / (epsilon m): scores spanning float32's range are (to the dtype's precision) the uniform k / n,
+    the float64 solution of the same scores; was NaN (the squares and the centring overflowed)."""
+    x = torch.tensor([[3e38, -3e38, 1.0, 2.0, -1e38, 2e38], [1e38, 1e37, 3e38, -2e38, 0.0, 5.0]])
+    x64 = x.double()
+    for largest in (True, False):
+        out = soft_topk(x.requires_grad_(), 2, cost="paper", epsilon=0.1, largest=largest)
+        torch.testing.assert_close(out.double(), soft_topk(x64, 2, cost="paper", epsilon=0.1, largest=largest))
+        torch.testing.assert_close(out, torch.full_like(out, 2 / 6), atol=1e-6, rtol=0)
+        grad, = torch.autograd.grad(out[:, 0].sum(), x)
+        assert torch.isfinite(grad).all()
+    big = torch.randn(4, 10, generator=rng, dtype=torch.float64).clamp(-1.7, 1.7) * 1e307
+    torch.testing.assert_close(soft_topk(big, 3, cost="paper", tol=1e-14), torch.full_like(big, 0.3), atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("epsilon", [1e-45, 1e-300])
+def test_epsilon_below_the_dtypes_range_gives_the_hard_limit(rng, epsilon):
+    """float32 cannot hold epsilon = 1e-300 (it was 0, and the result NaN): the hard top-k."""
+    x = torch.randn(4, 10, generator=rng)
+    out, info = soft_topk(x, 3, epsilon=epsilon, return_info=True)
+    assert info.converged
+    torch.testing.assert_close(out, _hard_indicator(x, 3), atol=1e-30, rtol=0)

@@ -217,3 +217,62 @@ def test_candidate_window_floor_bounds_what_lies_below(rng, k):
         assert float(mass.max()) < tol / 100
         if k == 1 and gap is not None:
             assert float(mass[0].max()) > 0.99 * tol / 100
+
+
+def _hard_permutation(x, k, largest=True):
+    index = x.topk(k, dim=-1, largest=largest).indices
+    return torch.zeros(*x.shape, k, dtype=x.dtype).scatter_(-2, index.unsqueeze(-2), 1.0)
+
+
+@pytest.mark.parametrize("dtype, magnitude", [(torch.float32, 1e37), (torch.float32, 1e38),
+                                              (torch.float64, 1e307), (torch.float64, 1e308)])
+@pytest.mark.parametrize("largest", [True, False])
+def test_finite_scores_of_any_magnitude_give_the_hard_limit(rng, dtype, magnitude, largest):
+    """Gaps of ~1e36 epsilons: the exact result is the hard permutation (was NaN: the logits
+    z * y / epsilon overflowed, and near the largest number the centring too)."""
+    x = torch.randn(4, 10, generator=rng, dtype=torch.float64)
+    x = (x / x.abs().amax(-1, keepdim=True) * 1.7 * magnitude).to(dtype)  # up to 1.7 magnitude, no ties
+    x.requires_grad_()
+    out, info = sorted_soft_topk(x, 3, largest=largest, return_info=True)
+    assert info.converged, info
+    torch.testing.assert_close(out, _hard_permutation(x.detach(), 3, largest), atol=1e-12, rtol=0)
+    grad, = torch.autograd.grad((out * torch.randn(4, 10, 3, generator=rng, dtype=dtype)).sum(), x)
+    assert torch.isfinite(grad).all()
+
+
+@pytest.mark.parametrize("dtype, exponent", [(torch.float32, 126), (torch.float64, 1022)])
+def test_scaling_scores_and_epsilon_together_changes_nothing_up_to_the_largest_number(rng, dtype, exponent):
+    """The linear cost's plan depends on scores / epsilon only: rows whose best scores add up past the
+    dtype's largest number (they are centred between them) give the plan of the scaled-down row exactly."""
+    x = torch.randn(3, 12, generator=rng, dtype=torch.float64).clamp(-3.9, 3.9)
+    x[:, :4] = torch.tensor([3.9, 3.5, 3.2, 2.9], dtype=torch.float64)
+    scale = 2.0 ** exponent
+    small, large = x.to(dtype), (x * scale).to(dtype).requires_grad_()
+    for kwargs in (dict(epsilon=0.5), dict(epsilon=0.5, cost="sqeuclidean"), dict(epsilon=0.05, largest=False)):
+        expected = sorted_soft_topk(small, 3, **kwargs)
+        out = sorted_soft_topk(large, 3, **{**kwargs, "epsilon": kwargs["epsilon"] * scale})
+        assert torch.equal(out, expected), kwargs
+        grad, = torch.autograd.grad(out[..., 0].sum(), large)
+        assert torch.isfinite(grad).all()
+
+
+def test_paper_cost_at_extreme_magnitudes_is_uniform_as_its_normalisation_makes_it():
+    """Logits about 2 / (epsilon m) for scores of magnitude m (the squared distance is divided by
+    its row maximum): the plan is uniform to float32's precision, the float64 solution of the same
+    scores; was NaN (the squares and the centring overflowed)."""
+    x = torch.tensor([[3e38, -3e38, 1.0, 2.0, -1e38, 2e38], [1e38, 1e37, 3e38, -2e38, 0.0, 5.0]])
+    for largest in (True, False):
+        out = sorted_soft_topk(x.requires_grad_(), 2, cost="paper", epsilon=0.1, largest=largest)
+        torch.testing.assert_close(out.double(), sorted_soft_topk(x.double(), 2, cost="paper", largest=largest))
+        torch.testing.assert_close(out, torch.full_like(out, 1 / 6), atol=1e-6, rtol=0)
+        grad, = torch.autograd.grad(out[..., 0].sum(), x)
+        assert torch.isfinite(grad).all()
+
+
+def test_epsilon_below_the_dtypes_range_gives_the_hard_limit(rng):
+    """float32 cannot hold epsilon = 1e-300 (it was 0: the solver never returned, or gave NaN)."""
+    x = torch.randn(4, 10, generator=rng)
+    for epsilon in (1e-45, 1e-300):
+        out, info = sorted_soft_topk(x, 3, epsilon=epsilon, return_info=True)
+        assert info.converged
+        torch.testing.assert_close(out, _hard_permutation(x, 3), atol=1e-12, rtol=0)

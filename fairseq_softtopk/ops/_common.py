@@ -13,6 +13,23 @@ entropic OT between the valid scores ``z`` of a row (uniform mass) and anchors
 * ``largest=False`` is the mirror image: the plan for ``x`` with anchors ``0, 1, ..., A``
   (the paper's section 2.3) equals the plan for ``z = -x`` with anchors ``A, ..., 0``, up to
   a term linear in ``x_i`` that the row potential absorbs.
+
+The linear-cost plan depends on a row only through ``z / eps_eff``, up to a shift, so a row
+may be solved as ``(z / s, eps_eff / s)`` for any ``s > 0``. :func:`prepare_scores` uses this
+at extreme magnitudes (any finite scores are accepted): rows whose scores are beyond about the
+square root of the dtype's range, or whose temperature is below its inverse, are divided by a
+power of two ``s`` (exact), so that centring, the paper's squared distances and the solvers'
+logits cannot overflow (:attr:`PreparedScores.scale`). Two limits remain, both where the dtype
+cannot tell the difference:
+
+* the logits ``z * y_r / eps_eff`` must stay finite: where a row's range exceeds ``eps_eff``
+  by more than about ``finfo.max / (64 (A + 1))`` (``1e36 / (A + 1)`` in float32), ``eps_eff``
+  is raised to that bound. The plan is then hard up to terms ``exp(-d / eps_eff)``: only scores
+  closer to a rank boundary than ``(A + 1) 1e-35`` of the row's range (float32; ``1e-305`` in
+  float64) can get another share, far below the resolution of the scores relative to their range;
+* ``eps_eff`` above the dtype's largest number (the paper's cost at scores beyond the root of
+  the range) is lowered to it: every logit is then below ``4 / finfo.max``, and the plan is the
+  uniform one, as the exact plan is to the dtype's precision.
 """
 
 import math
@@ -56,6 +73,8 @@ class PreparedScores:
             past a row's valid count are not meaningful).
         top_index: ``(rows, min(k + 1, n))`` their positions in ``z``.
         all_valid: every entry takes part (no mask, no infinity): passes over ``valid`` can be skipped.
+        scale: ``(rows, 1)`` float64 powers of two, or None (all 1): ``z`` and ``eps`` are the
+            scores and the temperature divided by it (extreme magnitudes, see the module docstring).
     """
 
     z: Tensor
@@ -66,6 +85,15 @@ class PreparedScores:
     top: Tensor
     top_index: Tensor
     all_valid: bool = False
+    scale: Optional[Tensor] = None
+
+    @property
+    def grad_eps(self) -> Tensor:
+        """``(rows, 1)`` temperature in the units of the scores, for the backward passes (which
+        differentiate the unscaled scores); ``inf`` where it exceeds the dtype (gradient 0)."""
+        if self.scale is None:
+            return self.eps
+        return (self.eps.double() * self.scale).to(self.eps.dtype)
 
 
 def log_floor(dtype: torch.dtype) -> float:
@@ -146,6 +174,9 @@ def prepare_scores(scores: Tensor, k: int, dim: int, largest: bool, epsilon: flo
     if not all_valid:
         x = torch.where(valid, x, torch.zeros((), dtype=x.dtype, device=x.device))
     eps = effective_epsilon(x, None if all_valid else valid, epsilon, cost, n_anchor_steps)
+    scale = None
+    if not _in_safe_range(x, eps, n_anchor_steps):
+        x, eps, scale = _rescale_rows(x, None if all_valid else valid, eps, epsilon, cost, n_anchor_steps)
     sign = 1.0 if largest else -1.0
     z = sign * x  # a new tensor, centred in place below
     # Centring does not change the plan (a shift of z is absorbed by the anchor potentials).
@@ -161,7 +192,77 @@ def prepare_scores(scores: Tensor, k: int, dim: int, largest: bool, epsilon: flo
     if not all_valid:
         z = torch.where(valid, z, torch.zeros_like(z))
     return PreparedScores(z=z, valid=valid, n_valid=n_valid.to(x.dtype), eps=eps, sign=sign, top=top - centre,
-                          top_index=top_index, all_valid=all_valid)
+                          top_index=top_index, all_valid=all_valid, scale=scale)
+
+
+def _in_safe_range(x: Tensor, eps: Tensor, n_anchor_steps: int) -> bool:
+    """Whether no row needs :func:`_rescale_rows` (one bound for the whole batch, one host sync).
+
+    ``x`` is 0 where excluded, which can only widen the bound. The magnitudes stay below the
+    square root of the dtype's range (the paper's squared distances, centring), the temperature
+    above its inverse and below the largest number, and the logits ``z * y / eps`` far from overflow.
+    """
+    if x.numel() == 0:
+        return True
+    info = torch.finfo(x.dtype)
+    bound = 2.0 ** (_max_exponent(x.dtype) // 2 - 4)  # 2**60 in float32, 2**508 in float64
+    high, low, eps_min, eps_max = torch.stack([x.amax(), x.amin(), eps.amin(), eps.amax()]).tolist()
+    return (max(high, -low) <= bound and bound * eps_min >= 1.0 and eps_max <= info.max
+            and (high - low) * _LOGIT_MARGIN * (n_anchor_steps + 1) <= eps_min * info.max)
+
+
+def _max_exponent(dtype: torch.dtype) -> int:
+    """``e`` with the dtype's largest number in ``[2**(e-1), 2**e)``: 128 in float32, 1024 in float64."""
+    return math.frexp(torch.finfo(dtype).max)[1]
+
+
+#: the logits ``z * y_r / eps`` of a row are kept below ``finfo.max / (_LOGIT_MARGIN (A + 1))``
+_LOGIT_MARGIN = 64.0
+
+
+def _rescale_rows(x: Tensor, valid: Optional[Tensor], eps: Tensor, epsilon: float, cost: str,
+                  n_anchor_steps: int) -> Tuple[Tensor, Tensor, Tensor]:
+    """Rows at extreme magnitudes divided by a power of two, and temperatures kept in the dtype's range.
+
+    Rows whose largest ``|x|`` exceeds ``2**(maxexp / 2 - 4)`` (``1e18`` in float32), or whose
+    temperature is below its inverse, are divided by ``s = 2**e`` with their largest ``|x|``
+    in ``[1, 2)`` (``[1, 4)`` at the ends of the range), ``eps_eff`` computed for the scaled
+    row in float64; other rows keep ``s = 1`` and their ``eps_eff``, so that divisions by a
+    power of two being exact, every row whose logits were representable is solved as before.
+    Then ``eps_eff`` is kept between the logits' bound and the dtype's largest number (module
+    docstring).
+
+    Args:
+        x: ``(rows, n)`` working-dtype scores, 0 where excluded; valid: bool or None (all valid).
+        eps: ``(rows, 1)`` :func:`effective_epsilon` of ``x``.
+    Returns:
+        ``(x / s, eps_eff / s, s)``, ``s`` ``(rows, 1)`` float64.
+    """
+    info, max_exponent = torch.finfo(x.dtype), _max_exponent(x.dtype)
+    half = max_exponent // 2 - 4
+    magnitude = x.abs().amax(-1, keepdim=True)
+    rescale = (magnitude > 2.0 ** half) | (eps < 2.0 ** -half)
+    exponent = torch.frexp(magnitude).exponent - 1  # magnitude / 2**exponent in [1, 2)
+    exponent = torch.where(rescale, exponent.clamp(2 - max_exponent, max_exponent - 2), 0).double()
+    scale = torch.pow(2.0, exponent)  # exact powers of two, normal numbers in x's dtype
+    x = x * torch.pow(2.0, -exponent).to(x.dtype)
+    if valid is None:
+        high, low = x.amax(-1, keepdim=True), x.amin(-1, keepdim=True)
+    else:
+        high = torch.where(valid, x, x.new_tensor(-math.inf)).amax(-1, keepdim=True)
+        low = torch.where(valid, x, x.new_tensor(math.inf)).amin(-1, keepdim=True)
+    high, low = high.double(), low.double()
+    if cost == "paper":  # eps_eff / s = epsilon / 2 * max (x / s - a / s)**2 * s over anchors a in {0, A}
+        anchor = n_anchor_steps / scale
+        far = torch.maximum(torch.maximum(low * low, high * high),
+                            torch.maximum((low - anchor) ** 2, (high - anchor) ** 2))
+        scaled_eps = 0.5 * epsilon * far * scale
+    else:
+        scaled_eps = (0.5 * epsilon if cost == "sqeuclidean" else float(epsilon)) / scale
+    eps64 = torch.where(rescale, scaled_eps, eps.double())
+    logit_floor = (n_anchor_steps + 1) * torch.clamp_min(_LOGIT_MARGIN * (high - low), 4.0) / info.max
+    eps64 = torch.maximum(eps64, logit_floor).clamp_max_(info.max)
+    return x, eps64.to(x.dtype), scale
 
 
 def effective_epsilon(x: Tensor, valid: Optional[Tensor], epsilon: float, cost: str, n_anchor_steps: int) -> Tensor:

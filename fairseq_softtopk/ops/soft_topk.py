@@ -116,7 +116,8 @@ def soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = True, ep
     ``epsilon > 0``. Rows (all positions of the other dimensions) are solved independently.
 
     Args:
-        scores: ``(*, n, *)`` floating tensor (float16/bfloat16 are solved in float32).
+        scores: ``(*, n, *)`` floating tensor (float16/bfloat16 are solved in float32), of any
+            finite magnitude (rows near the dtype's limits are rescaled: see :mod:`._common`).
         k: number of entries to select, ``1 <= k <= `` valid entries per row.
         dim: dimension holding the ``n`` candidates.
         largest: select the largest (True) or the smallest (False) scores.
@@ -153,7 +154,7 @@ def soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = True, ep
             out, info = _hard_indicator(prep, k), SolverInfo(True, 0, 0.0)
         else:
             logits, info = _threshold_solve(prep, k, tol, max_iter)
-            out = SoftTopKFunction.apply(oriented_rows(scores, dim, prep), logits, prep.eps)
+            out = SoftTopKFunction.apply(oriented_rows(scores, dim, prep), logits, prep.grad_eps)
         out = restore_shape(out, scores, dim).to(scores.dtype)
     return (out, info) if return_info else out
 

@@ -84,7 +84,8 @@ def sorted_soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = T
     most 1, and it tends to the hard slice as ``epsilon -> 0``.
 
     Args:
-        scores: ``(*, n, *)`` floating tensor (float16/bfloat16 are solved in float32).
+        scores: ``(*, n, *)`` floating tensor (float16/bfloat16 are solved in float32), of any
+            finite magnitude (rows near the dtype's limits are rescaled: see :mod:`._common`).
         k: number of ranks, ``1 <= k <= `` valid entries per row.
         dim: dimension holding the ``n`` candidates.
         largest: rank 0 is the largest (True) or the smallest (False) score.
@@ -119,6 +120,6 @@ def sorted_soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = T
             info = SolverInfo(True, 0, 0.0)
         else:
             P, info = newton_solve(prep, k, tol, max_iter)
-            out = SortedSoftTopKFunction.apply(oriented_rows(scores, dim, prep), P, prep.eps, prep.n_valid == k)
+            out = SortedSoftTopKFunction.apply(oriented_rows(scores, dim, prep), P, prep.grad_eps, prep.n_valid == k)
         out = restore_shape(out, scores, dim, extra=(k,)).to(scores.dtype)
     return (out, info) if return_info else out
