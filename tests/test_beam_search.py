@@ -363,3 +363,36 @@ def test_newton_iterations_are_counted_over_the_steps(setup):
     assert len(reported) == target.shape[1] and sum(reported) > 0
     assert out.newton_iters == sum(reported)
     assert run(decoder, enc, target, beam=2, mode="hard").newton_iters == 0
+
+
+def test_unconverged_solves_are_counted_not_warned(setup):
+    """With max_iter=1 and a tight tol the steps' solves miss their tolerance: n_unconverged counts exactly
+    the solves whose info says so, and the search emits no SoftTopKConvergenceWarning (it counts them; a
+    warning per step would fill training logs)."""
+    import warnings
+    from unittest import mock
+
+    from fairseq_softtopk.modules import beam_search
+    from fairseq_softtopk.ops import SoftTopKConvergenceWarning, sorted_soft_topk
+
+    decoder, enc, target = setup
+    reported = []
+
+    def recording(*args, **kwargs):
+        out, info = sorted_soft_topk(*args, **kwargs)
+        reported.append(info.converged)
+        return out, info
+
+    for max_iter, tol in ((1, 1e-12), (50, 1e-4)):
+        reported.clear()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with mock.patch.object(beam_search, "sorted_soft_topk", recording):
+                out = run(decoder, enc, target, beam=2, epsilon=0.3, tol=tol, max_iter=max_iter)
+        assert len(reported) == target.shape[1]
+        assert out.n_unconverged == reported.count(False)
+        assert not [w for w in caught if issubclass(w.category, SoftTopKConvergenceWarning)]
+    assert out.n_unconverged == 0  # max_iter=50
+    reported.clear()
+    with mock.patch.object(beam_search, "sorted_soft_topk", recording):
+        assert run(decoder, enc, target, beam=2, epsilon=0.3, tol=1e-12, max_iter=1).n_unconverged > 0

@@ -3,6 +3,7 @@
 import math
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -249,3 +250,34 @@ def test_epsilon_below_the_dtypes_range_gives_the_hard_limit(rng, epsilon):
     out, info = soft_topk(x, 3, epsilon=epsilon, return_info=True)
     assert info.converged
     torch.testing.assert_close(out, _hard_indicator(x, 3), atol=1e-30, rtol=0)
+
+
+def test_unconverged_solve_warns_once_per_call_site(rng):
+    """A result that misses its tolerance does not pass silently: a SoftTopKConvergenceWarning, whose text
+    does not change from call to call, so that Python's default filter shows it once per call site."""
+    x = torch.randn(4, 50, generator=rng)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        for _ in range(3):
+            _, info = soft_topk(x, 7, epsilon=0.01, max_iter=1, return_info=True)
+        assert not info.converged and info.n_iter == 1
+    assert [w.category for w in caught] == [ops.SoftTopKConvergenceWarning]
+    assert caught[0].filename == __file__  # the caller's line, not the operator's
+    assert "soft_topk" in str(caught[0].message) and "max_iter=1" in str(caught[0].message)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        soft_topk(x, 7, epsilon=0.01, max_iter=1, warn=False)  # the caller checks info.converged itself
+        assert soft_topk(x, 7, epsilon=0.01, return_info=True)[1].converged  # converged: no warning
+
+
+def test_max_iter_bounds_the_reported_iterations_and_the_result_is_the_one_evaluated(rng):
+    """At ``max_iter`` the reported error is the returned result's: the threshold is not moved after its last
+    evaluation (it was, so that an "unconverged" result was another one than the info described)."""
+    x = torch.randn(3, 40, generator=rng, dtype=torch.float64)
+    _, full = soft_topk(x, 5, epsilon=0.02, tol=1e-12, return_info=True)
+    assert full.converged and full.n_iter > 2
+    for max_iter in range(1, full.n_iter):
+        out, info = soft_topk(x, 5, epsilon=0.02, tol=1e-12, max_iter=max_iter, return_info=True, warn=False)
+        assert info.n_iter == max_iter and not info.converged
+        error = float(((out.sum(-1) - 5).abs() / 5).max())  # the column marginal, relative (min(k, n - k) = 5)
+        assert error == pytest.approx(info.marginal_error, rel=1e-6, abs=1e-15)

@@ -1,6 +1,7 @@
 """sorted_soft_topk: values and gradients against independent computations, limits, masks."""
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -276,3 +277,65 @@ def test_epsilon_below_the_dtypes_range_gives_the_hard_limit(rng):
         out, info = sorted_soft_topk(x, 3, epsilon=epsilon, return_info=True)
         assert info.converged
         torch.testing.assert_close(out, _hard_permutation(x, 3), atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("epsilon", [0.1, 1.0, 10.0])
+def test_max_iter_bounds_the_reported_iterations(rng, epsilon):
+    """The rescaling steps that precede Newton at a large epsilon count within max_iter (they came on top:
+    max_iter=1 reported 3). A solve converged within a budget is the same with any larger one."""
+    x = torch.randn(4, 10, generator=rng)
+    full, info = sorted_soft_topk(x, 3, epsilon=epsilon, return_info=True)
+    assert info.converged
+    for max_iter in range(1, info.n_iter + 3):
+        out, capped = sorted_soft_topk(x, 3, epsilon=epsilon, max_iter=max_iter, return_info=True, warn=False)
+        assert capped.n_iter <= max_iter, (max_iter, capped)
+        if max_iter >= info.n_iter:
+            assert capped == info and torch.equal(out, full)
+        else:
+            assert not capped.converged
+
+
+def test_solves_on_candidate_windows_share_max_iter(rng, monkeypatch):
+    """Where a candidate window is not confirmed by its solution (forced here: a rank/rest boundary guessed
+    5 epsilons above the (k+1)-th best), the rows are solved again on a wider window: the info reports the
+    iterations of every solve (it reported the last one's), and all of them together stay within max_iter."""
+    import fairseq_softtopk.ops.semi_dual_newton as sdn
+
+    x = torch.randn(3, 3000, generator=rng, dtype=torch.float64) * 3
+    reference = sorted_soft_topk(x, 4, epsilon=0.1, tol=1e-9)
+    counts = []
+    solve = sdn._solve_rows
+
+    def counting(*args, **kwargs):
+        point, n_iter = solve(*args, **kwargs)
+        counts.append(n_iter)
+        return point, n_iter
+
+    monkeypatch.setattr(sdn, "_WINDOW_GAP", -5.0)
+    monkeypatch.setattr(sdn, "_solve_rows", counting)
+    out, info = sorted_soft_topk(x, 4, epsilon=0.1, tol=1e-9, return_info=True)
+    assert len(counts) >= 2 and info.converged and info.n_iter == sum(counts), (counts, info)
+    torch.testing.assert_close(out, reference, atol=1e-8, rtol=0)
+    for max_iter in range(1, info.n_iter):
+        counts.clear()
+        _, capped = sorted_soft_topk(x, 4, epsilon=0.1, tol=1e-9, max_iter=max_iter, return_info=True, warn=False)
+        assert capped.n_iter == sum(counts) <= max_iter, (max_iter, counts, capped)
+
+
+def test_unconverged_solve_warns_once_per_call_site(rng):
+    """A solve stopped by max_iter above its tol is not returned silently: a SoftTopKConvergenceWarning whose
+    text does not change from call to call, so that the default filter shows it once per call site."""
+    from fairseq_softtopk.ops import SoftTopKConvergenceWarning
+
+    x = torch.randn(2, 1000, generator=rng)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        for _ in range(2):
+            _, info = sorted_soft_topk(x, 60, epsilon=0.1, max_iter=2, return_info=True)
+        assert not info.converged
+    assert [w.category for w in caught] == [SoftTopKConvergenceWarning]
+    assert caught[0].filename == __file__ and "sorted_soft_topk" in str(caught[0].message)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sorted_soft_topk(x, 60, epsilon=0.1, max_iter=2, warn=False)
+        sorted_soft_topk(x[:, :50], 3, epsilon=0.1)  # converged: no warning

@@ -190,3 +190,38 @@ def test_diagnose_script_reports_each_sentences_gradient_norm(dictionary, rng):
     assert report["selection_grad"] is not None and 0 < report["sharpness"] <= 1
     assert quantiles([5.0, 1.0, 3.0, 2.0, 4.0]) == {"median": 3.0, "p90": 5.0, "p99": 5.0, "max": 5.0}
     assert quantiles(list(range(1, 101)))["p90"] == 90
+
+
+def test_unconverged_counter_sees_exactly_the_unconverged_solves_without_warnings(dictionary, rng):
+    """topk_unconverged is the number of the search's top-k solves that missed their tolerance (here
+    --topk-max-iter 1 with a tight tol), and training logs get no SoftTopKConvergenceWarning per step."""
+    import warnings
+    from unittest import mock
+
+    from fairseq_softtopk.modules import beam_search
+    from fairseq_softtopk.ops import SoftTopKConvergenceWarning, sorted_soft_topk
+
+    model = build_model(dictionary)
+    sample = make_sample(dictionary, rng, [5, 3, 4])
+    reported = []
+
+    def recording(*args, **kwargs):
+        out, info = sorted_soft_topk(*args, **kwargs)
+        reported.append(info.converged)
+        return out, info
+
+    for max_iter, tol in ((1, 1e-12), (50, 1e-8)):
+        reported.clear()
+        criterion = build_criterion(dictionary, topk_max_iter=max_iter, topk_tol=tol)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with mock.patch.object(beam_search, "sorted_soft_topk", recording):
+                loss, _, log = criterion(model, sample)
+                loss.backward()
+        assert len(reported) == sample["target"].shape[1]
+        assert log["topk_unconverged"] == reported.count(False)
+        assert not [w for w in caught if issubclass(w.category, SoftTopKConvergenceWarning)]
+        if max_iter == 1:
+            assert log["topk_unconverged"] > 0
+        else:
+            assert log["topk_unconverged"] == 0

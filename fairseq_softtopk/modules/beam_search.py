@@ -265,8 +265,9 @@ def select_beams(scores: Tensor, beam: int, config: BeamSearchConfig, kth: Tenso
             pool_scores = pool_scores.detach()
         elif pool_scores.requires_grad and (observe is not None or config.grad_cap < math.inf):
             pool_scores = cap_row_grad_norm(pool_scores, config.grad_cap, observe)
+        # no warning per step: the search counts the unconverged solves (BeamSearchOutput.n_unconverged)
         A, info = sorted_soft_topk(pool_scores, beam, epsilon=config.epsilon, cost=config.cost, tol=config.tol,
-                                   max_iter=config.max_iter, return_info=True)
+                                   max_iter=config.max_iter, return_info=True, warn=False)
         if ids.shape[1] < n:
             # the same budget as candidate_window's: all but tol / 100 of every rank is kept
             A, ids = drop_negligible(A, ids, config.tol / 100)

@@ -8,9 +8,10 @@ kept as baselines for tests and benchmarks. ``cap_row_grad_norm`` bounds the gra
 enters an operator, per row (soft beam search's remedy for gradients compounding over steps).
 ``candidate_window`` bounds which candidates can carry a non-negligible part of a sorted soft
 top-k (the operator's solver and soft beam search both cut their candidates with it).
+A solve that misses its tolerance emits :class:`SoftTopKConvergenceWarning`.
 """
 
-from ._common import COSTS, SolverInfo
+from ._common import COSTS, SoftTopKConvergenceWarning, SolverInfo
 from .candidate_window import candidate_window
 from .gradient_cap import RowGradientCapFunction, cap_row_grad_norm
 from .sinkhorn import sinkhorn_log
@@ -21,6 +22,7 @@ __all__ = [
     "COSTS",
     "RowGradientCapFunction",
     "SolverInfo",
+    "SoftTopKConvergenceWarning",
     "SoftTopKFunction",
     "SortedSoftTopKFunction",
     "candidate_window",

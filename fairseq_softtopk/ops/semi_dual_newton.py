@@ -253,7 +253,7 @@ def _rescaling_step(target: Tensor, counts: Tensor, k: int, no_rest: Optional[Te
     return (log_ratio[:, :k] - rest_shift).clamp_(-50.0, 50.0)
 
 
-def _rescale(dual: _SemiDual, point: _Point, tol: float) -> Tuple[_Point, int]:
+def _rescale(dual: _SemiDual, point: _Point, tol: float, max_steps: int) -> Tuple[_Point, int]:
     """Sinkhorn-like steps ``g_r += log(target_r / count_r)`` while they pay off.
 
     From the hard start at a large epsilon, an anchor can receive a hundred times its mass;
@@ -262,11 +262,12 @@ def _rescale(dual: _SemiDual, point: _Point, tol: float) -> Tuple[_Point, int]:
     problems a second one often lands within 1e-4. Rows more than 100% off are rescaled,
     and go on while each step divides their marginal error by :data:`_RESCALE_GAIN` (at
     small epsilon Sinkhorn's linear rate is slow: Newton takes over). A step is kept for the
-    rows whose error it lowers. Returns the point reached and the number of steps.
+    rows whose error it lowers. At most ``max_steps`` steps (the solve's iteration budget);
+    returns the point reached and the number of steps.
     """
     k, steps = dual.k, 0
     going = point.err > 1.0  # each row's course depends on that row alone
-    for _ in range(_RESCALE_STEPS):
+    for _ in range(min(_RESCALE_STEPS, max_steps)):
         if not bool(going.any()):
             break
         step = torch.where(going.unsqueeze(-1), _rescaling_step(dual.target, point.counts, k, dual.no_rest), 0.0)
@@ -280,11 +281,11 @@ def _rescale(dual: _SemiDual, point: _Point, tol: float) -> Tuple[_Point, int]:
 
 def _maximise(dual: _SemiDual, g: Tensor, tol: float, max_iter: int) -> Tuple[_Point, int]:
     """Damped Newton on the semi-dual from ``g`` (after :func:`_rescale`); returns the point reached
-    and the number of iterations, rescaling steps included."""
+    and the number of iterations, rescaling steps included: at most ``max_iter`` of both together."""
     k = dual.k
-    point, rescaled = _rescale(dual, dual.evaluate(g), tol)
+    point, rescaled = _rescale(dual, dual.evaluate(g), tol, max_iter)
     n_iter, stalled = 0, 0
-    for n_iter in range(1, max_iter + 1):
+    for n_iter in range(1, max_iter - rescaled + 1):
         active = point.err > tol
         if stalled >= 3 or not bool(active.any()):
             n_iter -= 1
@@ -405,6 +406,11 @@ def newton_solve(prep: PreparedScores, k: int, tol: float, max_iter: int) -> Tup
     of tens of thousands of beam candidates, say; :func:`candidate_window`, with a first
     boundary gap of :data:`_WINDOW_GAP` epsilons). The window widens until the solution
     confirms that every element left out puts less than ``tol / 100`` in total on the ranks.
+
+    ``max_iter`` bounds the iterations (Newton and rescaling steps) of all the solves together,
+    windows and the full problem: each solve gets what the previous ones left, and the info
+    reports their sum. Where a window is not confirmed and nothing is left, the full problem is
+    evaluated at the last window's potentials (its marginal error is the one reported).
     """
     problem = _Problem.prepared(prep, k)
     z, valid, n_valid, eps, top = problem.z, problem.valid, problem.n_valid, problem.eps, problem.top
@@ -419,6 +425,7 @@ def newton_solve(prep: PreparedScores, k: int, tol: float, max_iter: int) -> Tup
     cut = torch.where(no_rest.unsqueeze(-1), torch.full_like(edge, -math.inf), floor)
     # Where every entry lies above the cut (smooth problems), one reduction tells, without a mask.
     dense = problem.all_valid and bool((z.amin(-1, keepdim=True) >= cut).all())
+    used = 0  # iterations of the window solves so far
     while not dense:
         inside = z >= cut
         if not problem.all_valid:
@@ -429,7 +436,8 @@ def newton_solve(prep: PreparedScores, k: int, tol: float, max_iter: int) -> Tup
         index = torch.where(inside, z, z.new_tensor(-math.inf)).topk(width, dim=-1).indices
         z_w, inside_w = z.gather(-1, index), inside.gather(-1, index)
         window = _Problem(z_w, inside_w, inside.sum(-1).to(n_valid.dtype), eps, top, k)
-        solved, n_iter = _solve_rows(window, g, tol, max_iter)
+        solved, n_iter = _solve_rows(window, g, tol, max_iter - used)
+        used += n_iter
         # The best element left out must give every rank less than exp(margin) of its mass.
         best_out = torch.where(valid & ~inside, z, z.new_tensor(-math.inf)).amax(-1, keepdim=True).double()
         y = anchors(k, g)[:k]
@@ -439,18 +447,23 @@ def newton_solve(prep: PreparedScores, k: int, tol: float, max_iter: int) -> Tup
             P[:, k] = valid.to(z.dtype)
             P.scatter_(2, index.unsqueeze(1).expand(-1, k + 1, -1), solved.P)
             P[:, k].scatter_(1, index, torch.where(inside_w, solved.P[:, k], valid.gather(-1, index).to(z.dtype)))
-            return P, _info(solved.err, n_iter, tol)
+            return P, _info(solved.err, used, tol)
+        if used >= max_iter:  # no iteration left for another solve: the full problem where the window ended
+            g = solved.g
+            break
         cut = cut + (margin - _WINDOW_GAP).to(z.dtype) * eps  # widen the window and solve again
-    solved, n_iter = _solve_rows(problem, g, tol, max_iter)
-    return solved.P, _info(solved.err, n_iter, tol)
+    solved, n_iter = _solve_rows(problem, g, tol, max_iter - used, warm_start=used < max_iter)
+    return solved.P, _info(solved.err, used + n_iter, tol)
 
 
-def _solve_rows(problem: _Problem, g: Tensor, tol: float, max_iter: int) -> Tuple[_Point, int]:
-    """Newton from the hard start ``g`` (or a binned warm start); returns the solved point and iterations."""
+def _solve_rows(problem: _Problem, g: Tensor, tol: float, max_iter: int,
+                warm_start: bool = True) -> Tuple[_Point, int]:
+    """Newton from the hard start ``g`` (or a binned warm start, unless ``warm_start`` is False);
+    returns the solved point and iterations (``max_iter = 0``: the point at ``g``)."""
     if not problem.all_valid and bool(problem.valid.all()):
         problem = dataclasses.replace(problem, all_valid=True)
     dual = _SemiDual(problem)
-    warm = _binned_start(problem, g, tol)
+    warm = _binned_start(problem, g, tol) if warm_start else None
     return _maximise(dual, g if warm is None else warm, tol, max_iter)
 
 

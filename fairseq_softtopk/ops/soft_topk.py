@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from ._common import (PreparedScores, SolverInfo, check_inputs, hard_topk_indices, log_floor, oriented_rows,
-                      prepare_scores, restore_shape)
+                      prepare_scores, restore_shape, warn_if_unconverged)
 
 
 def _threshold_solve(prep: PreparedScores, k: int, tol: float, max_iter: int) -> Tuple[Tensor, SolverInfo]:
@@ -56,7 +56,7 @@ def _threshold_solve(prep: PreparedScores, k: int, tol: float, max_iter: int) ->
         excess = sig.sum(-1).to(dtype) - k  # decreasing in t
         err = torch.where(full, torch.zeros_like(err), excess.abs() / denom)
         done = (err <= tol) | (hi - lo <= resolution * (1.0 + t.abs()))
-        if bool(done.all()):
+        if bool(done.all()) or n_iter == max_iter:  # the last t is the one evaluated (and reported)
             break
         lo = torch.where(excess > 0, torch.maximum(lo, t), lo)
         hi = torch.where(excess < 0, torch.minimum(hi, t), hi)
@@ -107,7 +107,7 @@ class SoftTopKFunction(torch.autograd.Function):
 
 def soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = True, epsilon: float = 0.1,
               mask: Optional[Tensor] = None, tol: float = 1e-5, max_iter: int = 100,
-              cost: str = "linear", hard: bool = False, return_info: bool = False):
+              cost: str = "linear", hard: bool = False, return_info: bool = False, warn: bool = True):
     """Smoothed top-k indicator (SOFT top-k, Xie et al. 2020), a differentiable ``torch.topk``.
 
     ``torch.topk(scores, k).indices`` marks k entries; ``soft_topk`` returns, for every entry,
@@ -126,7 +126,7 @@ def soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = True, ep
             ``-inf`` (``+inf`` when ``largest=False``) are excluded too. Excluded entries get
             exactly 0 and zero gradient.
         tol: relative marginal error at which the solver stops (see :class:`SolverInfo`).
-        max_iter: safeguarded Newton iterations at most.
+        max_iter: safeguarded Newton iterations at most (``info.n_iter <= max_iter``).
         cost: ``"linear"`` (default): cost ``-x_i * y_j`` with anchors ``{1, 0}``, so that
             ``A_i = sigmoid((x_i - t) / epsilon)``: epsilon is in the units of the scores (nats
             for log-probabilities) and means the same at any ``n``. ``"sqeuclidean"``: the
@@ -137,10 +137,17 @@ def soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = True, ep
             the k smallest go to anchor 0 (the authors' code); ``largest=True`` is its mirror.
         hard: return the exact top-k indicator instead (no gradient through the selection).
         return_info: also return a :class:`SolverInfo`.
+        warn: emit a :class:`SoftTopKConvergenceWarning` when the solve misses ``tol``
+            (``info.converged`` False); False for callers that check ``info.converged`` themselves.
 
     Returns:
         Tensor of ``scores``' shape and dtype, values in ``[0, 1]``, summing to ``k`` along
         ``dim``; with ``return_info=True``, ``(tensor, info)``.
+
+    Warns:
+        SoftTopKConvergenceWarning: the solver stopped (``max_iter`` reached, or the dtype's
+        resolution) with a marginal error above ``tol``; the result is returned all the same.
+        Python's default filter shows it once per call site.
 
     Example::
 
@@ -156,6 +163,8 @@ def soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = True, ep
             logits, info = _threshold_solve(prep, k, tol, max_iter)
             out = SoftTopKFunction.apply(oriented_rows(scores, dim, prep), logits, prep.grad_eps)
         out = restore_shape(out, scores, dim).to(scores.dtype)
+    if warn:
+        warn_if_unconverged(info, "soft_topk", tol, max_iter)
     return (out, info) if return_info else out
 
 

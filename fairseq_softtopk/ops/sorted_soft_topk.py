@@ -23,7 +23,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._common import SolverInfo, check_inputs, hard_topk_indices, oriented_rows, prepare_scores, restore_shape
+from ._common import (SolverInfo, check_inputs, hard_topk_indices, oriented_rows, prepare_scores, restore_shape,
+                      warn_if_unconverged)
 from .semi_dual_newton import anchor_hessian, anchors, newton_solve, solve_ridged
 
 
@@ -75,7 +76,7 @@ class SortedSoftTopKFunction(torch.autograd.Function):
 
 def sorted_soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = True, epsilon: float = 0.1,
                      mask: Optional[Tensor] = None, tol: float = 1e-5, max_iter: int = 50,
-                     cost: str = "linear", hard: bool = False, return_info: bool = False):
+                     cost: str = "linear", hard: bool = False, return_info: bool = False, warn: bool = True):
     """Sorted SOFT top-k: a smoothed "which element has rank r" for the k best ranks.
 
     The hard counterpart is the permutation slice ``P[i, r] = 1`` iff ``i ==
@@ -93,7 +94,9 @@ def sorted_soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = T
         mask: optional bool tensor of ``scores``' shape, True = excluded; ``-inf`` entries
             (``+inf`` with ``largest=False``) are excluded too. Excluded entries get exactly 0.
         tol: relative marginal error at which Newton stops (see :class:`SolverInfo`).
-        max_iter: Newton iterations at most.
+        max_iter: iterations at most (``info.n_iter <= max_iter``): Newton steps and the
+            Sinkhorn-like rescaling steps that may precede them, over all the solves on candidate
+            windows (the warm start on a histogram of large rows is not counted).
         cost: ``"linear"`` (default; anchors ``k, ..., 0`` with cost ``-x_i * y_r``, epsilon in
             the units of the scores: with log-likelihood scores, in nats, at any vocabulary
             size), ``"sqeuclidean"`` (squared distance, same plan as linear at epsilon/2) or
@@ -102,12 +105,19 @@ def sorted_soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = T
             columns of the plan).
         hard: return the exact permutation slices (no gradient through the selection).
         return_info: also return a :class:`SolverInfo`.
+        warn: emit a :class:`SoftTopKConvergenceWarning` when the solve misses ``tol``
+            (``info.converged`` False); False for callers that check ``info.converged`` themselves.
 
     Returns:
         ``(*, n, *, k)`` tensor in ``scores``' dtype: the rank dimension is appended last and
         ``n`` stays at ``dim``. With ``return_info=True``, ``(tensor, info)``. In float32/64 the
         soft result is a view of the transport plan, laid out rank-major (not contiguous: use
         ``reshape`` rather than ``view``, and ``clone`` before modifying it in place).
+
+    Warns:
+        SoftTopKConvergenceWarning: the solver stopped (``max_iter`` reached, or no more progress
+        at the dtype's resolution) with a marginal error above ``tol``; the result is returned
+        all the same. Python's default filter shows it once per call site.
     """
     check_inputs(scores, k, epsilon, mask, cost, tol, max_iter)
     # a named range for torch.profiler (scripts/bench_train.py reads it)
@@ -122,4 +132,6 @@ def sorted_soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = T
             P, info = newton_solve(prep, k, tol, max_iter)
             out = SortedSoftTopKFunction.apply(oriented_rows(scores, dim, prep), P, prep.grad_eps, prep.n_valid == k)
         out = restore_shape(out, scores, dim, extra=(k,)).to(scores.dtype)
+    if warn:
+        warn_if_unconverged(info, "sorted_soft_topk", tol, max_iter)
     return (out, info) if return_info else out
