@@ -30,8 +30,8 @@ Target grammar (per clause)::
 * **Noise** (irreducible, which keeps BLEU far from 100):
 
   - 40% of the nouns have a synonym, used in 30% of their occurrences;
-  - the sentence adverb (in 40% of the sentences) has one one-token translation (probability
-    0.4) and three two-token translations that share their first token (0.2 each). Greedy
+  - the sentence adverb (in 70% of the sentences) has one two-token translation (probability
+    0.4) and three three-token translations that share their first token (0.2 each). Greedy
     decoding takes the shared first token (0.6) and then guesses one of three (0.2); beam
     search finds the most likely translation (0.4): this is where beam search beats greedy;
   - with probability 0.05 a clause gets an optional particle after its verb.
@@ -88,8 +88,8 @@ def _pseudo_words(rng: random.Random, count: int, syllables: Sequence[int], take
     return words
 
 
-def build_demo_lexicon(seed: int = 1, n_nouns: int = 120, n_verbs: int = 40, n_adjectives: int = 40,
-                       n_prepositions: int = 8, n_adverbs: int = 6) -> DemoLexicon:
+def build_demo_lexicon(seed: int = 1, n_nouns: int = 60, n_verbs: int = 20, n_adjectives: int = 20,
+                       n_prepositions: int = 6, n_adverbs: int = 4) -> DemoLexicon:
     """The vocabulary and its translations, deterministically from ``seed``."""
     rng = random.Random(seed)
     taken = {"the", "that", "s"}
@@ -113,7 +113,7 @@ def build_demo_lexicon(seed: int = 1, n_nouns: int = 120, n_verbs: int = 40, n_a
     adverbs = {}
     for word in _pseudo_words(rng, n_adverbs, (2, 3), taken):
         shared = target()[0]
-        adverbs[word] = (target(), tuple((shared, t) for t in target(3)))
+        adverbs[word] = (target(2), tuple((shared, *target(2)) for _ in range(3)))
     conjunctions = {w: target()[0] for w in _pseudo_words(rng, 2, (1,), taken)}
     return DemoLexicon(tuple(nouns), verbs, adjectives, prepositions, adverbs, conjunctions,
                        particle=target()[0], relative=target()[0])
@@ -168,7 +168,7 @@ class _Sentence:
     def pair(self) -> Tuple[List[str], List[str]]:
         rng, lex = self.rng, self.lex
         source, target = [], []
-        if rng.random() < 0.4:
+        if rng.random() < 0.7:
             adverb = rng.choice(sorted(lex.adverbs))
             mode, variants = lex.adverbs[adverb]
             source.append(adverb)
