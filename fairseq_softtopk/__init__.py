@@ -13,10 +13,12 @@ __version__ = "0.1.0"
 
 
 def register() -> None:
-    """Registers the models and criterions with fairseq and allowlists checkpoint globals."""
-    from .checkpoint_safety import allow_fairseq_checkpoint_globals
+    """Registers the models and criterions with fairseq, allowlists checkpoint globals and makes a
+    refused checkpoint a plain error (:mod:`.checkpoint_safety`)."""
+    from .checkpoint_safety import allow_fairseq_checkpoint_globals, guard_checkpoint_loading
 
     allow_fairseq_checkpoint_globals()
+    guard_checkpoint_loading()
     from . import criterions, models  # noqa: F401  (importing registers the components)
 
 

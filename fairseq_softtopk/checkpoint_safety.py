@@ -7,9 +7,17 @@ models configured through the legacy argparse path keep their model config as an
 (found with ``torch.serialization.get_unsafe_globals_in_checkpoint`` on checkpoints written
 by every model and criterion of this package) and nothing else: weights-only loading stays
 on, and a checkpoint that pickles any other object is still refused.
+
+Refused, such a file is reported plainly: fairseq's checkpoint loader raises
+:class:`UnsafeCheckpointError`, which says that the file contains code or objects outside the
+allowlist, names them, and says that it was not loaded (torch's own message suggests reloading
+with ``weights_only=False``, which would run that code; it is not repeated).
 """
 
 import argparse
+import functools
+import pickle
+import re
 
 import torch
 
@@ -26,3 +34,47 @@ def allow_fairseq_checkpoint_globals() -> None:
     missing = [g for g in FAIRSEQ_CHECKPOINT_GLOBALS if g not in already]
     if missing:
         add_safe_globals(missing)
+
+
+class UnsafeCheckpointError(pickle.UnpicklingError):
+    """A checkpoint refused by torch's weights-only unpickler: it was not loaded."""
+
+
+def refusal_message(path, error: Exception) -> str:
+    """The plain statement of why ``path`` was not loaded, from torch's ``UnpicklingError``."""
+    found = sorted(set(re.findall(r"GLOBAL ([\w.]+)", str(error))))
+    named = f" ({', '.join(found)})" if found else ""
+    return (f"{path} was not loaded: the file contains pickled code or objects{named} outside the allowlist of "
+            f"torch's safe (weights-only) loading. Checkpoints written by fairseq and this package hold only "
+            f"tensors, plain values and argparse.Namespace; treat this file as untrusted.")
+
+
+def _is_weights_only_refusal(error: Exception) -> bool:
+    return isinstance(error, pickle.UnpicklingError) and "weights only load failed" in str(error).lower()
+
+
+def guard_checkpoint_loading() -> None:
+    """Makes fairseq's checkpoint loader report a refused checkpoint plainly (idempotent).
+
+    ``fairseq.checkpoint_utils.load_checkpoint_to_cpu`` (training's ``--restore-file`` and
+    ``--finetune-from-model``, ``fairseq-generate --path``) raises :class:`UnsafeCheckpointError`
+    with :func:`refusal_message` instead of torch's error; loading stays weights-only.
+    """
+    from fairseq import checkpoint_utils
+
+    load = checkpoint_utils.load_checkpoint_to_cpu
+    if getattr(load, "refuses_plainly", False):
+        return
+
+    @functools.wraps(load)
+    def load_checkpoint_to_cpu(path, *args, **kwargs):
+        try:
+            return load(path, *args, **kwargs)
+        except pickle.UnpicklingError as error:
+            if not _is_weights_only_refusal(error):
+                raise
+            # "from None": torch's message (and its advice to load with weights_only=False) is not shown again
+            raise UnsafeCheckpointError(refusal_message(path, error)) from None
+
+    load_checkpoint_to_cpu.refuses_plainly = True
+    checkpoint_utils.load_checkpoint_to_cpu = load_checkpoint_to_cpu

@@ -12,7 +12,10 @@ paired bootstrap against the baseline, mean and spread over ``--seeds``) and ``c
 
 Re-running skips finished arms (``done.json``, written atomically after training); a
 half-finished arm resumes from its ``checkpoint_last.pt``. A work directory refuses to
-continue a run whose fairseq-train arguments have changed.
+continue a run whose fairseq-train arguments have changed (naming each flag, earlier and new
+value). Before anything runs, every flag of every stage and arm is checked against
+fairseq-train's parser (with this package as ``--user-dir``): an unknown flag is named with
+the config section that sets it.
 
 Example (``DIR`` as written by ``data_prep/prepare_multi30k.sh --out DIR``: ``DIR/bin``
 and ``DIR/raw``)::
@@ -32,10 +35,10 @@ import time
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence
 
-from ablation_config import EVAL_KEYS, flags_to_args, load_config, stage_flags
+from ablation_config import EVAL_KEYS, check_train_flags, flags_to_args, load_config, stage_flags
 from ablation_plot import plot_curves
 from ablation_report import results_markdown, summarise
-from fairseq_commands import fairseq_command, run_logged
+from fairseq_commands import PACKAGE_DIR, fairseq_command, run_logged
 
 logger = logging.getLogger("ablation")
 
@@ -117,6 +120,26 @@ def _run_flags(args: Sequence[str]) -> List[str]:
     return [arg for i, arg in enumerate(args[1:], 1) if args[i - 1] not in paths]
 
 
+def _flag_values(args: Sequence[str]) -> Dict[str, str]:
+    """``--flag value...`` arguments as ``{"--flag": "value ..."}`` (``"(set)"`` for a flag without values)."""
+    values: Dict[str, List[str]] = {}
+    flag = None
+    for arg in args:
+        if arg.startswith("--"):
+            flag = arg
+            values[flag] = []
+        elif flag is not None:
+            values[flag].append(arg)
+    return {name: " ".join(vals) if vals else "(set)" for name, vals in values.items()}
+
+
+def differing_flags(earlier: Sequence[str], now: Sequence[str]) -> List[str]:
+    """``"--flag: old -> new"`` for every fairseq-train flag whose value differs (``(not set)`` where absent)."""
+    old, new = _flag_values(_run_flags(earlier)), _flag_values(_run_flags(now))
+    return [f"{name}: {old.get(name, '(not set)')} -> {new.get(name, '(not set)')}"
+            for name in sorted(set(old) | set(new)) if old.get(name) != new.get(name)]
+
+
 _TRAIN_INNER = re.compile(r"\| train_inner \| .*\bgnorm=([^,]+), clip=([^,]+)")
 
 
@@ -153,9 +176,9 @@ def train_run(data_bin: Path, flags: Mapping[str, object], save_dir: Path,
     if (save_dir / RUN).exists():
         earlier = json.loads((save_dir / RUN).read_text())["args"]
         if _run_flags(earlier) != _run_flags(args):
-            changed = sorted(set(_run_flags(earlier)) ^ set(_run_flags(args)))
-            raise ValueError(f"{save_dir} holds a run with other fairseq-train arguments (differing: {changed}); "
-                             f"use another --work-dir or remove {save_dir}")
+            changed = differing_flags(earlier, args) or ["the same flags in another order"]
+            raise ValueError(f"{save_dir} holds a run with other fairseq-train arguments (differing, earlier -> "
+                             f"now: {'; '.join(changed)}); use another --work-dir or remove {save_dir}")
     else:
         _write_json_atomic(save_dir / RUN, {"args": args})
     if (save_dir / DONE).exists():
@@ -166,7 +189,15 @@ def train_run(data_bin: Path, flags: Mapping[str, object], save_dir: Path,
     logger.info("training %s", save_dir)
     start, cpu = time.time(), _children_cpu_seconds()
     device = [] if _has_cuda() else ["--cpu"]  # not in run.json: a run may resume on another device
-    run_logged(fairseq_command("train", [*args, *device]), log_path=save_dir / "train.log")
+    try:
+        run_logged(fairseq_command("train", [*args, *device]), log_path=save_dir / "train.log")
+    except RuntimeError as error:
+        from evaluate import refused_checkpoint
+
+        refused = refused_checkpoint(str(error))
+        if refused:  # alone: the rest of the output is fairseq's config, not the cause
+            raise RuntimeError(f"fairseq-train ({save_dir}) refused a checkpoint: {refused}") from None
+        raise
     done = {"args": args, "wall_seconds": round(time.time() - start, 1),
             "cpu_seconds": round(_children_cpu_seconds() - cpu, 1), "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
     if not (save_dir / "checkpoint_last.pt").exists():
@@ -238,6 +269,7 @@ def run_ablation(config: dict, data_bin, work_dir, ref_dir=None, seeds: Sequence
     data_bin, work_dir = Path(data_bin), Path(work_dir)
     ref_dir = Path(ref_dir) if ref_dir is not None else None
     check_data_bin(data_bin)
+    check_train_flags(config, PACKAGE_DIR)  # every stage and arm, before the first one trains
     pair = language_pair(data_bin, stage_flags(config))
     eval_cfg = config.get("eval") or {}
     arms = select_arms(config, arms)

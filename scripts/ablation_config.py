@@ -1,8 +1,12 @@
 """The ablation runner's stage configs (``configs/*.yaml``): loading, ``--set`` overrides,
-validation, and the fairseq-train flags of a stage and arm (used by ``scripts/ablation.py``)."""
+validation, and the fairseq-train flags of a stage and arm (used by ``scripts/ablation.py``),
+checked against fairseq-train's own parser before anything runs (:func:`check_train_flags`)."""
 
+import contextlib
+import io
+import re
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 STAGES = ("pretrain", "finetune", "scratch")
 HEADER_KEYS = ("description", "stage", "data", "pretrain", "baseline", "compare_to", "default_arms", "notes")
@@ -147,3 +151,77 @@ def flags_to_args(flags: Mapping[str, object]) -> List[str]:
 def config_train_args(path, arm: Optional[str] = None, overrides: Sequence[str] = ()) -> List[str]:
     """fairseq-train arguments (without data, save dir and seed) of a config file and arm."""
     return flags_to_args(stage_flags(load_config(path, overrides), arm))
+
+
+def _flag_sections(config: dict, arm: Optional[str]) -> List[Tuple[str, Mapping[str, object]]]:
+    """``(name, flags)`` of the sections :func:`stage_flags` merges for ``arm``, in its order."""
+    where = config.get("path", "config")
+    sections = []
+    if config.get("stage") == "finetune":
+        sections.append((f"{config['pretrain'].get('path', 'pretrain config')}: model",
+                         config["pretrain"].get("model") or {}))
+    sections += [(f"{where}: model", config.get("model") or {}), (f"{where}: train", config["train"])]
+    if arm is not None:
+        sections.append((f"{where}: arms.{arm}", config["arms"][arm]))
+    return sections
+
+
+def _stages(config: dict) -> List[Tuple[dict, Optional[str]]]:
+    """Every ``(config, arm)`` a run of ``config`` trains: its pretrain stage, then each arm."""
+    if config["stage"] == "pretrain":
+        return [(config, None)]
+    stages = [(config["pretrain"], None)] if config["stage"] == "finetune" else []
+    return stages + [(config, arm) for arm in config.get("arms") or {}]
+
+
+def fairseq_train_rejects(flags: Mapping[str, object], user_dir) -> Tuple[List[str], Optional[str]]:
+    """Parses ``flags`` with fairseq-train's parser (in this process, ``user_dir`` as ``--user-dir``).
+
+    Returns:
+        ``(unknown, error)``: the flag names the parser does not know (its architecture, task,
+        criterion, optimizer and scheduler options included) and, where it refused a value
+        (an unknown ``--arch``, say), its message; ``([], None)`` when fairseq-train accepts them.
+    """
+    from fairseq import options
+
+    import fairseq_softtopk
+
+    fairseq_softtopk.register()  # registers this package's components even where it was imported before fairseq
+    argv = ["data", *flags_to_args(flags), "--user-dir", str(user_dir)]
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr):
+            _, extra = options.parse_args_and_arch(options.get_training_parser(), argv, parse_known=True)
+    except SystemExit:
+        lines = [line for line in stderr.getvalue().splitlines() if line.strip()]
+        return [], lines[-1] if lines else "fairseq-train's parser exited"
+    return [arg[2:] for arg in extra if arg.startswith("--")], None
+
+
+def check_train_flags(config: dict, user_dir) -> None:
+    """Raises ``ValueError`` naming each flag of the config's ``model``, ``train`` and arm sections (its
+    pretrain config's too) that fairseq-train does not accept, and the section that sets it.
+
+    fairseq-train would stop on a misspelt flag only when the stage that has it starts, after
+    the stages before it have trained (a misspelt pretraining flag: at once, but a misspelt arm
+    flag: after pretraining); this parses every stage and arm before anything runs.
+    """
+    problems = []
+    for stage_config, arm in _stages(config):
+        unknown, error = fairseq_train_rejects(stage_flags(stage_config, arm), user_dir)
+
+        def set_in(flag: str) -> str:
+            return " and ".join(name for name, flags in _flag_sections(stage_config, arm) if flag in flags)
+
+        if error:  # argparse's "...: error: argument --arch/-a: invalid choice: 'x' (choose from <every arch>)"
+            error = re.sub(r" \(choose from [^)]*\)", "", error.split("error: ", 1)[-1])
+            flag = re.search(r"argument --([\w-]+)", error)
+            where = set_in(flag.group(1)) if flag else ""
+            label = f"arm {arm!r}" if arm is not None else f"the {stage_config['stage']} stage"
+            problems.append(f"{error} (set in {where})" if where else f"{label}: {error}")
+        for flag in unknown:
+            problems.append(f"--{flag} (set in {set_in(flag) or 'no section'}) is not a fairseq-train option")
+    if problems:
+        unique = list(dict.fromkeys(problems))
+        raise ValueError(f"{config.get('path', 'config')}: fairseq-train (with --user-dir {user_dir}) does not "
+                         f"accept: " + "; ".join(unique))

@@ -5,6 +5,8 @@ fairseq-generate -> hypotheses in corpus order -> remove BPE (fairseq's ``--post
 -> detokenise (sacremoses, optional) -> sacrebleu BLEU and chrF against the untouched reference.
 Every source line must get exactly one hypothesis: fairseq-generate has been seen to drop long
 inputs without a word, so a missing or duplicated id is an error, not a silently lower BLEU.
+A reference file with another number of lines than the binarised subset has sentences is an
+error found before translating (it names the file and both counts).
 
 Example::
 
@@ -28,6 +30,14 @@ logger = logging.getLogger("evaluate")
 
 _HYPOTHESIS_LINE = re.compile(r"^D-(\d+)\t([^\t]*)\t(.*)$")
 _TARGET_LINE = re.compile(r"^T-(\d+)\t(.*)$")
+#: the last line of a fairseq tool that refused a checkpoint (fairseq_softtopk.checkpoint_safety)
+_REFUSED_CHECKPOINT = re.compile(r"^\S*UnsafeCheckpointError: (.*)$", re.M)
+
+
+def refused_checkpoint(output: str) -> Optional[str]:
+    """The plain message of a fairseq tool's output that ends in a refused checkpoint, else None."""
+    found = _REFUSED_CHECKPOINT.findall(output)
+    return found[-1] if found else None
 
 
 def run_fairseq_generate(data_bin: str, checkpoint: str, subset: str = "test", beam: int = 5,
@@ -45,6 +55,9 @@ def run_fairseq_generate(data_bin: str, checkpoint: str, subset: str = "test", b
         args += ["--post-process", post_process]
     proc = subprocess.run(fairseq_command("generate", [*args, *extra_args]), capture_output=True, text=True)
     if proc.returncode != 0:
+        refused = refused_checkpoint(proc.stderr)
+        if refused:  # alone: the rest of the output is fairseq's config, not the cause
+            raise RuntimeError(f"fairseq-generate refused the checkpoint: {refused}")
         raise RuntimeError(f"fairseq-generate failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return proc.stdout
 
@@ -127,6 +140,53 @@ def score(hypotheses: Sequence[str], references: Sequence[str]) -> Dict[str, obj
     }
 
 
+def binarised_subset_size(data_bin: str, subset: str, source_lang: Optional[str] = None,
+                          target_lang: Optional[str] = None) -> Optional[int]:
+    """Sentences of ``subset`` in a fairseq-preprocess directory, from its index file; None when it
+    cannot tell (no such subset, several language pairs and no languages given).
+
+    ``data_bin`` may list several directories separated by ``os.pathsep`` (fairseq's shards): the
+    first holds the evaluation subsets.
+    """
+    root = Path(str(data_bin).split(os.pathsep)[0])
+    pairs = sorted({p.name[len(subset) + 1:].split(".")[0] for p in root.glob(f"{subset}.*-*.*.idx")})
+    if source_lang and target_lang:
+        pairs = [f"{source_lang}-{target_lang}"]
+    if len(pairs) != 1 or "-" not in pairs[0]:
+        return None
+    target = pairs[0].split("-", 1)[1]
+    prefix = root / f"{subset}.{pairs[0]}.{target}"
+    if not Path(f"{prefix}.idx").is_file():
+        return None
+    from fairseq.data.indexed_dataset import MMapIndexedDataset
+
+    return len(MMapIndexedDataset(str(prefix)))
+
+
+def _language_args(extra_args: Sequence[str]) -> Dict[str, str]:
+    """``source_lang``/``target_lang`` given to fairseq-generate in ``extra_args`` (``-s``/``-t`` too)."""
+    names = {"-s": "source_lang", "--source-lang": "source_lang", "-t": "target_lang", "--target-lang": "target_lang"}
+    extra = [str(a) for a in extra_args]
+    found = {}
+    for i, arg in enumerate(extra):
+        flag, eq, value = arg.partition("=")
+        if flag in names and (eq or i + 1 < len(extra)):
+            found[names[flag]] = value if eq else extra[i + 1]
+    return found
+
+
+def check_reference_lines(ref: str, n_lines: int, data_bin: str, subset: str,
+                          extra_args: Sequence[str] = ()) -> None:
+    """Raises ``ValueError`` naming ``ref`` when its ``n_lines`` differ from the binarised subset's
+    sentences (nothing is raised when the subset's size cannot be read)."""
+    n_sentences = binarised_subset_size(data_bin, subset, **_language_args(extra_args))
+    if n_sentences is not None and n_sentences != n_lines:
+        raise ValueError(f"reference file {ref} has {n_lines} lines but the binarised '{subset}' subset of "
+                         f"{data_bin} has {n_sentences} sentences: pass the raw reference of that subset, line by "
+                         f"line the target side of what fairseq-preprocess binarised (or omit --ref to score "
+                         f"against the binarised target)")
+
+
 def read_lines(path: str) -> List[str]:
     if not os.path.exists(path):
         raise FileNotFoundError(f"reference file not found: {path}")
@@ -150,9 +210,17 @@ def evaluate_checkpoint(data_bin: str, checkpoint: str, ref: Optional[str], subs
     if not os.path.exists(checkpoint):
         raise FileNotFoundError(f"checkpoint not found: {checkpoint}")
     references = read_lines(ref) if ref else None
+    if references is not None:  # before translating: a wrong reference is found in seconds, not after generation
+        check_reference_lines(ref, len(references), data_bin, subset, extra_args)
     stdout = run_fairseq_generate(data_bin, checkpoint, subset, beam, batch_size, post_process, extra_args)
     if references is None:
         references = detokenize(parse_targets(stdout), detok_lang)
+    else:
+        translated = {int(m.group(1)) for m in map(_HYPOTHESIS_LINE.match, stdout.splitlines()) if m}
+        if translated and translated == set(range(len(translated))) and len(translated) != len(references):
+            # every sentence of the subset has its hypothesis: the reference is the odd one out
+            raise ValueError(f"reference file {ref} has {len(references)} lines but fairseq-generate translated "
+                             f"all {len(translated)} sentences of the '{subset}' subset of {data_bin}")
     hypotheses = detokenize(parse_hypotheses(stdout, len(references)), detok_lang)
     if hyp_out:
         Path(hyp_out).parent.mkdir(parents=True, exist_ok=True)
@@ -314,8 +382,11 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None, help="write the scores as JSON here")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s | %(levelname)s | %(name)s | %(message)s")
-    result = evaluate_checkpoint(args.data_bin, args.checkpoint, args.ref, args.subset, args.beam,
-                                 args.batch_size, args.post_process, args.detok_lang, args.hyp_out)
+    try:
+        result = evaluate_checkpoint(args.data_bin, args.checkpoint, args.ref, args.subset, args.beam,
+                                     args.batch_size, args.post_process, args.detok_lang, args.hyp_out)
+    except (FileNotFoundError, ValueError, RuntimeError) as error:
+        parser.exit(1 if isinstance(error, RuntimeError) else 2, f"evaluate.py: error: {error}\n")
     print(f"BLEU {result['bleu']:.2f}  chrF {result['chrf']:.2f}  ({result['n_sentences']} sentences)")
     print(f"signature: {result['bleu_signature']}")
     if args.json:

@@ -116,6 +116,54 @@ def test_every_shipped_config_and_arm_parses_with_fairseq_train():
         options.parse_args_and_arch(options.get_training_parser(), [*argv, "--no-such-flag", "1"])
 
 
+def _fake_data_bin(path: Path) -> Path:
+    """A directory that passes ablation.check_data_bin (empty files): nothing can train on it."""
+    path.mkdir(parents=True)
+    for name in ("dict.src.txt", "dict.tgt.txt", "train.src-tgt.src.idx", "train.src-tgt.tgt.idx"):
+        (path / name).write_text("")
+    return path
+
+
+def test_misspelt_config_flags_are_named_with_their_section_before_any_run(tmp_path, capsys):
+    """fairseq-train's parser checks every stage and arm first: a misspelt arm flag stopped the runner only
+    after pretraining (a misspelt train flag of the fine-tuning stage: after the pretrain stage trained)."""
+    config_path = REPO / "configs" / "toy_finetune.yaml"
+    data_bin, work = _fake_data_bin(tmp_path / "bin"), tmp_path / "work"
+    cases = [(["arms.soft.topk-epsilonn=0.05"], "--topk-epsilonn", f"{config_path}: arms.soft"),
+             (["train.max-updat=5"], "--max-updat", f"{config_path}: train"),
+             (["pretrain.train.lrr=0.1"], "--lrr", f"{REPO / 'configs' / 'toy_pretrain.yaml'}: train"),
+             (["arms.soft.topk-mode=medium"], "invalid choice: 'medium'", f"{config_path}: arms.soft")]
+    for overrides, flag, section in cases:
+        with pytest.raises(ValueError) as error:
+            run_ablation(load_config(config_path, overrides), data_bin, work)
+        assert flag in str(error.value) and f"(set in {section}" in str(error.value), str(error.value)
+        assert not work.exists()  # nothing ran, nothing was written
+    with pytest.raises(SystemExit) as exit_info:
+        ablation.main([str(config_path), "--data-bin", str(data_bin), "--work-dir", str(work),
+                       "--set", "arms.hard.topk-modee=hard"])
+    assert exit_info.value.code == 2
+    assert "--topk-modee (set in" in capsys.readouterr().err and not work.exists()
+
+
+def test_a_work_directory_with_other_flags_names_each_flag_with_both_values(tmp_path):
+    """The refusal to mix two settings in one run directory lists flag names with the earlier and the new
+    value (it listed bare values from both argument lists)."""
+    save_dir = tmp_path / "run"
+    flags = {"arch": "softtopk_lstm_tiny", "lr": 0.005, "max-update": 8, "no-epoch-checkpoints": True}
+    earlier = ["data", *flags_to_args({"required-batch-size-multiple": 1, "log-format": "simple", **flags}),
+               "--save-dir", str(save_dir)]
+    save_dir.mkdir()
+    (save_dir / "run.json").write_text(json.dumps({"args": earlier}))
+    changed = {**flags, "lr": 0.1, "no-epoch-checkpoints": False, "clip-norm": 1.0}
+    with pytest.raises(ValueError) as error:
+        ablation.train_run(tmp_path / "other_data", changed, save_dir)
+    message = str(error.value)
+    assert "--lr: 0.005 -> 0.1" in message
+    assert "--no-epoch-checkpoints: (set) -> (not set)" in message
+    assert "--clip-norm: (not set) -> 1.0" in message
+    assert "--max-update" not in message and "--arch" not in message  # unchanged flags are not listed
+
+
 # ----------------------------------------------------------------------------- bootstrap
 
 @pytest.fixture
@@ -196,6 +244,49 @@ def test_parse_targets_in_corpus_order_and_gaps_are_errors():
     assert parse_targets(stdout) == ["A a", "B b"]
     with pytest.raises(ValueError, match="not 0..1"):
         parse_targets("T-0\ta\nT-2\tc\n")
+
+
+def test_evaluate_refuses_a_reference_of_another_length_before_translating(toy_data_bin, tmp_path, monkeypatch,
+                                                                          capsys):
+    """A reference file shorter than the subset: the error names the file and both counts, and comes before
+    fairseq-generate (it came after generation, and blamed fairseq for dropping inputs)."""
+    import evaluate
+
+    raw, data_bin = toy_data_bin
+    lines = (raw / "test.tgt").read_text(encoding="utf-8").splitlines()
+    short = tmp_path / "short.tgt"
+    short.write_text("".join(line + "\n" for line in lines[:-3]), encoding="utf-8")
+    checkpoint = tmp_path / "checkpoint.pt"
+    checkpoint.write_bytes(b"")
+
+    def generate(*args, **kwargs):
+        raise AssertionError("fairseq-generate ran")
+
+    monkeypatch.setattr(evaluate, "run_fairseq_generate", generate)
+    with pytest.raises(ValueError) as error:
+        evaluate.evaluate_checkpoint(str(data_bin), str(checkpoint), str(short), subset="test")
+    message = str(error.value)
+    assert str(short) in message and f"{len(lines) - 3} lines" in message and f"{len(lines)} sentences" in message
+    with pytest.raises(SystemExit) as exit_info:
+        evaluate.main([str(data_bin), str(checkpoint), "--ref", str(short)])
+    assert exit_info.value.code == 2 and str(short) in capsys.readouterr().err
+    with pytest.raises(AssertionError, match="fairseq-generate ran"):  # the right reference passes the check
+        evaluate.evaluate_checkpoint(str(data_bin), str(checkpoint), str(raw / "test.tgt"), subset="test")
+
+
+def test_evaluate_names_the_reference_when_every_sentence_was_translated(tmp_path, monkeypatch):
+    """Where the subset's size cannot be read beforehand, a complete translation of another number of
+    sentences than the reference has lines is the reference's fault, and the error says so."""
+    import evaluate
+
+    ref = tmp_path / "ref.txt"
+    ref.write_text("a\nb\nc\n", encoding="utf-8")
+    checkpoint = tmp_path / "checkpoint.pt"
+    checkpoint.write_bytes(b"")
+    monkeypatch.setattr(evaluate, "run_fairseq_generate",
+                        lambda *args, **kwargs: "D-1\t-0.1\tb\nD-0\t-0.2\ta\n")
+    with pytest.raises(ValueError, match=rf"reference file {ref} has 3 lines but fairseq-generate translated all 2"):
+        evaluate.evaluate_checkpoint(str(tmp_path / "no_such_bin"), str(checkpoint), str(ref))
 
 
 def _fake_eval(hypotheses, references):

@@ -281,3 +281,15 @@ def test_max_iter_bounds_the_reported_iterations_and_the_result_is_the_one_evalu
         assert info.n_iter == max_iter and not info.converged
         error = float(((out.sum(-1) - 5).abs() / 5).max())  # the column marginal, relative (min(k, n - k) = 5)
         assert error == pytest.approx(info.marginal_error, rel=1e-6, abs=1e-15)
+
+
+def test_an_empty_candidate_dimension_is_named():
+    """``torch.empty(4, 0)`` has nothing to select from: a ValueError naming the dimension (was a reshape error
+    from inside the operator); an empty batch dimension is fine (empty result)."""
+    with pytest.raises(ValueError, match=r"dimension dim=-1 of shape \(4, 0\) is empty"):
+        soft_topk(torch.empty(4, 0), 3)
+    with pytest.raises(ValueError, match=r"dimension dim=1 of shape \(2, 0, 5\) is empty"):
+        soft_topk(torch.empty(2, 0, 5), 1, dim=1)
+    with pytest.raises(ValueError, match=r"dim must be an integer in \[-2, 1\]"):
+        soft_topk(torch.randn(2, 5), 1, dim=2)
+    assert soft_topk(torch.empty(0, 5), 2).shape == (0, 5)

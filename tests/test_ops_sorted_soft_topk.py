@@ -339,3 +339,12 @@ def test_unconverged_solve_warns_once_per_call_site(rng):
         warnings.simplefilter("error")
         sorted_soft_topk(x, 60, epsilon=0.1, max_iter=2, warn=False)
         sorted_soft_topk(x[:, :50], 3, epsilon=0.1)  # converged: no warning
+
+
+def test_an_empty_candidate_dimension_is_named():
+    """Nothing to rank: a ValueError naming the empty dimension (was a reshape error from inside the operator)."""
+    with pytest.raises(ValueError, match=r"dimension dim=-1 of shape \(4, 0\) is empty"):
+        sorted_soft_topk(torch.empty(4, 0), 3)
+    with pytest.raises(ValueError, match=r"dimension dim=0 of shape \(0, 3\) is empty"):
+        sorted_soft_topk(torch.empty(0, 3), 1, dim=0)
+    assert sorted_soft_topk(torch.empty(0, 5), 2).shape == (0, 5, 2)

@@ -133,7 +133,7 @@ def working_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def check_inputs(scores: Tensor, k: int, epsilon: float, mask: Optional[Tensor], cost: str,
-                 tol: float, max_iter: int) -> None:
+                 tol: float, max_iter: int, dim: int = -1) -> None:
     """Raises ``ValueError`` naming the problem for bad arguments (not data-dependent ones)."""
     if not isinstance(scores, Tensor):
         raise ValueError(f"scores must be a torch.Tensor, got {type(scores).__name__}")
@@ -141,6 +141,12 @@ def check_inputs(scores: Tensor, k: int, epsilon: float, mask: Optional[Tensor],
         raise ValueError(f"scores must have a floating dtype, got {scores.dtype}")
     if scores.dim() == 0:
         raise ValueError("scores must have at least one dimension, got a scalar")
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -scores.dim() <= dim < scores.dim():
+        raise ValueError(f"dim must be an integer in [{-scores.dim()}, {scores.dim() - 1}] for scores of shape "
+                         f"{tuple(scores.shape)}, got {dim!r}")
+    if scores.shape[dim] == 0:
+        raise ValueError(f"scores have no candidates: dimension dim={dim} of shape {tuple(scores.shape)} is empty "
+                         f"(k={k} cannot be selected from 0 entries)")
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"k must be an integer >= 1, got {k!r}")
     if not (isinstance(epsilon, (int, float)) and epsilon > 0 and epsilon != float("inf")):

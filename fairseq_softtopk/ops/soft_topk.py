@@ -154,7 +154,7 @@ def soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = True, ep
         >>> soft_topk(torch.tensor([3.0, 1.0, 2.0, 0.0]), k=2, epsilon=0.1)
         tensor([1.0000, 0.0067, 0.9933, 0.0000])
     """
-    check_inputs(scores, k, epsilon, mask, cost, tol, max_iter)
+    check_inputs(scores, k, epsilon, mask, cost, tol, max_iter, dim)
     with torch.profiler.record_function("softtopk::soft_topk"):  # a named range for torch.profiler
         prep = prepare_scores(scores, k, dim, largest, epsilon, mask, cost, n_anchor_steps=1)
         if hard:

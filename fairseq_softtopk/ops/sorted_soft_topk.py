@@ -119,7 +119,7 @@ def sorted_soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = T
         at the dtype's resolution) with a marginal error above ``tol``; the result is returned
         all the same. Python's default filter shows it once per call site.
     """
-    check_inputs(scores, k, epsilon, mask, cost, tol, max_iter)
+    check_inputs(scores, k, epsilon, mask, cost, tol, max_iter, dim)
     # a named range for torch.profiler (scripts/bench_train.py reads it)
     with torch.profiler.record_function("softtopk::sorted_soft_topk"):
         prep = prepare_scores(scores, k, dim, largest, epsilon, mask, cost, n_anchor_steps=k)
