@@ -13,13 +13,18 @@ from pathlib import Path
 from typing import List, Optional, Sequence
 
 from data_prep.bpe import BPE_KINDS
-from data_prep.state import PrepError, marker_path, relative_name, run_step
+from data_prep.state import PrepError, claim_out_dir, marker_path, relative_name, run_step
 
 logger = logging.getLogger("data_prep")
 
 
 def _langs(prefix: str, langs: Sequence[str]) -> List[Path]:
     return [Path(f"{prefix}.{lang}") for lang in langs]
+
+
+def cmd_claim(args: argparse.Namespace) -> None:
+    """Takes --out as the run's directory before anything is written: refuses one that holds other files."""
+    claim_out_dir(args.out, args.raw_dir)
 
 
 def cmd_fetch(args: argparse.Namespace) -> None:
@@ -146,6 +151,8 @@ def _add_step(steps, name: str, func, langs: bool = False, workers: bool = False
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m data_prep.cli", description=__doc__.split("\n")[0])
     steps = parser.add_subparsers(dest="step", required=True)
+    p = _add_step(steps, "claim", cmd_claim)
+    p.add_argument("--raw-dir", type=Path, help="the archive directory, which may lie inside --out")
     p = _add_step(steps, "fetch", cmd_fetch)
     p.add_argument("--raw-dir", type=Path, required=True)
     p.add_argument("--file", required=True, help="archive name in --raw-dir")

@@ -28,7 +28,8 @@ stage() {
 
 common_options_help() {
     cat <<EOF
-  --out DIR           output directory (required); binarised data in DIR/bin
+  --out DIR           output directory (required): new, empty or an earlier run's
+                      (another is refused before anything is written); binarised data in DIR/bin
   --raw-dir DIR       use the archives already in DIR and download nothing
                       (default: download into DIR/orig, resuming partial downloads)
   --workers N         processes for tokenisation, BPE and binarisation (default: $WORKERS)
@@ -92,22 +93,27 @@ parse_args() {
     esac
 }
 
-# init_run: after the options are checked; creates --out and picks the Python interpreter.
+# init_run: after the options are checked; picks the Python interpreter and takes --out (the
+# claim step: a directory that holds other files and no data_prep state is refused before
+# anything is written into it; see data_prep/state.py).
 init_run() {
-    mkdir -p "$OUT"
-    OUT="$(cd "$OUT" && pwd)"
-    if ((OFFLINE)); then
-        [[ -d "$RAW_DIR" ]] || die "--raw-dir $RAW_DIR is not a directory"
-        RAW_DIR="$(cd "$RAW_DIR" && pwd)"
-    else
-        RAW_DIR="$OUT/orig"
-    fi
     if [[ -n "${PYTHON:-}" ]]; then
         PY="$PYTHON"
     elif [[ -x "$REPO_ROOT/.venv/bin/python" ]]; then
         PY="$REPO_ROOT/.venv/bin/python"
     else
         PY="python3"
+    fi
+    if ((OFFLINE)); then
+        [[ -d "$RAW_DIR" ]] || die "--raw-dir $RAW_DIR is not a directory"
+        RAW_DIR="$(cd "$RAW_DIR" && pwd)"
+    else
+        RAW_DIR="$OUT/orig"
+    fi
+    step claim --raw-dir "$RAW_DIR" || exit 1
+    OUT="$(cd "$OUT" && pwd)"
+    if ! ((OFFLINE)); then
+        RAW_DIR="$OUT/orig"
     fi
     echo "$(basename "$0"): $SRC-$TGT into $OUT (archives: $RAW_DIR, $WORKERS workers, $BPE $BPE_SIZE)" >&2
 }

@@ -9,6 +9,10 @@ when it has finished, and only then writes its marker ``OUT/.state/<first output
   changed in size: :class:`PrepError`, nothing is redone;
 - no marker but an output already exists (not made by a finished step): :class:`PrepError`,
   the file is not overwritten.
+
+Before the first step, :func:`claim_out_dir` makes sure that the output directory is new, empty
+or one that data_prep made (it has ``OUT/.state``), and creates ``OUT/.state``: a run into a
+directory that holds other files is refused before anything is written into it.
 """
 
 import json
@@ -112,6 +116,41 @@ def _check_finished(marker: Path, name: str, params: dict, outputs: Sequence[Pat
             raise PrepError(f"{path}, made by the finished step {name!r}, is missing; {redo}")
         if _fingerprint(path) != expected:
             raise PrepError(f"{path}, made by the finished step {name!r}, has changed since; {redo}")
+
+
+def claim_out_dir(out_dir: Path, raw_dir: Optional[Path] = None) -> None:
+    """Takes ``out_dir`` as a data_prep output directory (creates ``out_dir/.state``) before any step writes.
+
+    A directory that does not exist, is empty, or already has ``.state`` (an earlier run, even
+    one interrupted in its first download) is taken. Any other is refused, so that a mistyped
+    ``--out`` (a home directory, another project) gets nothing written into it. The archive
+    directory may lie inside ``out_dir`` (``OUT/orig``, where archives are downloaded or put
+    beforehand): its entry does not count.
+
+    Raises:
+        PrepError: ``out_dir`` is not a directory, or holds other files and no ``.state``.
+    """
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise PrepError(f"--out {out_dir} exists and is not a directory")
+    if out_dir.is_dir() and not (out_dir / STATE_DIR).is_dir():
+        archives = set()
+        if raw_dir is not None:
+            try:
+                inside = Path(raw_dir).resolve().relative_to(out_dir.resolve()).parts
+            except ValueError:
+                inside = None
+            if inside == ():  # the archives are in OUT itself: nothing tells data_prep's files from others
+                inside = None
+                archives = {p.name for p in out_dir.iterdir()}
+            if inside:
+                archives.add(inside[0])
+        foreign = sorted(p.name for p in out_dir.iterdir() if p.name not in archives)
+        if foreign:
+            listing = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+            raise PrepError(f"refusing to write into {out_dir}: it is not empty ({listing}) and no data_prep run "
+                            f"made it (no {out_dir / STATE_DIR}); use a new or empty directory as --out")
+    (out_dir / STATE_DIR).mkdir(parents=True, exist_ok=True)
 
 
 def run_step(out_dir: Path, name: str, params: dict, outputs: Sequence[Path],

@@ -418,11 +418,57 @@ def test_corrupt_gz_and_checksum_mismatch(tmp_path, seed):
                       check=False), f"corrupt archive {path}")
 
 
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_non_empty_unrelated_out_is_refused_before_anything_is_written(tmp_path, seed, script):
+    """A mistyped --out (here a directory of someone's files, one of them where a step's output goes) is
+    refused before the first download or step: nothing is written into it (.state/ and raw/ were, up to
+    the step whose output was there)."""
+    out, archives = tmp_path / "home", tmp_path / "archives"
+    builders = {"prepare_wmt14_en_fr.sh": build_wmt14, "prepare_wmt16_en_de.sh": build_wmt16,
+                "prepare_multi30k.sh": build_multi30k}
+    builders[script](archives, random.Random(seed))
+    (out / "tok").mkdir(parents=True)
+    (out / "tok" / "train.en").write_text("my own file\n", encoding="utf-8")
+    (out / "notes.txt").write_text("notes\n", encoding="utf-8")
+    before = tree_digest(out), sorted(p.relative_to(out) for p in out.rglob("*"))
+    archive_option = "--local" if script == "prepare_multi30k.sh" else "--raw-dir"
+    proc = run_script(script, archive_option, archives, "--out", out, *COMMON, check=False)
+    failed(proc, f"refusing to write into {out}: it is not empty (notes.txt, tok)", "no data_prep run made it")
+    assert (tree_digest(out), sorted(p.relative_to(out) for p in out.rglob("*"))) == before
+
+
+def test_claiming_out_takes_new_empty_and_data_prep_directories(tmp_path):
+    """What the scripts' first step accepts as --out: a new or empty directory, one that an earlier run took
+    (OUT/.state, even if interrupted in its first download), and one whose only entry is the archive
+    directory (archives are downloaded into OUT/orig, or put there beforehand)."""
+    state.claim_out_dir(tmp_path / "new")
+    assert (tmp_path / "new" / ".state").is_dir()
+    (tmp_path / "empty").mkdir()
+    state.claim_out_dir(tmp_path / "empty")
+    mine = tmp_path / "mine"
+    (mine / "orig").mkdir(parents=True)
+    (mine / "orig" / "train.en.gz").write_bytes(b"")
+    state.claim_out_dir(mine, mine / "orig")
+    assert (mine / ".state").is_dir()
+    (mine / "raw").mkdir()
+    state.claim_out_dir(mine)  # taken earlier: its files are data_prep's
+    other = tmp_path / "other"
+    (other / "orig").mkdir(parents=True)
+    with pytest.raises(state.PrepError, match=r"not empty \(orig\)"):  # the archives are elsewhere: orig/ is not ours
+        state.claim_out_dir(other, tmp_path / "archives")
+    assert not (other / ".state").exists()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(state.PrepError, match="is not a directory"):
+        state.claim_out_dir(tmp_path / "file")
+
+
 def test_existing_output_is_not_overwritten(tmp_path, multi30k_local):
-    """Multi30k En-Fr runs up to the first output that is already there, made by someone else."""
+    """Multi30k En-Fr, in a directory an earlier run took (interrupted before its first step finished),
+    runs up to the first output that is already there, made by someone else."""
     local, files = multi30k_local
     out = tmp_path / "out"
     (out / "tok").mkdir(parents=True)
+    (out / ".state").mkdir()
     (out / "tok" / "train.fr").write_text("my own file\n", encoding="utf-8")
     proc = run_script("prepare_multi30k.sh", "--local", local, "--out", out, "--pair", "en-fr", *COMMON, check=False)
     failed(proc, f"refusing to overwrite {out / 'tok' / 'train.fr'}")
