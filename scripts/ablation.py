@@ -32,6 +32,7 @@ import re
 import resource
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence
 
@@ -161,8 +162,12 @@ def read_train_stats(log_path: Path) -> dict:
 
 
 def train_run(data_bin: Path, flags: Mapping[str, object], save_dir: Path,
-              finetune_from: Optional[Path] = None) -> dict:
+              finetune_from: Optional[Path] = None, verbose: bool = True, alone: bool = True) -> dict:
     """Trains (or resumes, or skips when ``done.json`` exists) one run into ``save_dir``.
+
+    fairseq's output goes to ``save_dir/train.log``; ``verbose`` also prints it, otherwise one
+    line per validation is printed. ``alone``: no other run trains meanwhile, so this process's
+    children's CPU time is this run's (else ``cpu_seconds`` is None).
 
     ``run.json`` records the fairseq-train arguments when the run starts; a later call with
     different arguments raises ``ValueError`` instead of mixing two settings in one directory.
@@ -190,7 +195,8 @@ def train_run(data_bin: Path, flags: Mapping[str, object], save_dir: Path,
     start, cpu = time.time(), _children_cpu_seconds()
     device = [] if _has_cuda() else ["--cpu"]  # not in run.json: a run may resume on another device
     try:
-        run_logged(fairseq_command("train", [*args, *device]), log_path=save_dir / "train.log")
+        run_logged(fairseq_command("train", [*args, *device]), log_path=save_dir / "train.log", echo=verbose,
+                   progress=f"{save_dir.parent.name}/{save_dir.name}")
     except RuntimeError as error:
         from evaluate import refused_checkpoint
 
@@ -199,7 +205,7 @@ def train_run(data_bin: Path, flags: Mapping[str, object], save_dir: Path,
             raise RuntimeError(f"fairseq-train ({save_dir}) refused a checkpoint: {refused}") from None
         raise
     done = {"args": args, "wall_seconds": round(time.time() - start, 1),
-            "cpu_seconds": round(_children_cpu_seconds() - cpu, 1), "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
+            "cpu_seconds": round(_children_cpu_seconds() - cpu, 1) if alone else None, "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
     if not (save_dir / "checkpoint_last.pt").exists():
         raise RuntimeError(f"fairseq-train finished without writing {save_dir / 'checkpoint_last.pt'}")
     _write_json_atomic(save_dir / DONE, done)
@@ -251,7 +257,8 @@ def select_arms(config: dict, arms: Optional[Sequence[str]]) -> List[str]:
 
 
 def run_ablation(config: dict, data_bin, work_dir, ref_dir=None, seeds: Sequence[int] = (1,),
-                 arms: Optional[Sequence[str]] = None, pretrained=None, bootstrap_samples: int = 1000) -> dict:
+                 arms: Optional[Sequence[str]] = None, pretrained=None, bootstrap_samples: int = 1000,
+                 verbose: bool = True, jobs: int = 1) -> dict:
     """Pretrains (if needed), trains and evaluates every arm and seed, writes the report.
 
     Args:
@@ -261,6 +268,10 @@ def run_ablation(config: dict, data_bin, work_dir, ref_dir=None, seeds: Sequence
         ref_dir: directory of raw references ``{subset}.{target language}`` (None: score
             against the binarised target).
         pretrained: use this teacher-forcing checkpoint instead of training ``pretrain``.
+        verbose: print fairseq's logs (else one line per validation; the logs are kept in
+            each run's ``train.log`` either way).
+        jobs: fine-tuning runs trained (and evaluated) at the same time, each its own
+            fairseq-train process; results do not depend on it.
     Returns:
         the ``results.json`` contents.
     """
@@ -282,17 +293,23 @@ def run_ablation(config: dict, data_bin, work_dir, ref_dir=None, seeds: Sequence
                 raise FileNotFoundError(f"pretrained checkpoint not found: {start_ckpt}")
         else:
             pre_dir = work_dir / "pretrain"
-            train = train_run(data_bin, stage_flags(config["pretrain"]), pre_dir)
+            train = train_run(data_bin, stage_flags(config["pretrain"]), pre_dir, verbose=verbose)
             runs["pretrained"] = {"0": {"train": {**train, **read_train_stats(pre_dir / "train.log")},
                                         "eval": evaluate_run(pre_dir, data_bin, ref_dir, eval_cfg, pair)}}
             start_ckpt = pre_dir / "checkpoint_last.pt"
-    for seed in seeds:
-        for arm in arms:
-            run_dir = work_dir / f"seed{seed}" / arm
-            flags = {**stage_flags(config, arm), "seed": seed}
-            train = train_run(data_bin, flags, run_dir, finetune_from=start_ckpt)
-            runs.setdefault(arm, {})[str(seed)] = {"train": {**train, **read_train_stats(run_dir / "train.log")},
-                                                   "eval": evaluate_run(run_dir, data_bin, ref_dir, eval_cfg, pair)}
+    def train_and_evaluate(seed: int, arm: str) -> dict:
+        run_dir = work_dir / f"seed{seed}" / arm
+        flags = {**stage_flags(config, arm), "seed": seed}
+        train = train_run(data_bin, flags, run_dir, finetune_from=start_ckpt, verbose=verbose, alone=jobs <= 1)
+        return {"train": {**train, **read_train_stats(run_dir / "train.log")},
+                "eval": evaluate_run(run_dir, data_bin, ref_dir, eval_cfg, pair)}
+
+    order = [(seed, arm) for seed in seeds for arm in arms]
+    # threads suffice: each run is a fairseq subprocess
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        done = list(pool.map(lambda run: train_and_evaluate(*run), order))
+    for (seed, arm), result in zip(order, done):
+        runs.setdefault(arm, {})[str(seed)] = result
     results = summarise(config, runs, arms, list(seeds), bootstrap_samples)
     results.update({"data_bin": str(data_bin), "work_dir": str(work_dir),
                     "pretrained_checkpoint": str(start_ckpt) if start_ckpt else None})
@@ -320,6 +337,10 @@ def main(argv=None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.FLAG=VALUE",
                         help="override a config value, e.g. train.max-update=300 or pretrain.train.max-epoch=2")
     parser.add_argument("--bootstrap-samples", type=int, default=1000)
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="fine-tuning runs at the same time (e.g. one per core with OMP_NUM_THREADS=1)")
+    parser.add_argument("--quiet", action="store_true",
+                        help="print one line per validation instead of fairseq's logs (kept in each train.log)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s | %(levelname)s | %(name)s | %(message)s")
     try:
@@ -329,7 +350,7 @@ def main(argv=None) -> int:
         data_bin = Path(args.data_bin or Path(args.data_dir) / "bin")
         ref_dir = args.ref_dir or (Path(args.data_dir) / "raw" if args.data_dir else None)
         results = run_ablation(config, data_bin, args.work_dir, ref_dir, args.seeds, args.arms, args.pretrained,
-                               args.bootstrap_samples)
+                               args.bootstrap_samples, verbose=not args.quiet, jobs=args.jobs)
     except (FileNotFoundError, ValueError, RuntimeError) as error:
         parser.exit(1 if isinstance(error, RuntimeError) else 2, f"ablation.py: error: {error}\n")
     print(results_markdown(results))

@@ -70,6 +70,11 @@ def _mean_or_none(values: Sequence[Optional[float]]) -> Optional[float]:
     return sum(values) / len(values) if values else None
 
 
+def _seconds(value) -> str:
+    """Seconds as a whole number; ``-`` where not measured (runs trained side by side)."""
+    return "-" if value is None else f"{value:.0f}"
+
+
 def _fmt_delta(arm_boot: Dict[str, dict], subset: str, metric: str) -> tuple:
     """(difference cell, p cell) over seeds."""
     rows = [by_subset[subset][metric] for by_subset in arm_boot.values()]
@@ -107,7 +112,7 @@ def results_markdown(results: dict) -> str:
             grad = "" if stats["gnorm_median"] is None else f"{stats['gnorm_median']:.3g} ({stats['clipped_percent']:.0f}%)"
             name = {"pretrained": "pretrained (no fine-tuning)", base: f"{base} (baseline)"}.get(arm, arm)
             lines.append(f"| {name} | {bleu} | {chrf} | {' | '.join(cells)} | {grad} | "
-                         f"{stats['wall_seconds'] or 0:.0f} ({stats['cpu_seconds'] or 0:.0f}) |")
+                         f"{stats['wall_seconds'] or 0:.0f} ({_seconds(stats['cpu_seconds'])}) |")
         for ref, arms_vs in (results.get("bootstrap_vs") or {}).items():
             lines += ["", f"Against `{ref}` ({subset}):", "",
                       f"| arm | ΔBLEU vs {ref} {spread} | {p} | ΔchrF vs {ref} {spread} | {p} |", "|---|---|---|---|---|"]

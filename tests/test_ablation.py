@@ -479,3 +479,24 @@ def test_a_copy_without_checkpoints_elsewhere_reports_the_same_table(micro, tmp_
     results = run_ablation(config, root / "bin", copy, ref_dir=root / "raw", bootstrap_samples=200)
     assert not list(copy.rglob("*.pt"))  # nothing was trained or needed
     assert results["scores"] == before["scores"] and results["summary"] == before["summary"]
+
+
+@pytest.mark.slow
+def test_runs_side_by_side_and_quiet_give_the_same_table(micro, tmp_path, capsys):
+    """``jobs=2`` trains two arms at a time and ``verbose=False`` prints one line per validation;
+    neither changes a number (same seed, same pretrained checkpoint, one thread per process)."""
+    root, config, results = micro
+    capsys.readouterr()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OMP_NUM_THREADS", "1")
+        side_by_side = run_ablation(config, root / "bin", tmp_path / "work", ref_dir=root / "raw",
+                                    pretrained=root / "work" / "pretrain" / "checkpoint_last.pt",
+                                    bootstrap_samples=200, verbose=False, jobs=2)
+    for arm in ARMS:
+        assert side_by_side["scores"][arm]["1"]["test"]["bleu"] == results["scores"][arm]["1"]["test"]["bleu"]
+        assert json.loads((tmp_path / "work" / "seed1" / arm / "done.json").read_text())["cpu_seconds"] is None
+    printed = capsys.readouterr().out
+    assert "train_inner" not in printed  # fairseq's logs stay in the files
+    for arm in ARMS:
+        assert f"seed1/{arm}: epoch 1, update 8: valid loss" in printed
+        assert "train_inner" in (tmp_path / "work" / "seed1" / arm / "train.log").read_text()
