@@ -1,0 +1,33 @@
+"""The main job (scripts/run_main_job.py, what `make demo` runs), on a shrunken demo corpus."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import clean_env
+
+
+@pytest.mark.slow
+def test_main_job_is_quiet_and_ends_with_the_table(tmp_path, repo_root):
+    work = tmp_path / "main_job"
+    cmd = [sys.executable, str(repo_root / "scripts" / "run_main_job.py"), "--work-dir", str(work),
+           "--sizes", "200", "20", "30", "--seeds", "1", "2",
+           "--set", "pretrain.train.max-epoch=1", "--set", "train.max-update=2",
+           "--set", "train.validate-interval-updates=2", "--set", "train.save-interval-updates=2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=clean_env(), cwd=repo_root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "train_inner" not in out and "train_inner" not in proc.stderr  # fairseq's logs are in the files
+    for seed in (1, 2):
+        for arm in ("tf", "hard", "soft"):
+            assert f"seed{seed}/{arm}: epoch 1, update 2: valid loss" in out
+            assert "valid on 'valid' subset" in (work / f"seed{seed}" / arm / "train.log").read_text()
+    table = out[out.index("# Ablation: demo_finetune"):]
+    for row in ("| pretrained (no fine-tuning) |", "| tf (baseline) |", "| hard |", "| soft |", "Against `hard`"):
+        assert row in table
+    assert out.rstrip().splitlines()[-1].startswith("main job: ")
+    results = json.loads((work / "results.json").read_text())
+    assert sorted(results["scores"]["soft"]) == ["1", "2"]
+    assert len((work / "raw" / "train.src").read_text().splitlines()) == 200
