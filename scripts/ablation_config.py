@@ -187,7 +187,9 @@ def fairseq_train_rejects(flags: Mapping[str, object], user_dir) -> Tuple[List[s
     import fairseq_softtopk
 
     fairseq_softtopk.register()  # registers this package's components even where it was imported before fairseq
-    argv = ["data", *flags_to_args(flags), "--user-dir", str(user_dir)]
+    # fairseq refuses a --user-dir other than the copy of the package this process imported
+    loaded = Path(fairseq_softtopk.__file__).resolve().parent
+    argv = ["data", *flags_to_args(flags), "--user-dir", str(loaded)]
     stderr = io.StringIO()
     try:
         with contextlib.redirect_stderr(stderr):

@@ -8,6 +8,11 @@ from pathlib import Path
 from typing import List, Optional, Sequence
 
 PACKAGE_DIR = Path(__file__).resolve().parent.parent / "fairseq_softtopk"
+# Scripts import the package of their own checkout (a git worktree pinned for an experiment
+# included), not whichever copy an editable install points to: the same copy that their
+# fairseq subprocesses get as --user-dir.
+if str(PACKAGE_DIR.parent) not in sys.path:
+    sys.path.insert(1, str(PACKAGE_DIR.parent))
 
 
 def fairseq_command(tool: str, args: Sequence[str], user_dir: bool = True) -> List[str]:
