@@ -29,8 +29,7 @@ Target grammar (per clause)::
   translates into two target tokens.
 * **Noise** (irreducible, which keeps BLEU far from 100):
 
-  - half of the nouns and half of the adjectives have a synonym, used in 40% of their
-    occurrences (a model can at best pick the more frequent word);
+  - 40% of the nouns have a synonym, used in 30% of their occurrences;
   - the sentence adverb (in 70% of the sentences) has one two-token translation (probability
     0.4) and three three-token translations that share their first token (0.2 each). Greedy
     decoding takes the shared first token (0.6) and then guesses one of three (0.2); beam
@@ -71,7 +70,7 @@ class DemoLexicon:
 
     nouns: Tuple[Noun, ...]
     verbs: Dict[str, Tuple[str, str]]  # source -> (target stem, animate object; inanimate object)
-    adjectives: Dict[str, Tuple[str, ...]]  # source -> target stem (and a synonym's stem, for half of them)
+    adjectives: Dict[str, str]  # source -> target stem
     prepositions: Dict[str, Tuple[str, str]]  # source -> (before a masculine; feminine noun)
     adverbs: Dict[str, Tuple[Tuple[str, ...], Tuple[Tuple[str, ...], ...]]]  # -> (mode, three variants)
     conjunctions: Dict[str, str]
@@ -104,12 +103,12 @@ def build_demo_lexicon(seed: int = 1, n_nouns: int = 60, n_verbs: int = 20, n_ad
         singular = target(n_out)
         plural = singular[:-1] + (singular[-1] + "N",)  # the plural marks the last token
         synonym = ()
-        if rng.random() < 0.5:
+        if rng.random() < 0.4:
             syn = target(1)
             synonym = (syn, (syn[0] + "N",))
         nouns.append(Noun(word, rng.choice("mf"), rng.random() < 0.4, singular, plural, synonym))
     verbs = {w: (target()[0], target()[0]) for w in _pseudo_words(rng, n_verbs, (2, 3), taken)}
-    adjectives = {w: target(1 + (rng.random() < 0.5)) for w in _pseudo_words(rng, n_adjectives, (2,), taken)}
+    adjectives = {w: target()[0] for w in _pseudo_words(rng, n_adjectives, (2,), taken)}
     prepositions = {w: (target()[0], target()[0]) for w in _pseudo_words(rng, n_prepositions, (1,), taken)}
     adverbs = {}
     for word in _pseudo_words(rng, n_adverbs, (2, 3), taken):
@@ -134,11 +133,10 @@ class _Sentence:
         adjectives = rng.sample(sorted(lex.adjectives), rng.choice((0, 0, 1, 1, 2)))
         source = ["the", *adjectives, noun.source] + (["s"] if number == "pl" else [])
         forms = noun.plural if number == "pl" else noun.singular
-        if noun.synonym and rng.random() < 0.4:
+        if noun.synonym and rng.random() < 0.3:
             forms = noun.synonym[1] if number == "pl" else noun.synonym[0]
         agree = _SUFFIX[(noun.gender, number)]
-        stems = [lex.adjectives[a][1 if len(lex.adjectives[a]) > 1 and rng.random() < 0.4 else 0] for a in adjectives]
-        target = ["DE" + agree, *forms, *(stem + agree for stem in stems)]
+        target = ["DE" + agree, *forms, *(lex.adjectives[a] + agree for a in adjectives)]
         if relative and rng.random() < 0.25:
             verb = rng.choice(sorted(lex.verbs))
             obj_source, obj_target, obj, _ = self.noun_phrase(relative=False)
