@@ -46,7 +46,7 @@ def run_logged(cmd: Sequence[str], log_path: Optional[Path] = None, echo: bool =
         RuntimeError: on a non-zero exit, with the tail of the output.
     """
     lines: List[str] = []
-    log = open(log_path, "a", encoding="utf-8") if log_path else None
+    log = open(log_path, "a", encoding="utf-8", buffering=1) if log_path else None  # line-buffered: tail -f works
     try:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # progress lines as they happen, not in 8 KB blocks
         with subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:

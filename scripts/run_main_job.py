@@ -53,8 +53,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s | %(message)s" if not args.verbose else
                         "%(asctime)s | %(levelname)s | %(name)s | %(message)s", datefmt="%H:%M:%S")
-    if not args.verbose:  # fairseq's own info lines (from the runner's flag check) are noise here
+    if not args.verbose:  # fairseq's info lines (the runner's flag check) and sacrebleu's advice on
+        # tokenised references (the generated pair is tokenised by construction) are noise here
         logging.getLogger("fairseq").setLevel(logging.WARNING)
+        logging.getLogger("sacrebleu").setLevel(logging.ERROR)
     # One intra-op thread per fairseq process: these models are too small to gain from two, and
     # on this shared 2-core machine two threads per process made a toy epoch several times slower.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
