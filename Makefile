@@ -1,6 +1,6 @@
 # Two entry points; both create or reuse .venv/ (scripts/setup_venv.sh) first.
-#   make demo   the main job: the beam-search training ablation on the embedded generated corpus
-#               (no download, no GPU; about 7 minutes on this 2-core CPU; prints the results table)
+#   make demo   the main job: the beam-search training ablation on the embedded generated demo pair
+#               (no download, no GPU; about 12 minutes on this 2-core CPU; prints the results table)
 #   make test   the whole test suite
 PY := .venv/bin/python
 
