@@ -1,3 +1,4 @@
+import contextlib
 import sys
 from pathlib import Path
 
@@ -22,6 +23,26 @@ def word_dictionary(n_words: int):
     for i in range(n_words):
         dictionary.add_symbol(f"w{i}")
     return dictionary
+
+
+@contextlib.contextmanager
+def recorded_solves():
+    """Within the block, every sorted soft top-k solve of the beam search appends its ``SolverInfo``
+    to the yielded list (the operator itself runs unchanged)."""
+    from unittest import mock
+
+    from fairseq_softtopk.modules import beam_search
+    from fairseq_softtopk.ops import sorted_soft_topk
+
+    infos = []
+
+    def recording(*args, **kwargs):
+        out, info = sorted_soft_topk(*args, **kwargs)
+        infos.append(info)
+        return out, info
+
+    with mock.patch.object(beam_search, "sorted_soft_topk", recording):
+        yield infos
 
 
 @pytest.fixture

@@ -7,6 +7,8 @@ import pytest
 import torch
 from torch import nn
 
+from conftest import recorded_solves
+
 from fairseq_softtopk.modules.beam_search import BeamSearchConfig, mix_state, unroll_beam_search
 
 BOS, PAD = 0, 1
@@ -345,23 +347,11 @@ def test_near_ties_compares_the_gaps_among_the_k_plus_one_best_with_epsilon():
 
 def test_newton_iterations_are_counted_over_the_steps(setup):
     """``newton_iters`` is the sum of the iterations that each step's solve reports (0 in hard mode)."""
-    from unittest import mock
-
-    from fairseq_softtopk.modules import beam_search
-    from fairseq_softtopk.ops import sorted_soft_topk
-
     decoder, enc, target = setup
-    reported = []
-
-    def counting(*args, **kwargs):
-        out, info = sorted_soft_topk(*args, **kwargs)
-        reported.append(info.n_iter)
-        return out, info
-
-    with mock.patch.object(beam_search, "sorted_soft_topk", counting):
+    with recorded_solves() as infos:
         out = run(decoder, enc, target, beam=2, epsilon=0.3, tol=1e-9)
-    assert len(reported) == target.shape[1] and sum(reported) > 0
-    assert out.newton_iters == sum(reported)
+    assert len(infos) == target.shape[1] and sum(i.n_iter for i in infos) > 0
+    assert out.newton_iters == sum(i.n_iter for i in infos)
     assert run(decoder, enc, target, beam=2, mode="hard").newton_iters == 0
 
 
@@ -370,29 +360,16 @@ def test_unconverged_solves_are_counted_not_warned(setup):
     the solves whose info says so, and the search emits no SoftTopKConvergenceWarning (it counts them; a
     warning per step would fill training logs)."""
     import warnings
-    from unittest import mock
 
-    from fairseq_softtopk.modules import beam_search
-    from fairseq_softtopk.ops import SoftTopKConvergenceWarning, sorted_soft_topk
+    from fairseq_softtopk.ops import SoftTopKConvergenceWarning
 
     decoder, enc, target = setup
-    reported = []
-
-    def recording(*args, **kwargs):
-        out, info = sorted_soft_topk(*args, **kwargs)
-        reported.append(info.converged)
-        return out, info
-
     for max_iter, tol in ((1, 1e-12), (50, 1e-4)):
-        reported.clear()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            with mock.patch.object(beam_search, "sorted_soft_topk", recording):
+            with recorded_solves() as infos:
                 out = run(decoder, enc, target, beam=2, epsilon=0.3, tol=tol, max_iter=max_iter)
-        assert len(reported) == target.shape[1]
-        assert out.n_unconverged == reported.count(False)
+        assert len(infos) == target.shape[1]
+        assert out.n_unconverged == [i.converged for i in infos].count(False)
         assert not [w for w in caught if issubclass(w.category, SoftTopKConvergenceWarning)]
-    assert out.n_unconverged == 0  # max_iter=50
-    reported.clear()
-    with mock.patch.object(beam_search, "sorted_soft_topk", recording):
-        assert run(decoder, enc, target, beam=2, epsilon=0.3, tol=1e-12, max_iter=1).n_unconverged > 0
+        assert (out.n_unconverged > 0) == (max_iter == 1)

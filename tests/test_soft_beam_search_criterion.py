@@ -6,7 +6,7 @@ import pytest
 import torch
 from fairseq.criterions.label_smoothed_cross_entropy import label_smoothed_nll_loss
 
-from conftest import word_dictionary
+from conftest import recorded_solves, word_dictionary
 
 from fairseq_softtopk.criterions.soft_beam_search import SoftBeamSearchCriterion
 from fairseq_softtopk.models.softtopk_lstm import SoftTopKLSTMConfig, SoftTopKLSTMModel
@@ -196,30 +196,20 @@ def test_unconverged_counter_sees_exactly_the_unconverged_solves_without_warning
     """topk_unconverged is the number of the search's top-k solves that missed their tolerance (here
     --topk-max-iter 1 with a tight tol), and training logs get no SoftTopKConvergenceWarning per step."""
     import warnings
-    from unittest import mock
 
-    from fairseq_softtopk.modules import beam_search
-    from fairseq_softtopk.ops import SoftTopKConvergenceWarning, sorted_soft_topk
+    from fairseq_softtopk.ops import SoftTopKConvergenceWarning
 
     model = build_model(dictionary)
     sample = make_sample(dictionary, rng, [5, 3, 4])
-    reported = []
-
-    def recording(*args, **kwargs):
-        out, info = sorted_soft_topk(*args, **kwargs)
-        reported.append(info.converged)
-        return out, info
-
     for max_iter, tol in ((1, 1e-12), (50, 1e-8)):
-        reported.clear()
         criterion = build_criterion(dictionary, topk_max_iter=max_iter, topk_tol=tol)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            with mock.patch.object(beam_search, "sorted_soft_topk", recording):
+            with recorded_solves() as infos:
                 loss, _, log = criterion(model, sample)
                 loss.backward()
-        assert len(reported) == sample["target"].shape[1]
-        assert log["topk_unconverged"] == reported.count(False)
+        assert len(infos) == sample["target"].shape[1]
+        assert log["topk_unconverged"] == [i.converged for i in infos].count(False)
         assert not [w for w in caught if issubclass(w.category, SoftTopKConvergenceWarning)]
         if max_iter == 1:
             assert log["topk_unconverged"] > 0
