@@ -274,17 +274,9 @@ def _rescale_rows(x: Tensor, valid: Optional[Tensor], eps: Tensor, epsilon: floa
     exponent = torch.where(rescale, exponent.clamp(2 - max_exponent, max_exponent - 2), 0).double()
     scale = torch.pow(2.0, exponent)  # exact powers of two, normal numbers in x's dtype
     x = x * torch.pow(2.0, -exponent).to(x.dtype)
-    if valid is None:
-        high, low = x.amax(-1, keepdim=True), x.amin(-1, keepdim=True)
-    else:
-        high = torch.where(valid, x, x.new_tensor(-math.inf)).amax(-1, keepdim=True)
-        low = torch.where(valid, x, x.new_tensor(math.inf)).amin(-1, keepdim=True)
-    high, low = high.double(), low.double()
+    low, high = (bound.double() for bound in _valid_range(x, valid))
     if cost == "paper":  # eps_eff / s = epsilon / 2 * max (x / s - a / s)**2 * s over anchors a in {0, A}
-        anchor = n_anchor_steps / scale
-        far = torch.maximum(torch.maximum(low * low, high * high),
-                            torch.maximum((low - anchor) ** 2, (high - anchor) ** 2))
-        scaled_eps = 0.5 * epsilon * far * scale
+        scaled_eps = 0.5 * epsilon * _farthest_squared_distance(low, high, n_anchor_steps / scale) * scale
     else:
         scaled_eps = (0.5 * epsilon if cost == "sqeuclidean" else float(epsilon)) / scale
     eps64 = torch.where(rescale, scaled_eps, eps.double())
@@ -299,16 +291,23 @@ def effective_epsilon(x: Tensor, valid: Optional[Tensor], epsilon: float, cost: 
         return torch.full((x.shape[0], 1), float(epsilon), dtype=x.dtype, device=x.device)
     if cost == "sqeuclidean":
         return torch.full((x.shape[0], 1), 0.5 * epsilon, dtype=x.dtype, device=x.device)
-    # paper: max over valid entries and anchors {0, ..., A} of (x - a)^2, attained at a = 0 or A,
-    # so at the largest or the smallest valid x
+    low, high = _valid_range(x, valid)
+    return 0.5 * epsilon * _farthest_squared_distance(low, high, n_anchor_steps)
+
+
+def _valid_range(x: Tensor, valid: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    """``(low, high)``: ``(rows, 1)`` smallest and largest valid entry of each row (``valid`` None: all)."""
     if valid is None:  # two reductions: aminmax along a dim is 10x slower on CPUs (torch 2.13)
-        low, high = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
-    else:
-        high = torch.where(valid, x, x.new_tensor(-float("inf"))).amax(-1, keepdim=True)
-        low = torch.where(valid, x, x.new_tensor(float("inf"))).amin(-1, keepdim=True)
-    far = torch.maximum(torch.maximum(low * low, high * high),
-                        torch.maximum((low - n_anchor_steps) ** 2, (high - n_anchor_steps) ** 2))
-    return 0.5 * epsilon * far
+        return x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+    high = torch.where(valid, x, x.new_tensor(-math.inf)).amax(-1, keepdim=True)
+    low = torch.where(valid, x, x.new_tensor(math.inf)).amin(-1, keepdim=True)
+    return low, high
+
+
+def _farthest_squared_distance(low: Tensor, high: Tensor, anchor) -> Tensor:
+    """The paper cost's normaliser: max over the valid entries and the anchors {0, ..., A} of
+    ``(x - a)**2``, attained at ``a = 0`` or ``A`` and at the smallest or largest ``x``."""
+    return torch.maximum(torch.maximum(low * low, high * high), torch.maximum((low - anchor) ** 2, (high - anchor) ** 2))
 
 
 def restore_shape(rows: Tensor, scores: Tensor, dim: int, extra: Tuple[int, ...] = ()) -> Tensor:
