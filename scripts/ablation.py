@@ -69,12 +69,14 @@ def check_data_bin(data_bin: Path) -> None:
 
 
 def subset_size(data_bin: Path, subset: str, src: str, tgt: str) -> int:
-    from fairseq.data.indexed_dataset import MMapIndexedDataset
+    """Sentences of the binarised ``subset`` (:func:`evaluate.binarised_subset_size`), which must exist."""
+    from evaluate import binarised_subset_size
 
-    prefix = data_bin / f"{subset}.{src}-{tgt}.{tgt}"
-    if not Path(f"{prefix}.idx").is_file():
-        raise FileNotFoundError(f"{data_bin} has no binarised '{subset}' subset ({prefix}.idx)")
-    return len(MMapIndexedDataset(str(prefix)))
+    size = binarised_subset_size(str(data_bin), subset, src, tgt)
+    if size is None:
+        raise FileNotFoundError(f"{data_bin} has no binarised '{subset}' subset "
+                                f"({Path(data_bin) / f'{subset}.{src}-{tgt}.{tgt}'}.idx)")
+    return size
 
 
 def reference_file(ref_dir: Optional[Path], subset: str, tgt: str, n_sentences: int) -> Optional[str]:
