@@ -39,7 +39,7 @@ from typing import Dict, List, Mapping, Optional, Sequence
 from ablation_config import EVAL_KEYS, check_train_flags, flags_to_args, load_config, stage_flags
 from ablation_plot import plot_curves
 from ablation_report import results_markdown, summarise
-from fairseq_commands import PACKAGE_DIR, fairseq_command, run_logged
+from fairseq_commands import fairseq_command, run_logged
 
 logger = logging.getLogger("ablation")
 
@@ -282,7 +282,7 @@ def run_ablation(config: dict, data_bin, work_dir, ref_dir=None, seeds: Sequence
     data_bin, work_dir = Path(data_bin), Path(work_dir)
     ref_dir = Path(ref_dir) if ref_dir is not None else None
     check_data_bin(data_bin)
-    check_train_flags(config, PACKAGE_DIR)  # every stage and arm, before the first one trains
+    check_train_flags(config)  # every stage and arm, before the first one trains
     pair = language_pair(data_bin, stage_flags(config))
     eval_cfg = config.get("eval") or {}
     arms = select_arms(config, arms)

@@ -174,8 +174,9 @@ def _stages(config: dict) -> List[Tuple[dict, Optional[str]]]:
     return stages + [(config, arm) for arm in config.get("arms") or {}]
 
 
-def fairseq_train_rejects(flags: Mapping[str, object], user_dir) -> Tuple[List[str], Optional[str]]:
-    """Parses ``flags`` with fairseq-train's parser (in this process, ``user_dir`` as ``--user-dir``).
+def fairseq_train_rejects(flags: Mapping[str, object]) -> Tuple[List[str], Optional[str]]:
+    """Parses ``flags`` with fairseq-train's parser (in this process, with the imported copy of this
+    package as ``--user-dir``: :func:`package_dir`).
 
     Returns:
         ``(unknown, error)``: the flag names the parser does not know (its architecture, task,
@@ -187,9 +188,7 @@ def fairseq_train_rejects(flags: Mapping[str, object], user_dir) -> Tuple[List[s
     import fairseq_softtopk
 
     fairseq_softtopk.register()  # registers this package's components even where it was imported before fairseq
-    # fairseq refuses a --user-dir other than the copy of the package this process imported
-    loaded = Path(fairseq_softtopk.__file__).resolve().parent
-    argv = ["data", *flags_to_args(flags), "--user-dir", str(loaded)]
+    argv = ["data", *flags_to_args(flags), "--user-dir", str(package_dir())]
     stderr = io.StringIO()
     try:
         with contextlib.redirect_stderr(stderr):
@@ -200,7 +199,15 @@ def fairseq_train_rejects(flags: Mapping[str, object], user_dir) -> Tuple[List[s
     return [arg[2:] for arg in extra if arg.startswith("--")], None
 
 
-def check_train_flags(config: dict, user_dir) -> None:
+def package_dir() -> Path:
+    """The directory of the copy of this package that this process imported: fairseq refuses any
+    other ``--user-dir`` once one is imported."""
+    import fairseq_softtopk
+
+    return Path(fairseq_softtopk.__file__).resolve().parent
+
+
+def check_train_flags(config: dict) -> None:
     """Raises ``ValueError`` naming each flag of the config's ``model``, ``train`` and arm sections (its
     pretrain config's too) that fairseq-train does not accept, and the section that sets it.
 
@@ -210,7 +217,7 @@ def check_train_flags(config: dict, user_dir) -> None:
     """
     problems = []
     for stage_config, arm in _stages(config):
-        unknown, error = fairseq_train_rejects(stage_flags(stage_config, arm), user_dir)
+        unknown, error = fairseq_train_rejects(stage_flags(stage_config, arm))
 
         def set_in(flag: str) -> str:
             return " and ".join(name for name, flags in _flag_sections(stage_config, arm) if flag in flags)
@@ -225,5 +232,5 @@ def check_train_flags(config: dict, user_dir) -> None:
             problems.append(f"--{flag} (set in {set_in(flag) or 'no section'}) is not a fairseq-train option")
     if problems:
         unique = list(dict.fromkeys(problems))
-        raise ValueError(f"{config.get('path', 'config')}: fairseq-train (with --user-dir {user_dir}) does not "
+        raise ValueError(f"{config.get('path', 'config')}: fairseq-train (with --user-dir {package_dir()}) does not "
                          f"accept: " + "; ".join(unique))
