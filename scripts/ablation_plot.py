@@ -1,11 +1,10 @@
 """The ablation's ``curves.png``: validation curves per arm and seed, read from the
 fairseq-train logs and drawn with matplotlib (used by ``scripts/ablation.py``)."""
 
-import re
 from pathlib import Path
 from typing import List, Sequence
 
-_VALID_LINE = re.compile(r"\| valid on '([^']+)' subset \| (.*)$")
+from fairseq_commands import parse_valid_line
 
 
 def read_valid_curve(log_path: Path, subset: str = "valid") -> List[dict]:
@@ -15,10 +14,10 @@ def read_valid_curve(log_path: Path, subset: str = "valid") -> List[dict]:
     if not Path(log_path).exists():
         return []
     for line in Path(log_path).read_text(encoding="utf-8", errors="replace").splitlines():
-        match = _VALID_LINE.search(line.rstrip())
-        if not match or match.group(1) != subset:
+        parsed = parse_valid_line(line)
+        if not parsed or parsed[0] != subset:
             continue
-        fields = dict(part.partition(" ")[::2] for part in match.group(2).split(" | "))
+        fields = parsed[1]
         n = int(float(fields["num_updates"]))
         points[n] = {"num_updates": n, "loss": float(fields["loss"]), "nll_loss": float(fields.get("nll_loss", "nan"))}
     return [points[n] for n in sorted(points)]

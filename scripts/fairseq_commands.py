@@ -5,7 +5,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 PACKAGE_DIR = Path(__file__).resolve().parent.parent / "fairseq_softtopk"
 # Scripts import the package of their own checkout (a git worktree pinned for an experiment
@@ -23,16 +23,33 @@ def fairseq_command(tool: str, args: Sequence[str], user_dir: bool = True) -> Li
     return cmd
 
 
-_VALID_LINE = re.compile(r"epoch (\d+) \| valid on '[^']+' subset \| loss ([0-9.]+) .*?\| num_updates (\d+)")
+_VALID_LINE = re.compile(r"\| valid on '([^']+)' subset \| (.*)$")
+_EPOCH = re.compile(r"epoch (\d+)\s*$")
+
+
+def parse_valid_line(line: str) -> Optional[Tuple[str, Dict[str, str]]]:
+    """``(subset, fields)`` of a fairseq validation log line (``--log-format simple``), else None.
+
+    ``fields`` maps each logged name (``loss``, ``nll_loss``, ``num_updates``, ...) to its text,
+    and ``epoch`` to the epoch logged before the subset.
+    """
+    match = _VALID_LINE.search(line.rstrip())
+    if not match:
+        return None
+    fields = dict(part.partition(" ")[::2] for part in match.group(2).split(" | "))
+    epoch = _EPOCH.search(line[:match.start()])
+    if epoch:
+        fields["epoch"] = epoch.group(1)
+    return match.group(1), fields
 
 
 def progress_line(label: str, line: str) -> Optional[str]:
     """A one-line summary of a fairseq validation log line (``None`` for any other line)."""
-    match = _VALID_LINE.search(line)
-    if not match:
+    parsed = parse_valid_line(line)
+    if not parsed or not {"epoch", "loss", "num_updates"} <= parsed[1].keys():
         return None
-    epoch, loss, updates = match.groups()
-    return f"{label}: epoch {int(epoch)}, update {updates}: valid loss {loss}"
+    fields = parsed[1]
+    return f"{label}: epoch {int(fields['epoch'])}, update {fields['num_updates']}: valid loss {fields['loss']}"
 
 
 def run_logged(cmd: Sequence[str], log_path: Optional[Path] = None, echo: bool = True,
