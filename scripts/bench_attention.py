@@ -25,7 +25,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 from bench_harness import build_training_parts, timed_updates, training_batches
-from fairseq_commands import binarize_toy_corpus
+from fairseq_commands import binarize_generated_corpus
 
 NORMALIZERS = ("fairseq", "softmax", "soft_topk", "hard_topk", "sparsemax", "entmax15")
 #: What ``fairseq`` means in the table: fairseq's transformer with its fused attention.
@@ -115,7 +115,7 @@ def main(argv: Sequence[str] = None) -> int:
         parser.error(f"unknown normalizers {unknown}; choose from {NORMALIZERS}")
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        data_bin = args.data or binarize_toy_corpus(Path(tmp), splits={"train": (3000, 11), "valid": (100, 12)},
+        data_bin = args.data or binarize_generated_corpus(Path(tmp), splits={"train": (3000, 11), "valid": (100, 12)},
                                                     joined_dictionary=True)
         results = run_benchmark(data_bin, args.arch, names, args.updates, args.repeats, args.k, args.epsilon,
                                 args.max_tokens, args.warmup, args.seed, CLOCKS[args.clock])

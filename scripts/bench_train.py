@@ -63,7 +63,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 from bench_harness import build_training_parts, range_seconds, timed_updates, training_batches
-from fairseq_commands import binarize_toy_corpus
+from fairseq_commands import binarize_generated_corpus
 
 CONFIGS = ("teacher_forcing", "beam_hard", "beam_soft", "beam_soft_pool")
 #: table column -> the package's named profiler range it reads
@@ -363,7 +363,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     torch.set_num_threads(opts.threads)
     print(header(argv, opts.threads, opts.device), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        opts.data = opts.data or binarize_toy_corpus(Path(tmp), splits=TOY_SPLITS, joined_dictionary=True)
+        opts.data = opts.data or binarize_generated_corpus(Path(tmp), splits=TOY_SPLITS, joined_dictionary=True)
         if opts.pretrain_updates:
             pretrain(opts, Path(tmp) / "pretrained.pt")
             opts.checkpoint = Path(tmp) / "pretrained.pt"

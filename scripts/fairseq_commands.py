@@ -84,7 +84,7 @@ def run_logged(cmd: Sequence[str], log_path: Optional[Path] = None, echo: bool =
     return "".join(lines)
 
 
-def binarize_toy_corpus(work: Path, splits=None, joined_dictionary: bool = False, corpus: str = "toy") -> Path:
+def binarize_generated_corpus(work: Path, splits=None, joined_dictionary: bool = False, corpus: str = "toy") -> Path:
     """An embedded generated corpus -> ``work/raw`` (text) and ``work/bin`` (fairseq binary data).
 
     Both steps are skipped when their output exists (the writers refuse to overwrite different

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from evaluate import evaluate_checkpoint
-from fairseq_commands import binarize_toy_corpus, fairseq_command, run_logged
+from fairseq_commands import binarize_generated_corpus, fairseq_command, run_logged
 
 LSTM_ARGS = [
     "--arch", "lstm", "--encoder-embed-dim", "64", "--decoder-embed-dim", "64",
@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     (work / "checkpoints").mkdir(parents=True, exist_ok=True)
 
     start = time.time()
-    data_bin = binarize_toy_corpus(work)
+    data_bin = binarize_generated_corpus(work)
     checkpoint = train(data_bin, work / "checkpoints", args.epochs)
     train_seconds = time.time() - start
     result = evaluate_checkpoint(str(data_bin), str(checkpoint), str(work / "raw" / "test.tgt"),

@@ -30,7 +30,7 @@ from pathlib import Path
 from ablation import run_ablation
 from ablation_config import load_config
 from ablation_report import results_markdown
-from fairseq_commands import binarize_toy_corpus
+from fairseq_commands import binarize_generated_corpus
 
 from fairseq_softtopk.data.demo_language_pair import DEMO_SPLITS
 
@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     splits = None
     if args.sizes:
         splits = {split: (n, seed) for (split, (_, seed)), n in zip(DEMO_SPLITS.items(), args.sizes)}
-    data_bin = binarize_toy_corpus(work, splits=splits, corpus="demo")
+    data_bin = binarize_generated_corpus(work, splits=splits, corpus="demo")
     results = run_ablation(config, data_bin, work, ref_dir=work / "raw", seeds=args.seeds, arms=args.arms,
                            verbose=args.verbose, jobs=args.jobs)
     print()

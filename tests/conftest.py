@@ -77,9 +77,9 @@ def run_fairseq(tool: str, args, cwd=None, check=True):
 @pytest.fixture(scope="session")
 def toy_data_bin(tmp_path_factory):
     """A small toy corpus, binarised with a joined dictionary: ``(raw_dir, data_bin)``."""
-    from fairseq_commands import binarize_toy_corpus
+    from fairseq_commands import binarize_generated_corpus
 
     root = tmp_path_factory.mktemp("toy")
-    data_bin = binarize_toy_corpus(root, splits={"train": (400, 11), "valid": (40, 12), "test": (40, 13)},
+    data_bin = binarize_generated_corpus(root, splits={"train": (400, 11), "valid": (40, 12), "test": (40, 13)},
                                    joined_dictionary=True)
     return root / "raw", data_bin
