@@ -5,10 +5,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 from fairseq.criterions.label_smoothed_cross_entropy import label_smoothed_nll_loss
+from fairseq.tasks import FairseqTask
 
 from conftest import recorded_solves, word_dictionary
 
-from fairseq_softtopk.criterions.soft_beam_search import SoftBeamSearchCriterion
+from fairseq_softtopk.criterions.soft_beam_search import SoftBeamSearchCriterion, annealed_epsilon
 from fairseq_softtopk.models.softtopk_lstm import SoftTopKLSTMConfig, SoftTopKLSTMModel
 from fairseq_softtopk.modules.beam_search import BeamSearchConfig, unroll_beam_search
 from fairseq_softtopk.ops import cap_row_grad_norm
@@ -33,7 +34,8 @@ def build_model(dictionary, scale: float = 1.0) -> SoftTopKLSTMModel:
 
 
 def build_criterion(dictionary, **overrides) -> SoftBeamSearchCriterion:
-    values = dict(train_beam=3, topk_epsilon=0.1, topk_cost="linear", topk_tol=1e-8, topk_max_iter=50,
+    values = dict(train_beam=3, topk_epsilon=0.1, topk_epsilon_start=0.0, topk_epsilon_anneal_updates=0,
+                  topk_cost="linear", topk_tol=1e-8, topk_max_iter=50,
                   teacher_forcing_ratio=0.8, topk_mode="soft", candidate_pool=0, selection_grad="capped",
                   selection_grad_cap=1.0, label_smoothing=0.1, sentence_avg=False)
     values.update(overrides)
@@ -113,7 +115,12 @@ def test_sentence_avg_counts_sentences_and_p_one_skips_the_search(dictionary, rn
 
 
 @pytest.mark.parametrize("bad, message", [({"selection_grad_cap": 0.0}, "selection-grad-cap"),
-                                          ({"teacher_forcing_ratio": 1.5}, "teacher-forcing-ratio")])
+                                          ({"teacher_forcing_ratio": 1.5}, "teacher-forcing-ratio"),
+                                          ({"topk_epsilon_start": 0.3}, "needs both"),
+                                          ({"topk_epsilon_anneal_updates": 100}, "needs both"),
+                                          ({"topk_epsilon_start": -1.0, "topk_epsilon_anneal_updates": 5}, ">= 0"),
+                                          ({"topk_epsilon_start": 0.3, "topk_epsilon_anneal_updates": 5,
+                                            "topk_mode": "hard"}, "topk-mode soft")])
 def test_bad_options_are_named(dictionary, bad, message):
     with pytest.raises(ValueError, match=message):
         build_criterion(dictionary, **bad)
@@ -215,3 +222,48 @@ def test_unconverged_counter_sees_exactly_the_unconverged_solves_without_warning
             assert log["topk_unconverged"] > 0
         else:
             assert log["topk_unconverged"] == 0
+
+
+def test_annealed_epsilon_is_geometric_from_start_to_end():
+    start, end, n = 0.3, 0.03, 100
+    assert annealed_epsilon(start, end, 0, n) == pytest.approx(start)
+    assert annealed_epsilon(start, end, 50, n) == pytest.approx((start * end) ** 0.5)  # geometric midpoint
+    assert annealed_epsilon(start, end, 25, n) / annealed_epsilon(start, end, 24, n) == pytest.approx(
+        annealed_epsilon(start, end, 90, n) / annealed_epsilon(start, end, 89, n))  # the same factor each update
+    assert annealed_epsilon(start, end, n, n) == end == annealed_epsilon(start, end, 10 * n, n)
+    assert annealed_epsilon(start, end, 7, 0) == end  # no schedule
+
+
+def _train_step(model, criterion, sample, update_num):
+    """fairseq's own training step (it tells the model the update number), backward included."""
+    optimizer = SimpleNamespace(backward=lambda loss: loss.backward())
+    model.zero_grad()
+    return FairseqTask.train_step(SimpleNamespace(), sample, model, criterion, optimizer, update_num)
+
+
+@pytest.mark.parametrize("update_num, expected", [(0, 0.4), (10, (0.4 * 0.05) ** 0.5), (20, 0.05), (35, 0.05)])
+def test_epsilon_schedule_follows_fairseqs_update_number(dictionary, rng, update_num, expected):
+    """With a schedule, fairseq's train step at update u gives the loss and gradient of the fixed
+    epsilon the schedule names for u (model without dropout: the runs see one network)."""
+    sample = make_sample(dictionary, rng, [5, 3, 4])
+    scheduled = build_criterion(dictionary, topk_epsilon=0.05, topk_epsilon_start=0.4, topk_epsilon_anneal_updates=20)
+    fixed = build_criterion(dictionary, topk_epsilon=expected)
+    model = build_model(dictionary, scale=3.0)
+    loss, _, log = _train_step(model, scheduled, sample, update_num)
+    grads = [param.grad.clone() for param in model.parameters()]
+    reference, _, _ = _train_step(model, fixed, sample, update_num)
+    torch.testing.assert_close(loss, reference)
+    for grad, param in zip(grads, model.parameters()):
+        torch.testing.assert_close(grad, param.grad)
+    assert log["topk_epsilon_sum"] / sample["target"].shape[1] == pytest.approx(expected)
+    # and the schedule matters: the start's epsilon gives another loss than the end's
+    other, _, _ = _train_step(model, build_criterion(dictionary, topk_epsilon=0.4 if update_num >= 20 else 0.05),
+                              sample, update_num)
+    assert float((other - loss).detach().abs()) > 1e-4
+
+
+def test_epsilon_schedule_needs_a_model_that_counts_updates(dictionary, rng):
+    criterion = build_criterion(dictionary, topk_epsilon_start=0.3, topk_epsilon_anneal_updates=5)
+    model = build_model(dictionary)
+    with pytest.raises(ValueError, match="records its update number"):
+        criterion(model, make_sample(dictionary, rng, [3]))

@@ -6,6 +6,10 @@ NLL of the gold tokens along the best beam of a beam search unrolled for as many
 target has tokens (:mod:`fairseq_softtopk.modules.beam_search`). ``--topk-mode hard`` is
 the paper's ablation: the same unrolling with the exact top-k.
 
+``--topk-epsilon-start`` with ``--topk-epsilon-anneal-updates`` anneals epsilon geometrically
+from a larger start to ``--topk-epsilon`` (the model must record fairseq's update number, as
+``softtopk_lstm`` does).
+
 In soft mode, ``--selection-grad`` decides what flows back through the selection: the exact
 gradient (``full``, the paper's), the same capped per sentence and step (``capped``), or
 nothing (``none``: soft forward pass, gradient only through the mixed embeddings and states).
@@ -19,6 +23,7 @@ The model must accept ``beam_search=`` in ``forward`` (``softtopk_lstm`` does): 
 then runs inside the model's forward, so that DistributedDataParallel sees it.
 """
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import List, Optional
@@ -42,6 +47,13 @@ class SoftBeamSearchConfig(FairseqDataclass):
         "help": "entropic regularisation of the sorted SOFT top-k; with --topk-cost linear it is in nats "
                 "of cumulative log-likelihood (0.03: candidates 0.03 nats apart split about 73/27; on Multi30k "
                 "the selection's largest weight averages 0.87 at 0.03, 0.69 at 0.1)"})
+    topk_epsilon_start: float = field(default=0.0, metadata={
+        "help": "epsilon schedule: start at this epsilon and anneal geometrically to --topk-epsilon over "
+                "--topk-epsilon-anneal-updates updates (soft and wide first, sharp at the end, where the "
+                "selection is what inference does); 0 = no schedule"})
+    topk_epsilon_anneal_updates: int = field(default=0, metadata={
+        "help": "with --topk-epsilon-start: the number of updates over which epsilon goes from the start "
+                "value to --topk-epsilon (constant after)"})
     topk_cost: ChoiceEnum(["linear", "sqeuclidean", "paper"]) = field(default="linear", metadata={
         "help": "cost scaling: linear (epsilon in nats, the same at any vocabulary size) or paper (squared "
                 "distance / its max: epsilon 0.1 selects nothing once there are thousands of candidates)"})
@@ -94,6 +106,18 @@ class SelectionGradientStats:
         return {key: self.sums[i] for i, key in enumerate(SELGRAD_KEYS)}
 
 
+def annealed_epsilon(start: float, end: float, update: int, anneal_updates: int) -> float:
+    """Epsilon at ``update`` of a geometric schedule from ``start`` (update 0) to ``end``.
+
+    Geometric because epsilon acts on a log scale (the split of two candidates a gap ``d``
+    apart depends on ``d / epsilon``): each update scales epsilon by the same factor.
+    After ``anneal_updates`` updates it stays at ``end``.
+    """
+    if anneal_updates <= 0 or update >= anneal_updates:
+        return end
+    return start * (end / start) ** (max(update, 0) / anneal_updates)
+
+
 def smoothed_nll(gold_lprobs: torch.Tensor, sum_lprobs: torch.Tensor, mask: torch.Tensor, epsilon: float,
                  vocab: int):
     """Label-smoothed NLL summed over unmasked positions, as fairseq's label_smoothed_nll_loss.
@@ -113,7 +137,7 @@ def smoothed_nll(gold_lprobs: torch.Tensor, sum_lprobs: torch.Tensor, mask: torc
 
 @register_criterion("soft_beam_search", dataclass=SoftBeamSearchConfig)
 class SoftBeamSearchCriterion(FairseqCriterion):
-    def __init__(self, task, train_beam, topk_epsilon, topk_cost, topk_tol, topk_max_iter, teacher_forcing_ratio,
+    def __init__(self, task, train_beam, topk_epsilon, topk_epsilon_start, topk_epsilon_anneal_updates, topk_cost, topk_tol, topk_max_iter, teacher_forcing_ratio,
                  topk_mode, candidate_pool, selection_grad, selection_grad_cap, label_smoothing, sentence_avg):
         super().__init__(task)
         if not 0.0 <= teacher_forcing_ratio <= 1.0:
@@ -124,6 +148,15 @@ class SoftBeamSearchCriterion(FairseqCriterion):
             raise ValueError(f"--candidate-pool ({candidate_pool}) must be 0 or >= --train-beam ({train_beam})")
         if not selection_grad_cap > 0:
             raise ValueError(f"--selection-grad-cap must be > 0, got {selection_grad_cap}")
+        if topk_epsilon_start < 0 or topk_epsilon_anneal_updates < 0:
+            raise ValueError("--topk-epsilon-start and --topk-epsilon-anneal-updates must be >= 0, got "
+                             f"{topk_epsilon_start} and {topk_epsilon_anneal_updates}")
+        if (topk_epsilon_start > 0) != (topk_epsilon_anneal_updates > 0):
+            raise ValueError("an epsilon schedule needs both --topk-epsilon-start and --topk-epsilon-anneal-updates "
+                             f"(got {topk_epsilon_start} and {topk_epsilon_anneal_updates})")
+        if topk_epsilon_start > 0 and str(topk_mode) != "soft":
+            raise ValueError("--topk-epsilon-start is an option of --topk-mode soft")
+        self.epsilon_schedule = (topk_epsilon_start, topk_epsilon_anneal_updates) if topk_epsilon_start > 0 else None
         # the cap is given relative to one gold token's gradient in the beam term, (1 - p); p = 1 runs no search
         unit = 1.0 - teacher_forcing_ratio if teacher_forcing_ratio < 1.0 else 1.0
         self.search = BeamSearchConfig(beam=train_beam, mode=str(topk_mode), epsilon=topk_epsilon,
@@ -136,20 +169,33 @@ class SoftBeamSearchCriterion(FairseqCriterion):
         self.record_selection_grads: Optional[List[float]] = None
         self.sentence_avg = sentence_avg
 
+    def search_config(self, model) -> BeamSearchConfig:
+        """The search's options at the model's current update (the epsilon schedule, if any)."""
+        if self.epsilon_schedule is None:
+            return self.search
+        update = getattr(model, "num_updates", None)
+        if update is None:
+            raise ValueError(f"--topk-epsilon-start needs a model that records its update number "
+                             f"(set_num_updates); {type(model).__name__} does not")
+        start, anneal_updates = self.epsilon_schedule
+        return dataclasses.replace(self.search, epsilon=annealed_epsilon(start, self.search.epsilon, update,
+                                                                          anneal_updates))
+
     def forward(self, model, sample, reduce=True):
         target = sample["target"]
         bos = sample["net_input"]["prev_output_tokens"][0, 0].item()
+        search = self.search_config(model)
 
         run_beam = self.p < 1.0
-        observe = run_beam and self.search.mode == "soft" and self.search.selection_grad != "none" and model.training
+        observe = run_beam and search.mode == "soft" and search.selection_grad != "none" and model.training
         stats = None
         if observe:
-            stats = SelectionGradientStats(self.search.grad_cap, 1.0 - self.p, target.device,
+            stats = SelectionGradientStats(search.grad_cap, 1.0 - self.p, target.device,
                                            self.record_selection_grads)
 
         def beam_search(encoder, decoder, encoder_out):
             return unroll_beam_search(decoder, encoder_out, encoder.reorder_encoder_out, target, self.padding_idx,
-                                      bos, self.search, grad_observer=stats)
+                                      bos, search, grad_observer=stats)
 
         if run_beam:
             net_output, beam = model(**sample["net_input"], beam_search=beam_search)
@@ -179,9 +225,11 @@ class SoftBeamSearchCriterion(FairseqCriterion):
             logging_output["topk_unconverged"] = beam.n_unconverged
             logging_output["topk_near_tie_sum"] = beam.near_tie[mask].sum().data
             logging_output["topk_steps"] = int(mask.sum())
-            if self.search.mode == "soft":  # one batched solve per decoding step
+            if search.mode == "soft":  # one batched solve per decoding step
                 logging_output["topk_newton_iters"] = beam.newton_iters
                 logging_output["topk_solves"] = target.size(1)
+                if self.epsilon_schedule is not None:  # summed over workers: divided by the solves' weight
+                    logging_output["topk_epsilon_sum"] = search.epsilon * target.size(1)
         if stats is not None:
             logging_output.update(stats.logging_output())
         return loss, sample_size, logging_output
@@ -208,6 +256,8 @@ class SoftBeamSearchCriterion(FairseqCriterion):
         solves = total("topk_solves")
         if solves:
             metrics.log_scalar("topk_newton", total("topk_newton_iters") / solves, solves, round=1)
+            if any("topk_epsilon_sum" in log for log in logging_outputs):
+                metrics.log_scalar("topk_epsilon", total("topk_epsilon_sum") / solves, solves, round=4)
         observed = total("selgrad_count")
         if observed:
             metrics.log_scalar("selgrad_log10", total("selgrad_log10_sum") / observed, observed, round=2)

@@ -97,6 +97,14 @@ class SoftTopKLSTMModel(FairseqEncoderDecoderModel):
         )
         return cls(encoder, decoder)
 
+    def set_num_updates(self, num_updates: int) -> None:
+        """Remembers the update number (fairseq calls this before every training step and on loading).
+
+        The ``soft_beam_search`` criterion reads ``num_updates`` for its epsilon schedule.
+        """
+        super().set_num_updates(num_updates)
+        self.num_updates = num_updates
+
     def forward(self, src_tokens, src_lengths, prev_output_tokens, beam_search=None, **kwargs):
         """Teacher-forced forward; with ``beam_search``, also runs it on the same encoder output.
 
