@@ -21,6 +21,7 @@ Usage::
 
     python scripts/bench_ops.py --threads 1          # the full grid (about 20 min here)
     python scripts/bench_ops.py --n 100000 --k 5 --eps 0.01
+    python scripts/bench_ops.py --ops sorted_soft_topk --n 1000 --k 100 --eps 0.1 --cost linear --batch 100 --tol 1e-5
 """
 
 import argparse
@@ -92,17 +93,22 @@ def _time(fn: Callable[[], torch.Tensor], x: torch.Tensor, repeats: int, device:
     return statistics.median(times), min(times), nbytes, out
 
 
-def bench_case(n: int, k: int, eps: float, sorted_op: bool, repeats: int, tol: float, device: str) -> List[dict]:
-    """All methods on one (n, k, epsilon, operator) case; returns one row per method."""
+def bench_case(n: int, k: int, eps: float, sorted_op: bool, repeats: int, tol: float, device: str,
+               cost: str = "paper", batch: int = 1) -> List[dict]:
+    """All methods on one (n, k, epsilon, operator) case of ``batch`` rows of scores; returns one row per method.
+
+    The published algorithm and the unrolled iterations solve the paper's cost only: with
+    ``cost="linear"`` they are left out (the rows say so).
+    """
     gen = torch.Generator(device="cpu").manual_seed(n + k)
-    x = torch.randn(1, n, generator=gen).to(device).requires_grad_()
+    x = torch.randn(batch, n, generator=gen).to(device).requires_grad_()
     rows = []
     info_box = {}
 
     def ours():
         op = sorted_soft_topk if sorted_op else soft_topk
         # unsorted: the paper's Algorithm 1 marks the k smallest; the appendix code sorts the largest
-        out, info = op(x, k, epsilon=eps, cost="paper", tol=tol, largest=sorted_op, return_info=True)
+        out, info = op(x, k, epsilon=eps, cost=cost, tol=tol, largest=sorted_op, return_info=True)
         info_box["ours"] = info
         return out
 
@@ -132,6 +138,10 @@ def bench_case(n: int, k: int, eps: float, sorted_op: bool, repeats: int, tol: f
 
     methods = {"ours": ours, "paper": paper, "unrolled": unrolled, "topk": topk}
     for name, fn in methods.items():
+        if name in ("paper", "unrolled") and (cost != "paper" or batch != 1):
+            rows.append(dict(method=name, seconds=None, best=None, mbytes=None, err=None,
+                             note="skipped: one row of the paper's cost only"))
+            continue
         if name == "unrolled" and n * (k + 1) > UNROLLED_MAX_ELEMENTS:
             rows.append(dict(method=name, seconds=None, best=None, mbytes=None, err=None, note="skipped: memory"))
             continue
@@ -152,7 +162,8 @@ def format_rows(case: str, rows: List[dict]) -> List[str]:
         if r["seconds"] is None:
             lines.append(f"| {case} | {r['method']} | - | - | - | - | - | - | {r['note']} |")
             continue
-        ratio_paper = by["paper"]["seconds"] / r["seconds"] if r["method"] == "ours" else None
+        paper_seconds = by["paper"]["seconds"]
+        ratio_paper = paper_seconds / r["seconds"] if r["method"] == "ours" and paper_seconds else None
         vs_topk = r["seconds"] / by["topk"]["seconds"]
         best_vs_topk = r["best"] / by["topk"]["best"]
         err = "-" if r["err"] is None else f"{r['err']:.1e}"
@@ -171,6 +182,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                         choices=["soft_topk", "sorted_soft_topk"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tol", type=float, default=1e-4, help="our solver's marginal tolerance")
+    parser.add_argument("--cost", choices=["paper", "linear"], default="paper",
+                        help="cost of our operator (linear: the library's default; the published algorithm and "
+                             "the unrolled iterations are then skipped)")
+    parser.add_argument("--batch", type=int, default=1, help="rows of scores per call (ours and topk only above 1)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
@@ -189,7 +204,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             for k in args.k:
                 for eps in args.eps:
                     case = f"{'sorted' if op.startswith('sorted') else 'topk'} n={n:.0e} k={k} eps={eps:g}"
-                    rows = bench_case(n, k, eps, op.startswith("sorted"), args.repeats, args.tol, args.device)
+                    if args.cost != "paper" or args.batch != 1:
+                        case += f" {args.cost} batch={args.batch}"
+                    rows = bench_case(n, k, eps, op.startswith("sorted"), args.repeats, args.tol, args.device,
+                                      cost=args.cost, batch=args.batch)
                     print("\n".join(format_rows(case, rows)), flush=True)
     return 0
 

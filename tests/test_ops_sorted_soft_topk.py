@@ -348,3 +348,36 @@ def test_an_empty_candidate_dimension_is_named():
     with pytest.raises(ValueError, match=r"dimension dim=0 of shape \(0, 3\) is empty"):
         sorted_soft_topk(torch.empty(0, 3), 1, dim=0)
     assert sorted_soft_topk(torch.empty(0, 5), 2).shape == (0, 5, 2)
+
+
+@pytest.mark.parametrize("rows, n, k", [(20, 1000, 40), (20, 1000, 100), (2, 1500, 1000)])
+def test_large_k_converges_in_float32_within_a_few_newton_steps(rows, n, k):
+    """At k = 100, unit-spread scores and epsilon 0.1, float32 logits of magnitude ~1e3 are
+    rounded by ~1e-4, above the 1e-5 tolerance: Newton stalled (50 iterations, errors 3-6e-5,
+    seconds per row). Every row must now converge in a few steps, and agree with float64."""
+    torch.manual_seed(0)
+    x = torch.randn(rows, n)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an unconverged solve warns: that fails the test
+        A, info = sorted_soft_topk(x, k, return_info=True)
+    assert info.converged and info.n_iter <= 10
+    columns = A.double().sum(-2)  # (rows, k): one element per rank
+    assert float((columns - 1).abs().max()) <= 2e-5
+    A64 = sorted_soft_topk(x.double(), k, tol=1e-9)
+    assert float((A.double() - A64).abs().max()) <= 1e-4
+
+
+def test_float32_logits_are_kept_where_their_rounding_is_below_the_tolerance(rng):
+    """The float64 logits of large k are not taken where float32 suffices (beam-search sizes: k = 5
+    on log-probabilities), since they double the plan's memory traffic."""
+    from fairseq_softtopk.ops._common import prepare_scores
+    from fairseq_softtopk.ops.semi_dual_newton import _logit_dtype, _Problem
+
+    def dtype_for(scores, k, epsilon, tol):
+        prep = prepare_scores(scores, k, -1, True, epsilon, None, "linear", n_anchor_steps=k)
+        return _logit_dtype(_Problem.prepared(prep, k), tol)
+
+    log_probs = torch.randn(8, 5000, generator=rng).log_softmax(-1)
+    assert dtype_for(log_probs, 5, 0.03, 1e-4) == torch.float32
+    assert dtype_for(torch.randn(20, 1000, generator=rng), 100, 0.1, 1e-5) == torch.float64
+    assert dtype_for(torch.randn(20, 1000, generator=rng).double(), 100, 0.1, 1e-5) == torch.float64

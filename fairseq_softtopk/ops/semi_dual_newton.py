@@ -162,16 +162,19 @@ class _SemiDual:
     is elementwise across ``k+1`` contiguous vectors and the sums over elements are contiguous.
     """
 
-    def __init__(self, problem: _Problem):
+    def __init__(self, problem: _Problem, tol: float):
         z, n_valid, k = problem.z, problem.n_valid, problem.k
         self.k = k
+        self.dtype = z.dtype
         self.cut = _subnormal_cut(z.dtype, k)
         self.valid = None if problem.all_valid else problem.valid.unsqueeze(1).to(z.dtype)
         # Logits are kept in base 2 (exp2 is several times faster than exp on CPUs, as accurate)
         # and formed by one rank-1 baddbmm per evaluation, not from a stored (rows, k+1, n)
-        # product: one large allocation less (each costs page faults on CPUs).
-        self.z = z.unsqueeze(1)  # (rows, 1, n)
-        self.y_eps2 = (anchors(k, z) * (_LOG2E / problem.eps)).unsqueeze(-1)  # (rows, k+1, 1)
+        # product: one large allocation less (each costs page faults on CPUs). They are formed in
+        # float64 where the dtype's rounding would decide the marginals (:func:`_logit_dtype`).
+        logit_dtype = _logit_dtype(problem, tol)
+        self.z = z.unsqueeze(1).to(logit_dtype)  # (rows, 1, n)
+        self.y_eps2 = (anchors(k, self.z) * (_LOG2E / problem.eps.to(logit_dtype))).unsqueeze(-1)  # (rows, k+1, 1)
         self.no_rest = problem.no_rest
         # Per-evaluation work on (rows, k+1) tensors is a handful of small ops: constants made here.
         self.rest_bias = None
@@ -192,7 +195,7 @@ class _SemiDual:
         # Plan entries are kept at or above 2**cut / (k+1), where their products are still normal
         # numbers (subnormal products make every matrix product over the plan 2-3x slower on
         # CPUs): a change of at most n * 2**cut (1e-18 in float32).
-        P = logits.sub_(top).clamp_min_(self.cut).exp2_()
+        P = logits.sub_(top).to(self.dtype).clamp_min_(self.cut).exp2_()  # float64 logits: cast once small
         total = P.sum(1, keepdim=True)
         P.div_(total)
         if self.valid is not None:
@@ -213,6 +216,24 @@ class _SemiDual:
         """:func:`anchor_hessian` of the plan returned by :meth:`evaluate`."""
         no_rest = None if self.rest_bias is None else self.no_rest  # None: every row has a rest anchor
         return anchor_hessian(P, self.k, no_rest)
+
+
+def _logit_dtype(problem: _Problem, tol: float) -> torch.dtype:
+    """The dtype in which the plan's logits are formed: the problem's, or float64 where its rounding would
+    keep the marginals from ``tol``.
+
+    A logit ``z_i y_r / eps + g_r`` of magnitude ``L`` (log2 units) is rounded by about
+    ``L * 2**-24`` in float32, a relative error of the plan entry; the logits of the elements
+    that decide a rank are about ``k * max|z| / eps`` (``z`` is centred on the best ``k + 1``),
+    and the large terms cancel only after rounding. At ``k = 100``, scores of unit spread and
+    epsilon 0.1 that is an error floor of several 1e-5 (Newton then stalls above a 1e-5
+    tolerance); float64 logits cost one ``(rows, k + 1, n)`` float64 temporary per evaluation.
+    """
+    if problem.z.dtype == torch.float64 or problem.top.numel() == 0:
+        return problem.z.dtype
+    spread = float((problem.top.abs().amax(-1, keepdim=True) / problem.eps).max())
+    rounding = problem.k * spread * _LOG2E * torch.finfo(problem.z.dtype).eps
+    return torch.float64 if rounding > tol / 4 else problem.z.dtype
 
 
 def _hard_start(top: Tensor, no_rest: Tensor, eps: Tensor, k: int) -> Tensor:
@@ -462,7 +483,7 @@ def _solve_rows(problem: _Problem, g: Tensor, tol: float, max_iter: int,
     returns the solved point and iterations (``max_iter = 0``: the point at ``g``)."""
     if not problem.all_valid and bool(problem.valid.all()):
         problem = dataclasses.replace(problem, all_valid=True)
-    dual = _SemiDual(problem)
+    dual = _SemiDual(problem, tol)
     warm = _binned_start(problem, g, tol) if warm_start else None
     return _maximise(dual, g if warm is None else warm, tol, max_iter)
 
