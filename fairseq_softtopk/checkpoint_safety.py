@@ -3,9 +3,10 @@
 Since torch 2.6, ``torch.load`` defaults to ``weights_only=True``; fairseq checkpoints of
 models configured through the legacy argparse path keep their model config as an
 ``argparse.Namespace``, which the safe unpickler refuses, so ``fairseq-generate`` and
-``--restore-file`` fail. We allowlist exactly the globals that fairseq checkpoints carry
-(found with ``torch.serialization.get_unsafe_globals_in_checkpoint`` on checkpoints written
-by every model and criterion of this package) and nothing else: weights-only loading stays
+``--restore-file`` fail; with ``--eval-bleu`` the saved metrics hold numpy arrays, which it
+refuses too. We allowlist exactly the globals that fairseq checkpoints carry (found with
+``torch.serialization.get_unsafe_globals_in_checkpoint`` on checkpoints written by every model
+and criterion of this package, and by training with ``--eval-bleu``) and nothing else: weights-only loading stays
 on, and a checkpoint that pickles any other object is still refused.
 
 Refused, such a file is reported plainly: fairseq's checkpoint loader raises
@@ -21,8 +22,26 @@ import re
 
 import torch
 
-#: The only non-tensor globals fairseq checkpoints were found to need.
-FAIRSEQ_CHECKPOINT_GLOBALS = (argparse.Namespace,)
+def _numpy_array_globals() -> tuple:
+    """What pickled numeric numpy arrays need: ``fairseq-train --eval-bleu`` keeps its n-gram counts
+    as int64 arrays in the checkpoint's saved metrics (``extra_state["metrics"]``).
+
+    ``_reconstruct`` only builds an empty array of an allowlisted type (ndarray); the elements
+    of a numeric array are raw bytes, and an object array's elements would still pass through
+    the weights-only unpickler (torch's documented recipe for numpy arrays).
+    """
+    try:
+        import numpy
+    except ImportError:  # pragma: no cover - fairseq depends on numpy
+        return ()
+    core = getattr(numpy, "_core", None) or numpy.core  # numpy 2 / numpy 1
+    dtypes = tuple(type(numpy.dtype(name)) for name in ("int64", "int32", "float64", "float32"))
+    return (core.multiarray._reconstruct, numpy.ndarray, numpy.dtype, *dtypes)
+
+
+#: The only non-tensor globals fairseq checkpoints were found to need: the legacy model
+#: config's argparse.Namespace, and numeric numpy arrays (``--eval-bleu``'s saved metrics).
+FAIRSEQ_CHECKPOINT_GLOBALS = (argparse.Namespace, *_numpy_array_globals())
 
 
 def allow_fairseq_checkpoint_globals() -> None:
@@ -46,7 +65,7 @@ def refusal_message(path, error: Exception) -> str:
     named = f" ({', '.join(found)})" if found else ""
     return (f"{path} was not loaded: the file contains pickled code or objects{named} outside the allowlist of "
             f"torch's safe (weights-only) loading. Checkpoints written by fairseq and this package hold only "
-            f"tensors, plain values and argparse.Namespace; treat this file as untrusted.")
+            f"tensors, plain values, argparse.Namespace and numeric numpy arrays; treat this file as untrusted.")
 
 
 def _is_weights_only_refusal(error: Exception) -> bool:

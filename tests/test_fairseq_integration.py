@@ -52,6 +52,22 @@ def test_train_resume_and_generate_with_weights_only_loading(toy_data_bin, tmp_p
         assert plain.returncode != 0 and "argparse.Namespace" in plain.stderr
 
 
+def test_training_with_eval_bleu_resumes_under_weights_only_loading(toy_data_bin, tmp_path, repo_root):
+    """--eval-bleu keeps its n-gram counts as numpy int64 arrays in the checkpoint's saved metrics,
+    which torch's weights-only unpickler refused (numpy._core.multiarray._reconstruct): resuming
+    such a run failed with UnsafeCheckpointError."""
+    _, data_bin = toy_data_bin
+    save = tmp_path / "ckpt"
+    flags = ["--criterion", "soft_beam_search", "--teacher-forcing-ratio", "1.0", "--eval-bleu",
+             "--eval-bleu-args", '{"beam": 1}', "--validate-interval-updates", "3", "--log-interval", "1"]
+    first = _train(data_bin, save, repo_root / "fairseq_softtopk", *flags, "--max-update", "3")
+    assert re.search(r"valid on 'valid' subset .*\| bleu [0-9.]+", first.stdout + first.stderr)
+    resumed = _train(data_bin, save, repo_root / "fairseq_softtopk", *flags, "--max-update", "5")
+    log = resumed.stdout + resumed.stderr
+    assert re.search(r"loaded checkpoint .*checkpoint_last\.pt \(epoch \d+ @ 3 updates\)", log, re.I), log[-2000:]
+    assert re.search(r"num_updates[= ]5\b", log), log[-2000:]
+
+
 def test_checkpoint_with_other_pickled_objects_is_refused(tmp_path, repo_root):
     """The allowlist is exact: a pickled callable in a checkpoint still fails to load."""
     code = f"""
