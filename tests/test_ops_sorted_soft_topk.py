@@ -368,8 +368,8 @@ def test_large_k_converges_in_float32_within_a_few_newton_steps(rows, n, k):
 
 
 def test_float32_logits_are_kept_where_their_rounding_is_below_the_tolerance(rng):
-    """The float64 logits of large k are not taken where float32 suffices (beam-search sizes: k = 5
-    on log-probabilities), since they double the plan's memory traffic."""
+    """The float64 logits of large k are not taken where float32 suffices (small k, scores a few
+    epsilons apart), since they double the plan's memory traffic."""
     from fairseq_softtopk.ops._common import prepare_scores
     from fairseq_softtopk.ops.semi_dual_newton import _logit_dtype, _Problem
 

@@ -233,7 +233,7 @@ def _logit_dtype(problem: _Problem, tol: float) -> torch.dtype:
         return problem.z.dtype
     spread = float((problem.top.abs().amax(-1, keepdim=True) / problem.eps).max())
     rounding = problem.k * spread * _LOG2E * torch.finfo(problem.z.dtype).eps
-    return torch.float64 if rounding > tol / 4 else problem.z.dtype
+    return torch.float64 if rounding > tol / 2 else problem.z.dtype
 
 
 def _hard_start(top: Tensor, no_rest: Tensor, eps: Tensor, k: int) -> Tensor:
