@@ -372,3 +372,37 @@ def test_train_and_generate_end_to_end(tmp_path):
     assert sorted(int(i) for i, _ in hypotheses) == list(range(30))
     assert all(float(score) < 0 for _, score in hypotheses)
     assert "BLEU4" in out
+
+
+def test_plot_attention_reads_the_lstms_attention_and_draws_panels_side_by_side(dictionary, rng, tmp_path):
+    """scripts/plot_attention.py on the attentional LSTM: the teacher-forced attention of one pair,
+    row t the weights used while predicting target token t, equal to what incremental decoding
+    (fairseq-generate's path) uses; several models give panels side by side."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import plot_attention
+
+    model = sharpened(build_model(dictionary, attention_normalizer="soft_topk", attention_topk=2))
+    task = SimpleNamespace(source_dictionary=dictionary, target_dictionary=dictionary)
+    source = torch.cat([random_tokens(dictionary, rng, 1, 6)[0], torch.tensor([dictionary.eos()])])
+    target = torch.cat([random_tokens(dictionary, rng, 1, 4)[0], torch.tensor([dictionary.eos()])])
+    weights, src_tokens, tgt_tokens = plot_attention.attention_matrix(model, task, source, target)
+    assert weights.shape == (5, 7) and len(src_tokens) == 7 and tgt_tokens[-1] == dictionary[dictionary.eos()]
+    encoder_out = model.encoder(source.unsqueeze(0), torch.tensor([7]))
+    prev = torch.cat([torch.tensor([dictionary.eos()]), target[:-1]]).unsqueeze(0)
+    incremental_state, rows = {}, []
+    with torch.no_grad():
+        for t in range(5):
+            _, extra = model.decoder(prev[:, : t + 1], encoder_out, incremental_state)
+            rows.append(extra["attn"][0][0, -1])
+    torch.testing.assert_close(torch.from_numpy(weights), torch.stack(rows).float())
+    assert abs(weights.sum(-1) - 1).max() < 1e-5 and (weights > 0.05).sum(-1).min() <= 3  # soft top-2: sparse rows
+    with pytest.raises(ValueError, match="transformer"):
+        plot_attention.attention_matrix(model, task, source, target, layer=0)
+    assert plot_attention.panel_title(model, None, None) == "soft_topk k=2 eps=0.1"
+    one, three = tmp_path / "one.png", tmp_path / "three.png"
+    plot_attention.plot_heatmaps([(weights, "a")], src_tokens, tgt_tokens, one)
+    plot_attention.plot_heatmaps([(weights, "a"), (weights, "b"), (weights, "c")], src_tokens, tgt_tokens, three)
+    import matplotlib.image
+
+    width_one, width_three = matplotlib.image.imread(one).shape[1], matplotlib.image.imread(three).shape[1]
+    assert width_three > 2 * width_one
