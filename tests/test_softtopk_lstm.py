@@ -406,3 +406,54 @@ def test_plot_attention_reads_the_lstms_attention_and_draws_panels_side_by_side(
 
     width_one, width_three = matplotlib.image.imread(one).shape[1], matplotlib.image.imread(three).shape[1]
     assert width_three > 2 * width_one
+
+
+def test_attention_sparsity_statistics_match_one_sentence_at_a_time(dictionary, rng):
+    """scripts/attention_sparsity.py on a padded batch == the same numbers from each sentence's
+    own attention matrix (plot_attention, unpadded), for softmax and hard top-k attention."""
+    import numpy as np
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import attention_sparsity
+    import plot_attention
+
+    src_tokens, src_lengths = source_batch(dictionary, rng, [7, 4, 6])
+    pad, eos = dictionary.pad(), dictionary.eos()
+    target = torch.full((3, 5), pad)
+    for row, n in enumerate([5, 3, 4]):
+        target[row, :n] = torch.cat([random_tokens(dictionary, rng, 1, n - 1)[0], torch.tensor([eos])])
+    prev = torch.cat([torch.full((3, 1), eos), target[:, :-1].masked_fill(target[:, :-1].eq(eos), pad)], dim=1)
+    sample = {"net_input": {"src_tokens": src_tokens, "src_lengths": src_lengths, "prev_output_tokens": prev},
+              "target": target}
+
+    class OneBatchTask:
+        source_dictionary = target_dictionary = dictionary
+
+        def load_dataset(self, subset):
+            pass
+
+        def dataset(self, subset):
+            return None
+
+        def get_batch_iterator(self, dataset, **kwargs):
+            return SimpleNamespace(next_epoch_itr=lambda shuffle: iter([sample]))
+
+    for normalizer in ("softmax", "hard_topk"):
+        model = sharpened(build_model(dictionary, attention_normalizer=normalizer, attention_topk=2))
+        stats = attention_sparsity.attention_statistics(model, OneBatchTask(), "test", k=2)
+        outside, above, nonzero = [], [], []
+        for row, (n_src, n_tgt) in enumerate(zip([7, 4, 6], [5, 3, 4])):
+            source = src_tokens[row, src_tokens.size(1) - n_src:]  # left-padded source
+            weights, _, _ = plot_attention.attention_matrix(model, OneBatchTask(), source, target[row, :n_tgt])
+            top2 = np.sort(weights, axis=-1)[:, -2:].sum(-1)
+            outside += list(1 - top2)
+            above += list((weights > 0.01).sum(-1))
+            nonzero += list((weights > 0).sum(-1))
+        assert stats["tokens"] == 12
+        assert stats["outside_topk"] == pytest.approx(np.clip(outside, 0, None).mean(), abs=1e-6)
+        assert stats["above_1pct"] == pytest.approx(np.mean(above))
+        assert stats["nonzero"] == pytest.approx(np.mean(nonzero))
+        if normalizer == "hard_topk":
+            assert stats["outside_topk"] == pytest.approx(0.0, abs=1e-6) and stats["nonzero"] <= 2.0
+        else:
+            assert stats["outside_topk"] > 0.01 and stats["nonzero"] > 3
