@@ -135,7 +135,8 @@ def plot_heatmaps(panels: Sequence[Tuple[np.ndarray, str]], src_tokens: Sequence
 def panel_title(model, layer: Optional[int], head: Optional[int]) -> str:
     """The plotted attention's normaliser (with its k and epsilon where it has them) and, for
     transformers, layer and head."""
-    if _has_attention_layers(model):
+    transformer = _has_attention_layers(model)
+    if transformer:
         layer = len(model.decoder.layers) - 1 if layer is None else layer
         normalizer = getattr(model.decoder.layers[layer].encoder_attn, "normalizer", None)  # fairseq's own: softmax
     else:
@@ -143,7 +144,7 @@ def panel_title(model, layer: Optional[int], head: Optional[int]) -> str:
     name = "softmax" if normalizer is None else normalizer.name
     if name in ("soft_topk", "hard_topk"):
         name += f" k={normalizer.k}" + (f" eps={normalizer.epsilon:g}" if name.startswith("soft") else "")
-    if not _has_attention_layers(model):
+    if not transformer:
         return name
     heads = f"head {head}" if head is not None else "mean over heads"
     return f"{name}, decoder layer {layer}, {heads}"

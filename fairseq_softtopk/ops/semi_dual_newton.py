@@ -227,7 +227,8 @@ def _logit_dtype(problem: _Problem, tol: float) -> torch.dtype:
     that decide a rank are about ``k * max|z| / eps`` (``z`` is centred on the best ``k + 1``),
     and the large terms cancel only after rounding. At ``k = 100``, scores of unit spread and
     epsilon 0.1 that is an error floor of several 1e-5 (Newton then stalls above a 1e-5
-    tolerance); float64 logits cost one ``(rows, k + 1, n)`` float64 temporary per evaluation.
+    tolerance). float64 is taken where that estimate (with one ulp, ``finfo.eps``) exceeds
+    ``tol / 2``; it costs one ``(rows, k + 1, n)`` float64 temporary per evaluation.
     """
     if problem.z.dtype == torch.float64 or problem.top.numel() == 0:
         return problem.z.dtype
