@@ -254,10 +254,12 @@ def test_mix_embeddings_is_the_weighted_sum_of_token_embeddings(rng):
         assert torch.autograd.gradcheck(lambda e, a: mix_embeddings(e, tokens, a), (embeddings, A))
 
 
-def reference_soft_beam_search(decoder, enc, target, k, epsilon):
+def reference_soft_beam_search(decoder, enc, target, k, epsilon, relative=0.0):
     """Algorithm 2 of the paper written out for one sentence, densely (no window, no dropped
     candidates): A over all k*V candidates; beam l's input is sum_{i,j} A[(i,j), l] E[j], its state
     sum_i (sum_j A[(i,j), l]) h_i, its score and predecessor those of argmax_c A[c, l].
+    With ``relative`` > 0, each step's epsilon is max(epsilon, relative * mean gap of the k + 1 best
+    scores), a constant of the backward pass (a Python float).
 
     Returns ``(gold, final_scores, tokens)``: gold-token log-probs along the backtracked best
     beam ``(T,)``, final cumulative scores ``(k,)`` and final beam sequences ``(k, T)``.
@@ -277,7 +279,11 @@ def reference_soft_beam_search(decoder, enc, target, k, epsilon):
         lprobs, new_state = decoder.step(inputs, state, enc_k)  # (k, V)
         golds.append(lprobs[:, target[t]])
         scores = (cum.unsqueeze(1) + lprobs).reshape(-1)
-        A = sorted_soft_topk(scores.unsqueeze(0), k, epsilon=epsilon, tol=1e-12)[0]  # (k*V, k)
+        step_epsilon = epsilon
+        if relative > 0:
+            best = sorted(scores.tolist(), reverse=True)[:k + 1]
+            step_epsilon = max(epsilon, relative * (best[0] - best[k]) / k)
+        A = sorted_soft_topk(scores.unsqueeze(0), k, epsilon=step_epsilon, tol=1e-12)[0]  # (k*V, k)
         next_inputs, next_states, pred, tok, next_cum = [], [], [], [], []
         for l in range(k):
             w = A[:, l].reshape(k, V)
@@ -328,6 +334,42 @@ def test_soft_mode_equals_the_papers_algorithm_written_out(rng, epsilon):
             if length == target.shape[1]:  # shorter sentences' final beams run on past their end
                 torch.testing.assert_close(out.final_scores[b], final, atol=1e-7, rtol=0)
                 assert out.tokens[b].tolist() == tokens
+
+
+@pytest.mark.parametrize("relative", [0.5, 2.0])
+def test_relative_epsilon_equals_the_written_out_algorithm_with_a_per_step_epsilon(rng, relative):
+    """``epsilon_relative``: per sentence and step, epsilon = max(epsilon, c * mean gap of the k + 1
+    best); values and gradients (the per-step epsilon a constant of the backward pass) against the
+    dense re-implementation run with that epsilon step by step."""
+    k, epsilon = 3, 0.05
+    target = torch.tensor([[2, 3, 4, 2, 5], [4, 4, 3, 5, 2]])
+    enc = torch.randn(2, 6, generator=rng, dtype=torch.float64)
+    decoder = TinyDecoder(6, seed=5).double()
+    out = run(decoder, enc, target, beam=k, mode="soft", epsilon=epsilon, tol=1e-10, epsilon_relative=relative)
+    fixed = run(decoder, enc, target, beam=k, mode="soft", epsilon=epsilon, tol=1e-10)
+    # the per-row epsilon makes the selection softer than the floor alone
+    assert float(out.sharpness.mean()) < float(fixed.sharpness.mean()) - 0.05
+    out.gold_lprobs.sum().backward()
+    grads = [p.grad.clone() for p in decoder.parameters()]
+    decoder.zero_grad()
+    total = 0.0
+    for b in range(2):
+        gold, final, tokens = reference_soft_beam_search(decoder, enc[b:b + 1], target[b].tolist(), k, epsilon,
+                                                         relative)
+        torch.testing.assert_close(out.gold_lprobs[b].detach(), gold.detach(), atol=1e-7, rtol=0)
+        torch.testing.assert_close(out.final_scores[b].detach(), final.detach(), atol=1e-7, rtol=0)
+        assert out.tokens[b].tolist() == tokens
+        total = total + gold.sum()
+    total.backward()
+    for ours, ref in zip(grads, [p.grad for p in decoder.parameters()]):
+        torch.testing.assert_close(ours, ref, atol=1e-6, rtol=1e-5)
+
+
+def test_relative_epsilon_needs_the_linear_cost():
+    with pytest.raises(ValueError, match="linear cost"):
+        BeamSearchConfig(epsilon_relative=0.5, cost="paper")
+    with pytest.raises(ValueError, match="epsilon_relative must be >= 0"):
+        BeamSearchConfig(epsilon_relative=-1.0)
 
 
 def test_near_ties_compares_the_gaps_among_the_k_plus_one_best_with_epsilon():

@@ -35,6 +35,7 @@ def build_model(dictionary, scale: float = 1.0) -> SoftTopKLSTMModel:
 
 def build_criterion(dictionary, **overrides) -> SoftBeamSearchCriterion:
     values = dict(train_beam=3, topk_epsilon=0.1, topk_epsilon_start=0.0, topk_epsilon_anneal_updates=0,
+                  topk_epsilon_relative=0.0,
                   topk_cost="linear", topk_tol=1e-8, topk_max_iter=50,
                   teacher_forcing_ratio=0.8, topk_mode="soft", candidate_pool=0, selection_grad="capped",
                   selection_grad_cap=1.0, label_smoothing=0.1, sentence_avg=False)
@@ -120,7 +121,10 @@ def test_sentence_avg_counts_sentences_and_p_one_skips_the_search(dictionary, rn
                                           ({"topk_epsilon_anneal_updates": 100}, "needs both"),
                                           ({"topk_epsilon_start": -1.0, "topk_epsilon_anneal_updates": 5}, ">= 0"),
                                           ({"topk_epsilon_start": 0.3, "topk_epsilon_anneal_updates": 5,
-                                            "topk_mode": "hard"}, "topk-mode soft")])
+                                            "topk_mode": "hard"}, "topk-mode soft"),
+                                          ({"topk_epsilon_relative": -0.5}, "epsilon-relative must be >= 0"),
+                                          ({"topk_epsilon_relative": 0.5, "topk_mode": "hard"}, "topk-mode soft"),
+                                          ({"topk_epsilon_relative": 0.5, "topk_cost": "paper"}, "topk-cost linear")])
 def test_bad_options_are_named(dictionary, bad, message):
     with pytest.raises(ValueError, match=message):
         build_criterion(dictionary, **bad)

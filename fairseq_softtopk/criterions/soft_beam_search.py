@@ -54,6 +54,11 @@ class SoftBeamSearchConfig(FairseqDataclass):
     topk_epsilon_anneal_updates: int = field(default=0, metadata={
         "help": "with --topk-epsilon-start: the number of updates over which epsilon goes from the start "
                 "value to --topk-epsilon (constant after)"})
+    topk_epsilon_relative: float = field(default=0.0, metadata={
+        "help": "epsilon relative to the local score gaps: per sentence and step, epsilon = max(--topk-epsilon, "
+                "this * the mean gap between consecutive scores of the k + 1 best candidates), so that steps whose "
+                "candidates are far apart keep a soft selection (and a selection gradient); needs --topk-cost "
+                "linear; 0 = a fixed epsilon"})
     topk_cost: ChoiceEnum(["linear", "sqeuclidean", "paper"]) = field(default="linear", metadata={
         "help": "cost scaling: linear (epsilon in nats, the same at any vocabulary size) or paper (squared "
                 "distance / its max: epsilon 0.1 selects nothing once there are thousands of candidates)"})
@@ -137,8 +142,8 @@ def smoothed_nll(gold_lprobs: torch.Tensor, sum_lprobs: torch.Tensor, mask: torc
 
 @register_criterion("soft_beam_search", dataclass=SoftBeamSearchConfig)
 class SoftBeamSearchCriterion(FairseqCriterion):
-    def __init__(self, task, train_beam, topk_epsilon, topk_epsilon_start, topk_epsilon_anneal_updates, topk_cost,
-                 topk_tol, topk_max_iter, teacher_forcing_ratio, topk_mode, candidate_pool, selection_grad,
+    def __init__(self, task, train_beam, topk_epsilon, topk_epsilon_start, topk_epsilon_anneal_updates,
+                 topk_epsilon_relative, topk_cost, topk_tol, topk_max_iter, teacher_forcing_ratio, topk_mode, candidate_pool, selection_grad,
                  selection_grad_cap, label_smoothing, sentence_avg):
         super().__init__(task)
         if not 0.0 <= teacher_forcing_ratio <= 1.0:
@@ -157,13 +162,19 @@ class SoftBeamSearchCriterion(FairseqCriterion):
                              f"(got {topk_epsilon_start} and {topk_epsilon_anneal_updates})")
         if topk_epsilon_start > 0 and str(topk_mode) != "soft":
             raise ValueError("--topk-epsilon-start is an option of --topk-mode soft")
+        if topk_epsilon_relative < 0:
+            raise ValueError(f"--topk-epsilon-relative must be >= 0, got {topk_epsilon_relative}")
+        if topk_epsilon_relative > 0 and (str(topk_mode) != "soft" or str(topk_cost) != "linear"):
+            raise ValueError("--topk-epsilon-relative is an option of --topk-mode soft with --topk-cost linear "
+                             f"(got --topk-mode {topk_mode} --topk-cost {topk_cost})")
         self.epsilon_schedule = (topk_epsilon_start, topk_epsilon_anneal_updates) if topk_epsilon_start > 0 else None
         # the cap is given relative to one gold token's gradient in the beam term, (1 - p); p = 1 runs no search
         unit = 1.0 - teacher_forcing_ratio if teacher_forcing_ratio < 1.0 else 1.0
         self.search = BeamSearchConfig(beam=train_beam, mode=str(topk_mode), epsilon=topk_epsilon,
                                        cost=str(topk_cost), tol=topk_tol, max_iter=topk_max_iter,
                                        candidate_pool=candidate_pool, selection_grad=str(selection_grad),
-                                       selection_grad_cap=selection_grad_cap * unit)
+                                       selection_grad_cap=selection_grad_cap * unit,
+                                       epsilon_relative=topk_epsilon_relative)
         self.p = teacher_forcing_ratio
         self.label_smoothing = label_smoothing
         #: set to a list to collect every selection-gradient norm (scripts/diagnose_beam_gradients.py)

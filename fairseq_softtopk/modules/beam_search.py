@@ -59,12 +59,18 @@ class BeamSearchConfig:
     candidate_pool: int = 0  # 0: all k*V candidates; m > 0: the m best by hard selection
     selection_grad: str = "full"  # soft mode: "full" | "capped" | "none" (module docstring)
     selection_grad_cap: float = 1.0  # "capped": largest gradient norm per sentence and step
+    epsilon_relative: float = 0.0  # > 0: per row, epsilon = max(epsilon, this * mean gap of the k+1 best)
 
     def __post_init__(self):
         if self.selection_grad not in SELECTION_GRADS:
             raise ValueError(f"selection_grad must be one of {SELECTION_GRADS}, got {self.selection_grad!r}")
         if self.selection_grad == "capped" and not self.selection_grad_cap > 0:
             raise ValueError(f"selection_grad_cap must be > 0, got {self.selection_grad_cap}")
+        if not self.epsilon_relative >= 0:
+            raise ValueError(f"epsilon_relative must be >= 0, got {self.epsilon_relative}")
+        if self.epsilon_relative > 0 and self.cost != "linear":
+            raise ValueError(f"epsilon_relative needs the linear cost (its epsilon is in units of the scores), "
+                             f"got cost {self.cost!r}")
 
     @property
     def grad_cap(self) -> float:
@@ -182,6 +188,24 @@ def mix_embeddings(embeddings: Tensor, tokens: Tensor, A: Tensor) -> Tensor:
     bags = tokens.unsqueeze(1).expand(batch, beam, m).reshape(batch * beam, m)
     weights = A.transpose(1, 2).reshape(batch * beam, m).to(embeddings.dtype)
     return torch.nn.functional.embedding_bag(bags, embeddings, mode="sum", per_sample_weights=weights)
+
+
+def relative_scale(top: Tensor, config: BeamSearchConfig) -> Optional[Tensor]:
+    """``(batch, 1)`` factors by which to divide the scores so that ``config.epsilon`` acts as
+    ``max(epsilon, epsilon_relative * g)`` per row, ``g`` the mean gap between consecutive scores
+    of the k + 1 best (``top``, sorted); ``None`` when the epsilon is not relative.
+
+    With the linear cost the selection depends on the scores only through ``scores / epsilon``,
+    so dividing a row by a factor is that row's epsilon multiplied by it. The factor is a
+    constant of the backward pass (it only sets the temperature). Rows whose k + 1 best are
+    far apart thus keep a soft selection (and a selection gradient) instead of a hard one; rows
+    with near ties keep ``epsilon``, the floor.
+    """
+    if config.epsilon_relative <= 0 or config.mode != "soft":
+        return None
+    gap = (top[:, :1] - top[:, -1:]) / max(top.shape[1] - 1, 1)
+    gap = torch.where(torch.isfinite(gap), gap, torch.zeros_like(gap))
+    return (config.epsilon_relative * gap / config.epsilon).clamp_min(1.0)
 
 
 def near_ties(scores: Tensor, top: Tensor, config: BeamSearchConfig) -> Tensor:
@@ -311,16 +335,19 @@ def unroll_beam_search(decoder, encoder_out, reorder_encoder_out: Callable, targ
             cum[:, 0] = 0.0
         scores = (cum.unsqueeze(-1) + lprobs).view(batch, k * V)  # candidate (i, j) -> i*V + j
         top = scores.detach().topk(min(k + 1, k * V), dim=-1).values
+        scale = relative_scale(top, config)
+        # the selection sees the rescaled scores (a per-row epsilon); the beams' scores stay as they are
+        sel_scores, sel_top = (scores, top) if scale is None else (scores / scale, top / scale)
         observe = None
         if grad_observer is not None:  # a sentence's last selection reaches no loss term: not live
             observe = functools.partial(_observe_step, grad_observer, t < lengths - 1)
-        cand, A, converged, n_iter = select_beams(scores, k, config, top[:, -1:], observe)
+        cand, A, converged, n_iter = select_beams(sel_scores, k, config, sel_top[:, -1:], observe)
         n_unconverged += int(not converged)
         newton_iters += n_iter
         best_cand = cand.gather(1, A.argmax(1))  # (B, k): the candidate each new beam follows
         cum = scores.gather(1, best_cand)
         records.append(StepRecord(best_cand // V, best_cand % V, cum, gold_lprobs, smooth_lprobs,
-                                  A.detach().amax(1), near_ties(scores.detach(), top, config)))
+                                  A.detach().amax(1), near_ties(sel_scores.detach(), sel_top, config)))
         # next inputs: mixed embeddings of the candidates' tokens; states: mixed predecessors
         with torch.profiler.record_function("softtopk::mix_beams"):
             inputs = mix_embeddings(embeddings, cand % V, A)
