@@ -381,3 +381,42 @@ def test_float32_logits_are_kept_where_their_rounding_is_below_the_tolerance(rng
     assert dtype_for(log_probs, 5, 0.03, 1e-4) == torch.float32
     assert dtype_for(torch.randn(20, 1000, generator=rng), 100, 0.1, 1e-5) == torch.float64
     assert dtype_for(torch.randn(20, 1000, generator=rng).double(), 100, 0.1, 1e-5) == torch.float64
+
+
+@pytest.mark.parametrize("banded", [False, True])
+def test_blocked_gram_equals_the_dense_product(rng, banded):
+    """banded_rank_gram against the dense product: on a solver's plan (banded: columns on a few
+    neighbouring ranks), and on a random plan with no band (every rank reached by every element),
+    with masked columns (zero plan) and a last block shorter than the others."""
+    from fairseq_softtopk.ops.semi_dual_newton import banded_rank_gram
+
+    k, n = 40, 1003
+    if banded:
+        x = torch.randn(3, n, generator=rng, dtype=torch.float64)
+        A = sorted_soft_topk(x, k, epsilon=0.05, tol=1e-12)  # (rows, n, k)
+        P = torch.cat([A.transpose(1, 2), (1 - A.sum(-1)).unsqueeze(1)], dim=1)
+        # the point of the blocks: most (element, rank) pairs are not reached
+        assert float((P[:, :k] > torch.finfo(P.dtype).eps / (k + 1)).double().mean()) < 0.25
+    else:
+        P = torch.rand(3, k + 1, n, generator=rng, dtype=torch.float64)
+        P /= P.sum(1, keepdim=True)
+    P[1, :, 500:] = 0.0  # a row with fewer elements (masked entries)
+    dense = torch.bmm(P[:, :k], P[:, :k].transpose(1, 2))
+    for max_blocks in (64, 7, 1):
+        torch.testing.assert_close(banded_rank_gram(P, k, max_blocks=max_blocks), dense, rtol=1e-13, atol=1e-15)
+
+
+def test_blocked_hessian_gives_the_same_operator_and_an_exact_gradient(rng, monkeypatch):
+    """From _BANDED_MIN_K on, the Newton Hessian and the backward's solve use banded_rank_gram:
+    forcing it at small k, the operator agrees with the dense path and passes gradcheck."""
+    from fairseq_softtopk.ops import semi_dual_newton
+
+    x = torch.randn(2, 30, generator=rng, dtype=torch.float64, requires_grad=True)
+    mask = torch.zeros(2, 30, dtype=torch.bool)
+    mask[1, :10] = True
+    dense = sorted_soft_topk(x, 6, epsilon=0.2, mask=mask, tol=1e-13)
+    monkeypatch.setattr(semi_dual_newton, "_BANDED_MIN_K", 2)
+    monkeypatch.setattr(semi_dual_newton, "_GRAM_MAX_BLOCKS", 5)
+    blocked = sorted_soft_topk(x, 6, epsilon=0.2, mask=mask, tol=1e-13)
+    torch.testing.assert_close(blocked, dense, rtol=0, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda v: sorted_soft_topk(v, 6, epsilon=0.2, mask=mask, tol=1e-14), (x,))

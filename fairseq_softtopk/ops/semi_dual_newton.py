@@ -48,7 +48,9 @@ _MAX_BIN_ITER = 8  # steps on the histogram (4-7 from the hard start in bench_op
 _RESCALE_STEPS = 4
 _RESCALE_GAIN = 8.0  # rescaling continues while each step divides the marginal error by this much
 _LOG2E, _LN2 = 1.0 / math.log(2.0), math.log(2.0)
-_WINDOW_GAP = 2.0  # first guess of the rank/rest boundary's distance below the (k+1)-th best, in epsilons
+_WINDOW_GAP = 2.0
+_BANDED_MIN_K = 300  # from this k on, the Hessian's Gram product is formed in blocks (banded_rank_gram)
+_GRAM_MAX_BLOCKS = 64  # first guess of the rank/rest boundary's distance below the (k+1)-th best, in epsilons
 
 
 def anchors(k: int, like: Tensor) -> Tensor:
@@ -73,12 +75,65 @@ def anchor_hessian(P: Tensor, k: int, no_rest: Optional[Tensor]) -> Tensor:
     Returns:
         ``(rows, k, k)`` float64.
     """
-    # the k rank rows of the Gram matrix only: (rows, k, k+1), a fresh tensor (modified in place)
-    off = torch.bmm(P[:, :k], P.transpose(1, 2)).double()
+    if k >= _BANDED_MIN_K:
+        # the rank-rank block from blocks of elements (O(n * band^2)), the rank-rest column directly (O(n * k))
+        rest = torch.bmm(P[:, :k], P[:, k:].transpose(1, 2)).double()
+        off = torch.cat([banded_rank_gram(P, k), rest], dim=-1)
+    else:
+        # the k rank rows of the Gram matrix only: (rows, k, k+1), a fresh tensor (modified in place)
+        off = torch.bmm(P[:, :k], P.transpose(1, 2)).double()
     off.diagonal(dim1=-2, dim2=-1).zero_()
     K = -off[:, :, :k]
     K.diagonal(dim1=-2, dim2=-1).copy_(off.sum(-1))
     return K if no_rest is None else K + no_rest.double()[:, None, None]
+
+
+def banded_rank_gram(P: Tensor, k: int, max_blocks: int = _GRAM_MAX_BLOCKS) -> Tensor:
+    """``G_rs = sum_i P_ri P_si`` over the ranks ``r, s < k``, ``(rows, k, k)`` float64, in
+    ``O(n * w^2)`` for plans whose columns are concentrated on ``w`` neighbouring ranks.
+
+    An element's column of the plan is a softmax over ranks of ``z_i y_r / eps + g_r``, which is
+    unimodal in ``r`` near the optimum (``g`` concave): each element puts its mass on a few
+    neighbouring ranks, and ``G`` is banded. The dense product costs ``n * k^2`` per row; here
+    the elements are ordered by the ranks they reach (entries above ``delta``, one ulp of the
+    dtype over ``k + 1``) and cut into at most ``max_blocks`` blocks, and each block adds its
+    product over the union of its elements' rank ranges only. Entries left out are below
+    ``delta`` by construction, so each ``G_rs`` changes by at most ``delta`` times a column sum
+    (at most 1 in count units): below the rounding of ``G``'s largest entries. Correct for any
+    plan (only the speed depends on the band); one host synchronisation (the blocks' ranges).
+
+    Args:
+        P: ``(rows, k + 1, n)`` plan, anchors first (the rest anchor last).
+    """
+    rows, _, n = P.shape
+    delta = torch.finfo(P.dtype).eps / (k + 1)
+    reached = (P[:, :k] > delta).to(torch.uint8)  # (rows, k, n)
+    any_reached = reached.amax(1).bool()  # (rows, n)
+    first = reached.argmax(1)  # the first maximum: the lowest rank reached
+    last = (k - 1) - reached.flip(1).argmax(1)
+    # order the elements by the middle of their rank range; elements reaching no rank go last
+    order = torch.where(any_reached, first + last, 2 * k).argsort(-1)
+    count = int(any_reached.sum(-1).max())
+    G = torch.zeros(rows, k, k, dtype=torch.float64, device=P.device)
+    if count == 0:
+        return G
+    block = max(64, -(-count // max_blocks))
+    n_blocks = -(-count // block)
+    order = order[:, : n_blocks * block] if n_blocks * block <= n else torch.nn.functional.pad(
+        order, (0, n_blocks * block - n), value=0)
+    in_range = torch.arange(n_blocks * block, device=P.device) < n  # padding repeats element 0: masked out
+    reached_o = any_reached.gather(1, order) & in_range
+    lo = torch.where(reached_o, first.gather(1, order), k).view(rows, n_blocks, block).amin(-1).amin(0)
+    hi = torch.where(reached_o, last.gather(1, order), -1).view(rows, n_blocks, block).amax(-1).amax(0) + 1
+    for b, (low, high) in enumerate(zip(lo.tolist(), hi.tolist())):
+        if high <= low:
+            continue
+        index = order[:, b * block:(b + 1) * block]
+        Pb = P[:, low:high].gather(2, index.unsqueeze(1).expand(-1, high - low, -1))
+        if b * block + block > n:  # the padded tail: zero the repeated columns
+            Pb = Pb * in_range[b * block:(b + 1) * block].to(P.dtype)
+        G[:, low:high, low:high] += torch.bmm(Pb, Pb.transpose(1, 2)).double()
+    return G
 
 
 def solve_ridged(K: Tensor, rhs: Tensor, precision: torch.dtype) -> Tensor:
