@@ -293,3 +293,58 @@ def test_an_empty_candidate_dimension_is_named():
     with pytest.raises(ValueError, match=r"dim must be an integer in \[-2, 1\]"):
         soft_topk(torch.randn(2, 5), 1, dim=2)
     assert soft_topk(torch.empty(0, 5), 2).shape == (0, 5)
+
+
+@pytest.mark.parametrize("cost, largest", [("linear", True), ("linear", False), ("paper", True)])
+def test_fixed_iterations_equal_the_default_solve(rng, cost, largest):
+    """``fixed_iterations=True`` (no host synchronisation): the same values and gradients as the
+    default solve wherever every row converges, with masked and excluded (infinite) entries."""
+    x = torch.randn(4, 300, generator=rng, dtype=torch.float64)
+    x[1, :50] = -math.inf if largest else math.inf
+    mask = torch.zeros_like(x, dtype=torch.bool)
+    mask[2, 100:] = True
+    weights = torch.randn(4, 300, generator=rng, dtype=torch.float64)
+    results = []
+    for fixed in (False, True):
+        v = x.clone().requires_grad_()
+        out, info = soft_topk(v, 7, epsilon=0.05, cost=cost, largest=largest, mask=mask, tol=1e-12, max_iter=40,
+                              return_info=True, fixed_iterations=fixed)
+        (out * weights).sum().backward()
+        results.append((out.detach(), v.grad, info))
+    (a, ga, info_a), (b, gb, info_b) = results
+    torch.testing.assert_close(b, a, rtol=0, atol=1e-12)
+    torch.testing.assert_close(gb, ga, rtol=0, atol=1e-9)
+    assert info_b.n_iter == 40 and info_a.n_iter < 40
+    assert isinstance(info_b.converged, torch.Tensor) and bool(info_b.converged)
+    assert float(info_b.marginal_error) <= 1e-12
+
+
+def test_fixed_iterations_report_a_miss_without_warning(rng):
+    x = torch.randn(3, 500, generator=rng)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, info = soft_topk(x, 5, epsilon=1.0, max_iter=1, return_info=True, fixed_iterations=True)
+    assert not bool(info.converged) and float(info.marginal_error) > 1e-5
+
+
+def test_fixed_iterations_compile_as_one_graph(rng):
+    """No graph break (a host read would be one), and torch.compile(fullgraph=True) gives the eager
+    values and gradients (aot_eager: traced forward and backward, no C++ compiler needed)."""
+    x = torch.randn(3, 200, generator=rng, dtype=torch.float64)
+    weights = torch.randn(3, 200, generator=rng, dtype=torch.float64)
+
+    def select(v):
+        return soft_topk(v, 4, epsilon=0.02, tol=1e-12, max_iter=30, fixed_iterations=True)
+
+    torch._dynamo.reset()
+    assert torch._dynamo.explain(select)(x).graph_break_count == 0
+    compiled = torch.compile(select, fullgraph=True, backend="aot_eager")
+    grads = []
+    for fn in (select, compiled):
+        v = x.clone().requires_grad_()
+        out = fn(v)
+        (out * weights).sum().backward()
+        grads.append((out.detach(), v.grad))
+    torch.testing.assert_close(grads[1][0], grads[0][0], rtol=0, atol=1e-14)
+    torch.testing.assert_close(grads[1][1], grads[0][1], rtol=0, atol=1e-12)
+    torch._dynamo.reset()

@@ -165,12 +165,16 @@ def check_inputs(scores: Tensor, k: int, epsilon: float, mask: Optional[Tensor],
 
 
 def prepare_scores(scores: Tensor, k: int, dim: int, largest: bool, epsilon: float,
-                   mask: Optional[Tensor], cost: str, n_anchor_steps: int) -> PreparedScores:
+                   mask: Optional[Tensor], cost: str, n_anchor_steps: int, checks: bool = True) -> PreparedScores:
     """Flattens ``scores`` to rows along ``dim``, checks the data and computes ``eps_eff``.
 
     Args:
         scores: ``(*, n, *)`` floating scores, ``n`` along ``dim``.
         n_anchor_steps: ``A``, the largest anchor (1 for top-k, k for sorted top-k).
+        checks: look at the data (NaN, infinities, valid counts, extreme magnitudes), which
+            reads values on the host. False (the fixed-iteration solvers): no host
+            synchronisation; the losing infinity is still excluded, nothing is checked or
+            rescaled (NaN gives NaN, a row with fewer than k valid entries gives no error).
 
     Raises:
         ValueError: NaN scores, the winning infinity (``+inf`` with ``largest=True``), or fewer
@@ -179,6 +183,8 @@ def prepare_scores(scores: Tensor, k: int, dim: int, largest: bool, epsilon: flo
     x = scores.detach().movedim(dim, -1)
     n = x.shape[-1]
     x = x.reshape(-1, n).to(working_dtype(scores.dtype))
+    if not checks:
+        return _prepare_unchecked(x, k, n, largest, epsilon, mask, dim, cost, n_anchor_steps)
     # The common case, every score finite, in one reduction: a sum is finite only if no entry is
     # NaN or infinite (if it overflows, the entry-wise checks below decide).
     finite = bool(torch.isfinite(x.sum())) or bool(torch.isfinite(x).all())
@@ -221,6 +227,25 @@ def prepare_scores(scores: Tensor, k: int, dim: int, largest: bool, epsilon: flo
         z = torch.where(valid, z, torch.zeros_like(z))
     return PreparedScores(z=z, valid=valid, n_valid=n_valid.to(x.dtype), eps=eps, sign=sign, top=top - centre,
                           top_index=top_index, all_valid=all_valid, scale=scale)
+
+
+def _prepare_unchecked(x: Tensor, k: int, n: int, largest: bool, epsilon: float, mask: Optional[Tensor], dim: int,
+                       cost: str, n_anchor_steps: int) -> PreparedScores:
+    """:func:`prepare_scores` without host synchronisation (``checks=False``): the same centred rows."""
+    losing_inf = -float("inf") if largest else float("inf")
+    valid = x != losing_inf
+    if mask is not None:
+        valid = valid & ~mask.detach().movedim(dim, -1).reshape(-1, n)
+    x = torch.where(valid, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    eps = effective_epsilon(x, valid, epsilon, cost, n_anchor_steps)
+    sign = 1.0 if largest else -1.0
+    z = sign * x
+    top_index = hard_topk_indices(z, min(k + 1, n), valid, largest=True)
+    top = z.gather(-1, top_index)
+    centre = 0.5 * (top[:, :1] + top[:, -1:])
+    z = torch.where(valid, z - centre, torch.zeros_like(z))
+    return PreparedScores(z=z, valid=valid, n_valid=valid.sum(-1).to(x.dtype), eps=eps, sign=sign, top=top - centre,
+                          top_index=top_index, all_valid=False, scale=None)
 
 
 def _in_safe_range(x: Tensor, eps: Tensor, n_anchor_steps: int) -> bool:
