@@ -420,3 +420,59 @@ def test_blocked_hessian_gives_the_same_operator_and_an_exact_gradient(rng, monk
     blocked = sorted_soft_topk(x, 6, epsilon=0.2, mask=mask, tol=1e-13)
     torch.testing.assert_close(blocked, dense, rtol=0, atol=1e-12)
     assert torch.autograd.gradcheck(lambda v: sorted_soft_topk(v, 6, epsilon=0.2, mask=mask, tol=1e-14), (x,))
+
+
+@pytest.mark.parametrize("dtype, epsilon", [(torch.float64, 1.0), (torch.float64, 0.05), (torch.float32, 0.02)])
+def test_fixed_iterations_equal_the_default_solve(rng, dtype, epsilon):
+    """``fixed_iterations=True`` (no host synchronisation, all entries, float64 logits): the default
+    solve's values and gradients wherever every row converges, with masked and -inf entries and a
+    row with exactly k valid entries (no rest anchor)."""
+    x = torch.randn(5, 300, generator=rng, dtype=torch.float64).to(dtype)
+    x[1, :100] = -math.inf
+    mask = torch.zeros_like(x, dtype=torch.bool)
+    mask[3, 4:] = True  # k valid entries
+    weights = torch.randn(5, 300, 4, generator=rng, dtype=torch.float64).to(dtype)
+    tol = 1e-11 if dtype == torch.float64 else 1e-5
+    results = []
+    for fixed in (False, True):
+        v = x.clone().requires_grad_()
+        out, info = sorted_soft_topk(v, 4, epsilon=epsilon, mask=mask, tol=tol, max_iter=20, return_info=True,
+                                     fixed_iterations=fixed)
+        (out * weights).sum().backward()
+        results.append((out.detach().double(), v.grad.double(), info))
+    (a, ga, info_a), (b, gb, info_b) = results
+    assert info_a.converged and bool(info_b.converged) and info_b.n_iter == 20
+    close = 1e-9 if dtype == torch.float64 else 2e-5
+    torch.testing.assert_close(b, a, rtol=0, atol=close)
+    assert float((gb - ga).norm() / ga.norm()) <= close
+
+
+def test_fixed_iterations_report_a_miss_without_warning(rng):
+    x = torch.randn(3, 400, generator=rng)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, info = sorted_soft_topk(x, 5, epsilon=0.5, max_iter=1, return_info=True, fixed_iterations=True)
+    assert not bool(info.converged) and float(info.marginal_error) > 1e-5
+
+
+def test_fixed_iterations_compile_as_one_graph(rng):
+    """No graph break, and torch.compile(fullgraph=True) (aot_eager: forward and backward traced)
+    gives the eager values and gradients."""
+    x = torch.randn(3, 200, generator=rng, dtype=torch.float64)
+    weights = torch.randn(3, 200, 4, generator=rng, dtype=torch.float64)
+
+    def select(v):
+        return sorted_soft_topk(v, 4, epsilon=0.05, tol=1e-12, max_iter=12, fixed_iterations=True)
+
+    torch._dynamo.reset()
+    assert torch._dynamo.explain(select)(x).graph_break_count == 0
+    compiled = torch.compile(select, fullgraph=True, backend="aot_eager")
+    results = []
+    for fn in (select, compiled):
+        v = x.clone().requires_grad_()
+        out = fn(v)
+        (out * weights).sum().backward()
+        results.append((out.detach(), v.grad))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=0, atol=1e-14)
+    torch.testing.assert_close(results[1][1], results[0][1], rtol=0, atol=1e-12)
+    torch._dynamo.reset()

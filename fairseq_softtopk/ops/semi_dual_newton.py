@@ -58,7 +58,7 @@ def anchors(k: int, like: Tensor) -> Tensor:
     return torch.arange(k, -1, -1, dtype=like.dtype, device=like.device)
 
 
-def anchor_hessian(P: Tensor, k: int, no_rest: Optional[Tensor]) -> Tensor:
+def anchor_hessian(P: Tensor, k: int, no_rest: Optional[Tensor], blocked: bool = True) -> Tensor:
     """``K = sum_i (diag(P_i) - P_i P_i^T)`` over the first k anchors, in float64.
 
     With ``G = P P^T`` (Gram matrix over all k+1 anchors), the off-diagonal entries are
@@ -72,10 +72,12 @@ def anchor_hessian(P: Tensor, k: int, no_rest: Optional[Tensor]) -> Tensor:
     Args:
         P: ``(rows, k + 1, n)`` plan in count units, anchors first (columns sum to 1 or 0).
         no_rest: ``(rows,)`` bool, or None where every row has a rest anchor.
+        blocked: allow :func:`banded_rank_gram` (from ``k >= 300``; it reads its blocks' rank
+            ranges on the host); False keeps the dense product (the fixed-iteration solver).
     Returns:
         ``(rows, k, k)`` float64.
     """
-    if k >= _BANDED_MIN_K:
+    if blocked and k >= _BANDED_MIN_K:
         # the rank-rank block from blocks of elements (O(n * band^2)), the rank-rest column directly (O(n * k))
         rest = torch.bmm(P[:, :k], P[:, k:].transpose(1, 2)).double()
         off = torch.cat([banded_rank_gram(P, k), rest], dim=-1)
@@ -217,8 +219,9 @@ class _SemiDual:
     is elementwise across ``k+1`` contiguous vectors and the sums over elements are contiguous.
     """
 
-    def __init__(self, problem: _Problem, tol: float):
+    def __init__(self, problem: _Problem, tol: float, fixed: bool = False):
         z, n_valid, k = problem.z, problem.n_valid, problem.k
+        self.fixed = fixed  # no host synchronisation (fixed_newton_solve)
         self.k = k
         self.dtype = z.dtype
         self.cut = _subnormal_cut(z.dtype, k)
@@ -227,13 +230,14 @@ class _SemiDual:
         # and formed by one rank-1 baddbmm per evaluation, not from a stored (rows, k+1, n)
         # product: one large allocation less (each costs page faults on CPUs). They are formed in
         # float64 where the dtype's rounding would decide the marginals (:func:`_logit_dtype`).
-        logit_dtype = _logit_dtype(problem, tol)
+        # (without reading the data, float64 wherever the dtype's rounding could matter)
+        logit_dtype = torch.float64 if fixed else _logit_dtype(problem, tol)
         self.z = z.unsqueeze(1).to(logit_dtype)  # (rows, 1, n)
         self.y_eps2 = (anchors(k, self.z) * (_LOG2E / problem.eps.to(logit_dtype))).unsqueeze(-1)  # (rows, k+1, 1)
         self.no_rest = problem.no_rest
         # Per-evaluation work on (rows, k+1) tensors is a handful of small ops: constants made here.
         self.rest_bias = None
-        if bool(self.no_rest.any()):  # rows with exactly k entries have no rest anchor
+        if fixed or bool(self.no_rest.any()):  # rows with exactly k entries have no rest anchor
             self.rest_bias = torch.zeros(z.shape[0], k + 1, dtype=torch.float64, device=z.device)
             self.rest_bias[:, k] = torch.where(self.no_rest, -math.inf, 0.0)
         self.target = torch.ones(z.shape[0], k + 1, dtype=torch.float64, device=z.device)
@@ -270,7 +274,7 @@ class _SemiDual:
     def hessian(self, P: Tensor) -> Tensor:
         """:func:`anchor_hessian` of the plan returned by :meth:`evaluate`."""
         no_rest = None if self.rest_bias is None else self.no_rest  # None: every row has a rest anchor
-        return anchor_hessian(P, self.k, no_rest)
+        return anchor_hessian(P, self.k, no_rest, blocked=not self.fixed)
 
 
 def _logit_dtype(problem: _Problem, tol: float) -> torch.dtype:
@@ -531,6 +535,54 @@ def newton_solve(prep: PreparedScores, k: int, tol: float, max_iter: int) -> Tup
         cut = cut + (margin - _WINDOW_GAP).to(z.dtype) * eps  # widen the window and solve again
     solved, n_iter = _solve_rows(problem, g, tol, max_iter - used, warm_start=used < max_iter)
     return solved.P, _info(solved.err, used + n_iter, tol)
+
+
+def fixed_newton_solve(prep: PreparedScores, k: int, tol: float, max_iter: int) -> Tuple[Tensor, SolverInfo]:
+    """:func:`newton_solve` without host synchronisation: exactly ``max_iter`` iterations on all
+    ``n`` elements (no candidate windows, no histogram start), for CUDA graphs and
+    ``torch.compile(fullgraph=True)``. Returns the plan ``(rows, k + 1, n)`` and an info whose
+    ``converged`` and ``marginal_error`` are 0-dim tensors.
+
+    The same steps as :func:`_maximise`, each decided per row on the device: up to
+    :data:`_RESCALE_STEPS` Sinkhorn-like rescalings (at most half of ``max_iter``; kept where they
+    lower the error, stopped per row as in :func:`_rescale`), then Newton steps whose line search is spread over the
+    iterations: a trial at the row's step length ``alpha`` is kept if it lowers the marginal
+    error or passes Armijo's test; ``alpha`` doubles (up to 1) after a kept step and halves
+    after a rejected one. Rows within ``tol`` stop moving, so the result of a converged call is
+    the default solver's up to the tolerance. The plan's logits are formed in float64 (the rule
+    that decides it otherwise reads the data).
+    """
+    problem = _Problem.prepared(prep, k)
+    dual = _SemiDual(problem, tol, fixed=True)
+    g = _hard_start(problem.top, problem.no_rest, problem.eps, k)
+    point = dual.evaluate(g)
+    going = point.err > 1.0
+    n_rescale = min(_RESCALE_STEPS, max_iter // 2)  # steps, as counted by the default solver: at least half Newton
+    for _ in range(n_rescale):
+        step = torch.where(going.unsqueeze(-1), _rescaling_step(dual.target, point.counts, k, dual.no_rest), 0.0)
+        trial = dual.evaluate(point.g + torch.nn.functional.pad(step, (0, 1)))
+        better = going & (trial.err < point.err)
+        going = better & (trial.err * _RESCALE_GAIN <= point.err) & (trial.err > tol)
+        point = _take(better, trial, point)
+    alpha = torch.ones_like(point.err).unsqueeze(-1)  # (rows, 1)
+    for _ in range(max_iter - n_rescale):
+        active = point.err > tol
+        grad = (dual.target - point.counts)[:, :k]
+        step = solve_ridged(dual.hessian(point.P), grad, point.P.dtype).nan_to_num_(0.0, 0.0, 0.0)
+        step = torch.nn.functional.pad(step * alpha, (0, 1))  # g_k stays 0
+        trial = dual.evaluate(point.g + step)
+        slope = (grad * step[:, :k]).sum(-1)
+        ok = active & ((trial.err < point.err) |
+                       (dual.objective(trial) >= dual.objective(point) + _ARMIJO * slope))
+        point = _take(ok, trial, point)
+        alpha = torch.where(ok.unsqueeze(-1), (2.0 * alpha).clamp_max(1.0), 0.5 * alpha)
+    max_err = point.err.amax() if point.err.numel() else point.err.new_zeros(())
+    return point.P, SolverInfo(converged=max_err <= tol, n_iter=max_iter, marginal_error=max_err)
+
+
+def _take(take: Tensor, trial: _Point, current: _Point) -> _Point:
+    """``trial`` in the ``take`` rows (``(rows,)`` bool), ``current`` elsewhere, without a host read."""
+    return _Point(*(torch.where(take.view(-1, *[1] * (new.dim() - 1)), new, old) for new, old in zip(trial, current)))
 
 
 def _solve_rows(problem: _Problem, g: Tensor, tol: float, max_iter: int,

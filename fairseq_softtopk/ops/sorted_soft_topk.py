@@ -25,22 +25,23 @@ from torch import Tensor
 
 from ._common import (SolverInfo, check_inputs, hard_topk_indices, oriented_rows, prepare_scores, restore_shape,
                       warn_if_unconverged)
-from .semi_dual_newton import anchor_hessian, anchors, newton_solve, solve_ridged
+from .semi_dual_newton import anchor_hessian, anchors, fixed_newton_solve, newton_solve, solve_ridged
 
 
 class SortedSoftTopKFunction(torch.autograd.Function):
     """Sorted soft top-k from a solved plan; backward by implicit differentiation (O(nk))."""
 
     @staticmethod
-    def forward(z: Tensor, P: Tensor, eps: Tensor, no_rest: Tensor) -> Tensor:
+    def forward(z: Tensor, P: Tensor, eps: Tensor, no_rest: Tensor, blocked: bool = True) -> Tensor:
         # (rows, n, k) as a transposed view of the plan's rank rows: a contiguous copy of the
         # largest tensor of the forward pass would cost more than the whole backward's reductions
         return P[:, :-1].transpose(1, 2)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        _, P, eps, no_rest = inputs
+        _, P, eps, no_rest, *blocked = inputs
         ctx.save_for_backward(P, eps, no_rest)
+        ctx.blocked = blocked[0] if blocked else True  # the Hessian's blocked Gram product (host reads)
 
     @staticmethod
     def backward(ctx, grad_output: Tensor):
@@ -52,12 +53,12 @@ class SortedSoftTopKFunction(torch.autograd.Function):
         #             and u = K^{-1} b (k x k solve): eps * dL/dz_i -= sum_r P_ir y_r u_r - ybar_i sum_r P_ir u_r.
         P, eps, no_rest = ctx.saved_tensors  # P: (rows, k+1, n)
         if not ctx.needs_input_grad[0]:
-            return None, None, None, None
+            return None, None, None, None, None
         with torch.profiler.record_function("softtopk::sorted_soft_topk_backward"):
-            return SortedSoftTopKFunction._vjp(P, eps, no_rest, grad_output), None, None, None
+            return SortedSoftTopKFunction._vjp(P, eps, no_rest, grad_output, ctx.blocked), None, None, None, None
 
     @staticmethod
-    def _vjp(P: Tensor, eps: Tensor, no_rest: Tensor, grad_output: Tensor) -> Tensor:
+    def _vjp(P: Tensor, eps: Tensor, no_rest: Tensor, grad_output: Tensor, blocked: bool = True) -> Tensor:
         """``dL/dz`` ``(rows, n)`` from ``dL/dA`` ``(rows, n, k)`` (see :meth:`backward`)."""
         k = P.shape[1] - 1
         P_ranks = P[:, :k]  # G is 0 on the rest anchor: only the rank rows enter the sums
@@ -67,7 +68,7 @@ class SortedSoftTopKFunction(torch.autograd.Function):
         G_bar, yPG = torch.bmm(torch.cat([torch.ones_like(y), y], dim=1), PG).unbind(1)  # (rows, n) each
         # b in the precision of the plan: float32 sums over n are cascaded, the k x k solve is float64
         b = PG.sum(-1).double() - torch.bmm(P_ranks, G_bar.unsqueeze(-1)).squeeze(-1).double()
-        u = solve_ridged(anchor_hessian(P, k, no_rest), b, P.dtype).to(P.dtype)  # (rows, k)
+        u = solve_ridged(anchor_hessian(P, k, no_rest, blocked), b, P.dtype).to(P.dtype)  # (rows, k)
         y_bar, Pyu, Pu = torch.bmm(torch.cat([y, y * u.unsqueeze(1), u.unsqueeze(1)], dim=1), P_ranks).unbind(1)
         # (direct - implicit) with direct = yPG - G_bar y_bar and implicit = Pyu - y_bar Pu
         grad = yPG.sub_(Pyu).sub_(y_bar.mul_(G_bar.sub_(Pu)))
@@ -76,7 +77,8 @@ class SortedSoftTopKFunction(torch.autograd.Function):
 
 def sorted_soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = True, epsilon: float = 0.1,
                      mask: Optional[Tensor] = None, tol: float = 1e-5, max_iter: int = 50,
-                     cost: str = "linear", hard: bool = False, return_info: bool = False, warn: bool = True):
+                     cost: str = "linear", hard: bool = False, return_info: bool = False, warn: bool = True,
+                     fixed_iterations: bool = False):
     """Sorted SOFT top-k: a smoothed "which element has rank r" for the k best ranks.
 
     The hard counterpart is the permutation slice ``P[i, r] = 1`` iff ``i ==
@@ -107,6 +109,15 @@ def sorted_soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = T
         return_info: also return a :class:`SolverInfo`.
         warn: emit a :class:`SoftTopKConvergenceWarning` when the solve misses ``tol``
             (``info.converged`` False); False for callers that check ``info.converged`` themselves.
+        fixed_iterations: exactly ``max_iter`` iterations (rescaling and Newton steps, each one
+            plan evaluation and, for Newton, one k x k solve) on all n entries, with on-device
+            convergence masks and no host synchronisation, so that the call can be captured by
+            CUDA graphs and compiled with ``torch.compile(fullgraph=True)``. The data are not
+            checked or rescaled (as :func:`~fairseq_softtopk.ops.soft_topk`'s option), no
+            warning is emitted, ``info``'s ``converged`` and ``marginal_error`` are 0-dim
+            tensors, and the plan's logits are formed in float64. Converged rows stop moving:
+            where every row converges the result is the default's up to ``tol``. A budget of
+            10-20 suits k <= 10 (the default solve takes 2-8); every iteration is paid for.
 
     Returns:
         ``(*, n, *, k)`` tensor in ``scores``' dtype: the rank dimension is appended last and
@@ -122,16 +133,19 @@ def sorted_soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = T
     check_inputs(scores, k, epsilon, mask, cost, tol, max_iter, dim)
     # a named range for torch.profiler (scripts/bench_train.py reads it)
     with torch.profiler.record_function("softtopk::sorted_soft_topk"):
-        prep = prepare_scores(scores, k, dim, largest, epsilon, mask, cost, n_anchor_steps=k)
+        prep = prepare_scores(scores, k, dim, largest, epsilon, mask, cost, n_anchor_steps=k,
+                              checks=not fixed_iterations)
         if hard:
             idx = hard_topk_indices(prep.z, k, prep.valid, largest=True)  # (rows, k)
             out = torch.zeros(*prep.z.shape, k, dtype=prep.z.dtype, device=prep.z.device)  # (rows, n, k)
             out.scatter_(1, idx.unsqueeze(1), 1.0)
             info = SolverInfo(True, 0, 0.0)
         else:
-            P, info = newton_solve(prep, k, tol, max_iter)
-            out = SortedSoftTopKFunction.apply(oriented_rows(scores, dim, prep), P, prep.grad_eps, prep.n_valid == k)
+            solve = fixed_newton_solve if fixed_iterations else newton_solve
+            P, info = solve(prep, k, tol, max_iter)
+            out = SortedSoftTopKFunction.apply(oriented_rows(scores, dim, prep), P, prep.grad_eps, prep.n_valid == k,
+                                               not fixed_iterations)
         out = restore_shape(out, scores, dim, extra=(k,)).to(scores.dtype)
-    if warn:
+    if warn and not fixed_iterations:
         warn_if_unconverged(info, "sorted_soft_topk", tol, max_iter)
     return (out, info) if return_info else out
