@@ -237,7 +237,7 @@ def evaluate_run(run_dir: Path, data_bin: Path, ref_dir: Optional[Path], eval_cf
         logger.info("evaluating %s on %s (%d sentences)", run_dir, subset, n)
         subsets[subset] = evaluate_checkpoint(
             str(data_bin), str(run_dir / "checkpoint_last.pt"), reference_file(ref_dir, subset, pair[1], n),
-            subset=subset, beam=eval_cfg.get("beam", 5), batch_size=eval_cfg.get("batch_size", 64),
+            subset=subset, beam=eval_cfg.get("beam", 5), batch_size=eval_cfg.get("batch_size"),
             post_process=eval_cfg.get("post_process"), detok_lang=eval_cfg.get("detok_lang"),
             hyp_out=str(run_dir / f"{subset}.hyp"), extra_args=flags_to_args(eval_cfg.get("generate") or {}),
             keep_hypotheses=True)

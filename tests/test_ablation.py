@@ -296,6 +296,29 @@ def _fake_eval(hypotheses, references):
             "references": references}
 
 
+@pytest.mark.parametrize("cuda, expected", [(False, ["--batch-size", "64", "--cpu"]), (True, ["--batch-size", "256"])])
+def test_generation_batch_defaults_to_the_device(monkeypatch, cuda, expected):
+    """fairseq-generate gets 64 sentences a batch on a CPU and 256 on a GPU unless told."""
+    import subprocess
+
+    import evaluate
+
+    calls = []
+
+    def fake_run(command, **kwargs):
+        calls.append([str(arg) for arg in command])
+        return subprocess.CompletedProcess(command, 0, stdout="", stderr="")
+
+    monkeypatch.setattr(evaluate, "_has_cuda", lambda: cuda)
+    monkeypatch.setattr(evaluate.subprocess, "run", fake_run)
+    evaluate.run_fairseq_generate("bin", "ckpt.pt")
+    evaluate.run_fairseq_generate("bin", "ckpt.pt", batch_size=8)
+    first, second = calls
+    at = first.index("--batch-size")
+    assert first[at:at + 2] == expected[:2] and ("--cpu" in first) == (not cuda)
+    assert second[second.index("--batch-size") + 1] == "8"
+
+
 def test_summary_over_seeds_mean_spread_and_per_seed_bootstrap(synthetic_corpus):
     """Two seeds, two arms, without fairseq: the report's numbers come from the per-seed scores."""
     refs, base, better, other = synthetic_corpus
