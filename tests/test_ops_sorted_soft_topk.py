@@ -406,20 +406,52 @@ def test_blocked_gram_equals_the_dense_product(rng, banded):
         torch.testing.assert_close(banded_rank_gram(P, k, max_blocks=max_blocks), dense, rtol=1e-13, atol=1e-15)
 
 
+@pytest.mark.parametrize("k, band", [(50, 7), (53, 9), (20, 10), (12, 1)])
+def test_block_tridiagonal_solve_equals_the_dense_solve(rng, k, band):
+    """Banded symmetric positive definite systems (entries vanish ``band`` or more off the
+    diagonal), blocks that do not divide k, and the band read back from the matrix."""
+    from fairseq_softtopk.ops.semi_dual_newton import _band_width, block_tridiagonal_solve
+
+    offsets = torch.arange(k)
+    inside = (offsets.unsqueeze(0) - offsets.unsqueeze(1)).abs() < (band + 1) // 2
+    half = torch.randn(3, k, k, generator=rng, dtype=torch.float64) * inside
+    K = half @ half.transpose(1, 2) + 0.1 * torch.eye(k, dtype=torch.float64)
+    rhs = torch.randn(3, k, generator=rng, dtype=torch.float64)
+    width = _band_width(K)
+    assert width <= band
+    dense = torch.linalg.solve(K, rhs.unsqueeze(-1)).squeeze(-1)
+    for w in {width, width + 3, k}:
+        torch.testing.assert_close(block_tridiagonal_solve(K, rhs, w), dense, rtol=1e-10, atol=1e-12)
+
+
 def test_blocked_hessian_gives_the_same_operator_and_an_exact_gradient(rng, monkeypatch):
-    """From _BANDED_MIN_K on, the Newton Hessian and the backward's solve use banded_rank_gram:
-    forcing it at small k, the operator agrees with the dense path and passes gradcheck."""
+    """From _BANDED_MIN_K on, the Newton Hessian and the backward's solve use banded_rank_gram and
+    block_tridiagonal_solve: forced at k = 30 (small blocks of elements, evenly spread scores, so
+    that the Hessian is banded), the operator agrees with the dense path and passes gradcheck,
+    and the block solve did run in the forward and the backward pass."""
     from fairseq_softtopk.ops import semi_dual_newton
 
-    x = torch.randn(2, 30, generator=rng, dtype=torch.float64, requires_grad=True)
-    mask = torch.zeros(2, 30, dtype=torch.bool)
+    n, k, epsilon = 100, 30, 0.015
+    x = torch.linspace(-3, 3, n, dtype=torch.float64).expand(2, n) + 0.01 * torch.randn(2, n, generator=rng,
+                                                                                         dtype=torch.float64)
+    x = x[:, torch.randperm(n, generator=rng)].clone().requires_grad_()
+    mask = torch.zeros(2, n, dtype=torch.bool)
     mask[1, :10] = True
-    dense = sorted_soft_topk(x, 6, epsilon=0.2, mask=mask, tol=1e-13)
+    dense = sorted_soft_topk(x, k, epsilon=epsilon, mask=mask, tol=1e-13)
+    assert float(dense.detach().amax(-2).min()) < 0.9  # a soft selection: the gradient is not negligible
     monkeypatch.setattr(semi_dual_newton, "_BANDED_MIN_K", 2)
-    monkeypatch.setattr(semi_dual_newton, "_GRAM_MAX_BLOCKS", 5)
-    blocked = sorted_soft_topk(x, 6, epsilon=0.2, mask=mask, tol=1e-13)
+    monkeypatch.setattr(semi_dual_newton, "_GRAM_MIN_BLOCK", 4)
+    solves = []
+    block_solve = semi_dual_newton.block_tridiagonal_solve
+    monkeypatch.setattr(semi_dual_newton, "block_tridiagonal_solve",
+                        lambda K, rhs, width: solves.append(width) or block_solve(K, rhs, width))
+    blocked = sorted_soft_topk(x, k, epsilon=epsilon, mask=mask, tol=1e-13)
     torch.testing.assert_close(blocked, dense, rtol=0, atol=1e-12)
-    assert torch.autograd.gradcheck(lambda v: sorted_soft_topk(v, 6, epsilon=0.2, mask=mask, tol=1e-14), (x,))
+    forward_solves = len(solves)
+    blocked.sum(-1).pow(2).sum().backward()
+    assert forward_solves > 0 and len(solves) > forward_solves and max(solves) <= k // 2
+    assert torch.autograd.gradcheck(lambda v: sorted_soft_topk(v, k, epsilon=epsilon, mask=mask, tol=1e-13), (x,),
+                                    fast_mode=True)
 
 
 @pytest.mark.parametrize("dtype, epsilon", [(torch.float64, 1.0), (torch.float64, 0.05), (torch.float32, 0.02)])

@@ -143,8 +143,8 @@ def smoothed_nll(gold_lprobs: torch.Tensor, sum_lprobs: torch.Tensor, mask: torc
 @register_criterion("soft_beam_search", dataclass=SoftBeamSearchConfig)
 class SoftBeamSearchCriterion(FairseqCriterion):
     def __init__(self, task, train_beam, topk_epsilon, topk_epsilon_start, topk_epsilon_anneal_updates,
-                 topk_epsilon_relative, topk_cost, topk_tol, topk_max_iter, teacher_forcing_ratio, topk_mode, candidate_pool, selection_grad,
-                 selection_grad_cap, label_smoothing, sentence_avg):
+                 topk_epsilon_relative, topk_cost, topk_tol, topk_max_iter, teacher_forcing_ratio, topk_mode,
+                 candidate_pool, selection_grad, selection_grad_cap, label_smoothing, sentence_avg):
         super().__init__(task)
         if not 0.0 <= teacher_forcing_ratio <= 1.0:
             raise ValueError(f"--teacher-forcing-ratio must be in [0, 1], got {teacher_forcing_ratio}")

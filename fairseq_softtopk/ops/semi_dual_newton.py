@@ -49,8 +49,10 @@ _RESCALE_STEPS = 4
 _RESCALE_GAIN = 8.0  # rescaling continues while each step divides the marginal error by this much
 _LOG2E, _LN2 = 1.0 / math.log(2.0), math.log(2.0)
 _WINDOW_GAP = 2.0
-_BANDED_MIN_K = 300  # from this k on, the Hessian's Gram product is formed in blocks (banded_rank_gram)
-_GRAM_MAX_BLOCKS = 64  # first guess of the rank/rest boundary's distance below the (k+1)-th best, in epsilons
+# from this k on, the Hessian is formed (banded_rank_gram) and solved (block_tridiagonal_solve) in blocks
+_BANDED_MIN_K = 200
+_GRAM_MAX_BLOCKS = 64
+_GRAM_MIN_BLOCK = 64  # elements: smaller blocks cost more in dispatch than they save  # first guess of the rank/rest boundary's distance below the (k+1)-th best, in epsilons
 
 
 def anchors(k: int, like: Tensor) -> Tensor:
@@ -72,8 +74,9 @@ def anchor_hessian(P: Tensor, k: int, no_rest: Optional[Tensor], blocked: bool =
     Args:
         P: ``(rows, k + 1, n)`` plan in count units, anchors first (columns sum to 1 or 0).
         no_rest: ``(rows,)`` bool, or None where every row has a rest anchor.
-        blocked: allow :func:`banded_rank_gram` (from ``k >= 300``; it reads its blocks' rank
-            ranges on the host); False keeps the dense product (the fixed-iteration solver).
+        blocked: allow :func:`banded_rank_gram` (from ``k >=`` :data:`_BANDED_MIN_K`; it reads
+            its blocks' rank ranges on the host); False keeps the dense product (the
+            fixed-iteration solver).
     Returns:
         ``(rows, k, k)`` float64.
     """
@@ -119,7 +122,7 @@ def banded_rank_gram(P: Tensor, k: int, max_blocks: int = _GRAM_MAX_BLOCKS) -> T
     G = torch.zeros(rows, k, k, dtype=torch.float64, device=P.device)
     if count == 0:
         return G
-    block = max(64, -(-count // max_blocks))
+    block = max(_GRAM_MIN_BLOCK, -(-count // max_blocks))
     n_blocks = -(-count // block)
     order = order[:, : n_blocks * block] if n_blocks * block <= n else torch.nn.functional.pad(
         order, (0, n_blocks * block - n), value=0)
@@ -138,7 +141,7 @@ def banded_rank_gram(P: Tensor, k: int, max_blocks: int = _GRAM_MAX_BLOCKS) -> T
     return G
 
 
-def solve_ridged(K: Tensor, rhs: Tensor, precision: torch.dtype) -> Tensor:
+def solve_ridged(K: Tensor, rhs: Tensor, precision: torch.dtype, blocked: bool = True) -> Tensor:
     """Batched symmetric solve ``K x = rhs`` in float64, with a ridge at the precision of ``K`` (added in place).
 
     When the ranks split into groups whose boundaries are far apart (relative to epsilon),
@@ -149,13 +152,65 @@ def solve_ridged(K: Tensor, rhs: Tensor, precision: torch.dtype) -> Tensor:
 
     Args:
         K: ``(rows, k, k)``; rhs: ``(rows, k)``; precision: dtype the plan was computed in.
+        blocked: from ``k >=`` :data:`_BANDED_MIN_K`, solve a banded ``K`` by
+            :func:`block_tridiagonal_solve` (its band is read on the host); False: dense.
     """
     diagonal = K.diagonal(dim1=-2, dim2=-1)
     # K's diagonal is a sum of non-negative terms
     ridge = diagonal.amax(-1, keepdim=True).mul_(10 * torch.finfo(precision).eps).clamp_min_(1e-300)
     diagonal.add_(ridge)  # K is a temporary of the callers: modified in place
+    if blocked and K.shape[-1] >= _BANDED_MIN_K:
+        width = _band_width(K)
+        if 2 * width <= K.shape[-1]:
+            return block_tridiagonal_solve(K, rhs, width)
     # solve_ex skips the error check (a host sync); a K still singular gives inf/nan, which the callers zero
     return torch.linalg.solve_ex(K, rhs.unsqueeze(-1))[0].squeeze(-1)
+
+
+def _band_width(K: Tensor) -> int:
+    """The smallest ``m`` with ``K[:, r, s] == 0`` wherever ``|r - s| >= m`` (over the batch; one host read)."""
+    k = K.shape[-1]
+    nonzero = (K != 0).any(0)  # (k, k)
+    offsets = torch.arange(k, device=K.device)
+    distance = (offsets.unsqueeze(0) - offsets.unsqueeze(1)).abs()
+    return int(torch.where(nonzero, distance, 0).max()) + 1
+
+
+def block_tridiagonal_solve(K: Tensor, rhs: Tensor, width: int) -> Tensor:
+    """``K x = rhs`` for symmetric positive definite ``K`` ``(rows, k, k)`` whose entries vanish
+    ``width`` or more off the diagonal, in ``O(k * width^2)`` instead of ``O(k^3)``.
+
+    Cut into blocks of ``width`` ranks, ``K`` is block tridiagonal (diagonal blocks ``D_i``,
+    couplings ``U_i = K[i, i + 1]``); block elimination (Thomas' algorithm on blocks) goes down
+    the Schur complements ``S_{i+1} = D_{i+1} - U_i^T S_i^{-1} U_i`` (positive definite like
+    ``K``, so the eliminations are stable) and back up. The Hessian of the sorted operator is
+    banded once k is large (:func:`banded_rank_gram`): its k x k solve was the last cost above
+    linear in ``n * k``.
+
+    Args:
+        rhs: ``(rows, k)``. Returns: ``(rows, k)``.
+    """
+    k = K.shape[-1]
+    cuts = list(range(0, k, width)) + [k]
+    blocks = list(zip(cuts[:-1], cuts[1:]))
+    X, z = [], []  # X_i = S_i^{-1} U_i and z_i = S_i^{-1} y_i, y the forward-eliminated rhs
+    for i, (lo, hi) in enumerate(blocks):
+        S = K[:, lo:hi, lo:hi]
+        y = rhs[:, lo:hi].unsqueeze(-1)
+        if i:
+            U = K[:, blocks[i - 1][0]:blocks[i - 1][1], lo:hi]
+            S = S - U.transpose(1, 2) @ X[-1]
+            y = y - U.transpose(1, 2) @ z[-1]  # X_{i-1}^T y_{i-1} = U^T z_{i-1} (S symmetric)
+        right = y if i + 1 == len(blocks) else torch.cat([K[:, lo:hi, hi:blocks[i + 1][1]], y], dim=-1)
+        # solve_ex: no error check (a host read); a singular block gives inf/nan, which the callers zero
+        solved = torch.linalg.solve_ex(S, right)[0]
+        X.append(solved[..., :-1])
+        z.append(solved[..., -1:])
+    x = [None] * len(blocks)
+    x[-1] = z[-1]
+    for i in range(len(blocks) - 2, -1, -1):  # x_i = S_i^{-1} (y_i - U_i x_{i+1}) = z_i - X_i x_{i+1}
+        x[i] = z[i] - X[i] @ x[i + 1]
+    return torch.cat(x, dim=1).squeeze(-1)
 
 
 def _subnormal_cut(dtype: torch.dtype, k: int) -> float:
@@ -568,7 +623,7 @@ def fixed_newton_solve(prep: PreparedScores, k: int, tol: float, max_iter: int) 
     for _ in range(max_iter - n_rescale):
         active = point.err > tol
         grad = (dual.target - point.counts)[:, :k]
-        step = solve_ridged(dual.hessian(point.P), grad, point.P.dtype).nan_to_num_(0.0, 0.0, 0.0)
+        step = solve_ridged(dual.hessian(point.P), grad, point.P.dtype, blocked=False).nan_to_num_(0.0, 0.0, 0.0)
         step = torch.nn.functional.pad(step * alpha, (0, 1))  # g_k stays 0
         trial = dual.evaluate(point.g + step)
         slope = (grad * step[:, :k]).sum(-1)

@@ -68,7 +68,7 @@ class SortedSoftTopKFunction(torch.autograd.Function):
         G_bar, yPG = torch.bmm(torch.cat([torch.ones_like(y), y], dim=1), PG).unbind(1)  # (rows, n) each
         # b in the precision of the plan: float32 sums over n are cascaded, the k x k solve is float64
         b = PG.sum(-1).double() - torch.bmm(P_ranks, G_bar.unsqueeze(-1)).squeeze(-1).double()
-        u = solve_ridged(anchor_hessian(P, k, no_rest, blocked), b, P.dtype).to(P.dtype)  # (rows, k)
+        u = solve_ridged(anchor_hessian(P, k, no_rest, blocked), b, P.dtype, blocked).to(P.dtype)  # (rows, k)
         y_bar, Pyu, Pu = torch.bmm(torch.cat([y, y * u.unsqueeze(1), u.unsqueeze(1)], dim=1), P_ranks).unbind(1)
         # (direct - implicit) with direct = yPG - G_bar y_bar and implicit = Pyu - y_bar Pu
         grad = yPG.sub_(Pyu).sub_(y_bar.mul_(G_bar.sub_(Pu)))
