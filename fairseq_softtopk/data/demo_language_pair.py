@@ -76,6 +76,9 @@ class DemoLexicon:
     conjunctions: Dict[str, str]
     particle: str
     relative: str
+    names: Tuple[Tuple[str, str], ...] = ()  # (source, target), most frequent first (Zipf weights)
+    name_weights: Tuple[float, ...] = ()  # cumulative
+    name_rate: float = 0.0  # probability that an NP gets "of NAME"
 
 
 def _pseudo_words(rng: random.Random, count: int, syllables: Sequence[int], taken: set) -> List[str]:
@@ -89,10 +92,11 @@ def _pseudo_words(rng: random.Random, count: int, syllables: Sequence[int], take
 
 
 def build_demo_lexicon(seed: int = 1, n_nouns: int = 60, n_verbs: int = 20, n_adjectives: int = 20,
-                       n_prepositions: int = 6, n_adverbs: int = 4) -> DemoLexicon:
+                       n_prepositions: int = 6, n_adverbs: int = 4, n_names: int = 0, name_exponent: float = 1.0,
+                       name_rate: float = 0.0) -> DemoLexicon:
     """The vocabulary and its translations, deterministically from ``seed``."""
     rng = random.Random(seed)
-    taken = {"the", "that", "s"}
+    taken = {"the", "that", "s", "of"}
 
     def target(n=1):
         return tuple(w.upper() for w in _pseudo_words(rng, n, (2, 3), taken))
@@ -115,8 +119,16 @@ def build_demo_lexicon(seed: int = 1, n_nouns: int = 60, n_verbs: int = 20, n_ad
         shared = target()[0]
         adverbs[word] = (target(2), tuple((shared, *target(2)) for _ in range(3)))
     conjunctions = {w: target()[0] for w in _pseudo_words(rng, 2, (1,), taken)}
+    particle, relative = target()[0], target()[0]
+    # names last, so that the rest of the lexicon does not depend on them
+    names = tuple((w, target()[0]) for w in _pseudo_words(rng, n_names, (3, 4), taken))
+    weights, total = [], 0.0
+    for rank in range(1, n_names + 1):
+        total += rank ** -name_exponent
+        weights.append(total)
     return DemoLexicon(tuple(nouns), verbs, adjectives, prepositions, adverbs, conjunctions,
-                       particle=target()[0], relative=target()[0])
+                       particle=particle, relative=relative, names=names, name_weights=tuple(weights),
+                       name_rate=name_rate if names else 0.0)
 
 
 class _Sentence:
@@ -137,6 +149,10 @@ class _Sentence:
             forms = noun.synonym[1] if number == "pl" else noun.synonym[0]
         agree = _SUFFIX[(noun.gender, number)]
         target = ["DE" + agree, *forms, *(lex.adjectives[a] + agree for a in adjectives)]
+        if lex.name_rate and rng.random() < lex.name_rate:
+            name, name_target = rng.choices(lex.names, cum_weights=lex.name_weights)[0]
+            source += ["of", name]
+            target += ["DI", name_target]
         if relative and rng.random() < 0.25:
             verb = rng.choice(sorted(lex.verbs))
             obj_source, obj_target, obj, _ = self.noun_phrase(relative=False)
