@@ -75,3 +75,31 @@ def test_write_refuses_other_content_before_writing_anything(tmp_path):
     with pytest.raises(FileExistsError, match="valid.tgt"):
         write_demo_corpus(tmp_path, splits=splits)
     assert not (tmp_path / "train.src").exists()  # nothing written when any file is refused
+
+
+def test_names_are_rare_words_with_one_translation_each():
+    """ "of NAME" in the source is "DI NAME'" in the target, right after the noun phrase's
+    adjectives; each name has one translation; frequencies follow Zipf's law (rank 1 about ten
+    times rank 10), so that many names of the test set are rare in training."""
+    lex = build_demo_lexicon()
+    translation = dict(lex.names)
+    assert len(translation) == 1500 and len(set(translation.values())) == 1500
+    counts, pairs = Counter(), 0
+    for source, target in generate_demo_corpus(3000, seed=11):
+        words, out = source.split(), target.split()
+        names = [words[i + 1] for i, w in enumerate(words) if w == "of"]
+        outs = [out[i + 1] for i, w in enumerate(out) if w == "DI"]
+        assert [translation[name] for name in names] == outs, (source, target)
+        counts.update(names)
+        pairs += len(names)
+    assert 1.5 < pairs / 3000 < 2.5
+    first, tenth = counts[lex.names[0][0]], counts[lex.names[9][0]]
+    assert 5 < first / max(tenth, 1) < 20
+    assert len(counts) > 700  # the long tail: most names occur, few often
+
+
+def test_the_rest_of_the_lexicon_does_not_depend_on_the_names():
+    """The names are drawn after every other word: the lexicon is the same with or without them."""
+    with_names, without = build_demo_lexicon(), build_demo_lexicon(n_names=0)
+    assert with_names.nouns == without.nouns and with_names.verbs == without.verbs
+    assert without.names == () and without.name_rate == 0.0

@@ -8,13 +8,13 @@ Source grammar::
 
     sentence := [ADVERB] clause (CONJ clause){0,2} "."         (15 to 40 tokens: resampled)
     clause   := NP VERB NP [PP]
-    NP       := "the" ADJ{0,2} NOUN ["s"] ["that" VERB NP']      (NP': no further relative clause)
+    NP       := "the" ADJ{0,2} NOUN ["s"] ["of" NAME] ["that" VERB NP']   (NP': no relative clause)
     PP       := PREP NP'
 
 Target grammar (per clause)::
 
     clause'  := NP' NP' [PP'] VERB'                              (verb-final: SVO -> SOV)
-    NP'      := DET[g, n] NOUN'[n] ADJ'[g, n]* [REL NP' VERB'[g, n]]
+    NP'      := DET[g, n] NOUN'[n] ADJ'[g, n]* ["DI" NAME'] [REL NP' VERB'[g, n]]
     PP'      := PREP'[g] NP'
 
 * **Long-range reordering and agreement**: the verb moves behind the object and the
@@ -27,6 +27,13 @@ Target grammar (per clause)::
   languages, so the decoder must attend ahead of the word it translates).
 * **Many-to-one and one-to-many**: ``NOUN s`` (plural) is one target token; one noun in eight
   translates into two target tokens.
+* **Rare words** (what keeps a small model below the pair's ceiling, and learning slowly): an
+  NP has "of NAME" with probability 0.35 (about two names a sentence); the 1,500 names follow
+  Zipf's law (the name of rank r has weight 1/r) and each has one arbitrary target word, so a
+  name is translated only once the model has seen it often enough: in the 8,000 training
+  sentences a quarter of the test set's names occur fewer than 10 times, some never. Teacher
+  forcing with the demo model reaches valid BLEU of about 50 and stays there (loss plateau)
+  while the same model learns the grammar without names to the noise ceiling (about 85).
 * **Noise** (irreducible, which keeps BLEU far from 100):
 
   - 40% of the nouns have a synonym, used in 30% of their occurrences;
@@ -92,9 +99,14 @@ def _pseudo_words(rng: random.Random, count: int, syllables: Sequence[int], take
 
 
 def build_demo_lexicon(seed: int = 1, n_nouns: int = 60, n_verbs: int = 20, n_adjectives: int = 20,
-                       n_prepositions: int = 6, n_adverbs: int = 4, n_names: int = 0, name_exponent: float = 1.0,
-                       name_rate: float = 0.0) -> DemoLexicon:
-    """The vocabulary and its translations, deterministically from ``seed``."""
+                       n_prepositions: int = 6, n_adverbs: int = 4, n_names: int = 1500, name_exponent: float = 1.0,
+                       name_rate: float = 0.35) -> DemoLexicon:
+    """The vocabulary and its translations, deterministically from ``seed``.
+
+    ``n_names`` names with Zipf weights ``rank ** -name_exponent``, attached to a noun phrase with
+    probability ``name_rate`` (``n_names=0``: the pair without rare words). The names are drawn
+    after every other word, so the rest of the lexicon does not depend on them.
+    """
     rng = random.Random(seed)
     taken = {"the", "that", "s", "of"}
 
