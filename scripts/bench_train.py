@@ -9,6 +9,8 @@ ones, with the ``soft_beam_search`` criterion as
 * ``beam_hard``: ``--topk-mode hard`` (exact top-k, the paper's ablation),
 * ``beam_soft``: ``--topk-mode soft`` over all ``k * V`` candidates,
 * ``beam_soft_pool``: ``--topk-mode soft --candidate-pool m`` (the m best candidates only),
+* ``beam_soft_fixed``: as ``beam_soft_pool`` with ``--topk-fixed-iterations --topk-max-iter
+  --fixed-iter`` (no host synchronisation in the search: the GPU path),
 
 and prints target tokens/s, ms per update, peak memory, the share of the update spent in the
 sorted soft top-k operator and the time per update relative to ``beam_hard``.
@@ -65,7 +67,8 @@ import torch
 from bench_harness import build_training_parts, range_seconds, timed_updates, training_batches
 from fairseq_commands import binarize_generated_corpus
 
-CONFIGS = ("teacher_forcing", "beam_hard", "beam_soft", "beam_soft_pool")
+#: beam_soft_fixed: the sync-free search (--topk-fixed-iterations) on the pool of beam_soft_pool
+CONFIGS = ("teacher_forcing", "beam_hard", "beam_soft", "beam_soft_pool", "beam_soft_fixed")
 #: table column -> the package's named profiler range it reads
 RANGE_KEYS = {"topk_fwd": "softtopk::sorted_soft_topk", "topk_bwd": "softtopk::sorted_soft_topk_backward",
               "select": "softtopk::select_beams"}
@@ -76,7 +79,8 @@ _RESULT_TAG = "BENCH_RESULT "
 TOY_SPLITS = {"train": (3000, 11), "valid": (100, 12)}
 
 
-def criterion_args(config: str, beam: int, epsilon: Optional[float], pool: int, ratio: float) -> List[str]:
+def criterion_args(config: str, beam: int, epsilon: Optional[float], pool: int, ratio: float,
+                   fixed_iter: int = 15) -> List[str]:
     """``soft_beam_search`` flags of one configuration (one of :data:`CONFIGS`)."""
     common = ["--criterion", "soft_beam_search", "--train-beam", str(beam)]
     if epsilon is not None:  # None: the criterion's default
@@ -86,6 +90,8 @@ def criterion_args(config: str, beam: int, epsilon: Optional[float], pool: int, 
         "beam_hard": ["--teacher-forcing-ratio", str(ratio), "--topk-mode", "hard"],
         "beam_soft": ["--teacher-forcing-ratio", str(ratio), "--topk-mode", "soft", "--candidate-pool", "0"],
         "beam_soft_pool": ["--teacher-forcing-ratio", str(ratio), "--topk-mode", "soft", "--candidate-pool", str(pool)],
+        "beam_soft_fixed": ["--teacher-forcing-ratio", str(ratio), "--topk-mode", "soft", "--candidate-pool", str(pool),
+                            "--topk-fixed-iterations", "--topk-max-iter", str(fixed_iter)],
     }
     if config not in flags:
         raise ValueError(f"unknown configuration {config!r}; choose from {CONFIGS}")
@@ -96,7 +102,8 @@ def build_parts(opts: argparse.Namespace, config: str):
     """``(task, model, criterion)`` of one configuration, parameters initialised from ``opts.seed``
     (then loaded from ``opts.checkpoint`` where given)."""
     flags = ["--arch", opts.arch, "--max-tokens", opts.max_tokens,
-             *criterion_args(config, opts.beam, opts.epsilon, opts.candidate_pool, opts.teacher_forcing_ratio)]
+             *criterion_args(config, opts.beam, opts.epsilon, opts.candidate_pool, opts.teacher_forcing_ratio,
+                            opts.fixed_iter)]
     task, model, criterion = build_training_parts(opts.data, flags, opts.seed, opts.device)
     if opts.checkpoint:
         state = torch.load(opts.checkpoint, map_location="cpu", weights_only=True)
@@ -241,7 +248,7 @@ def format_table(summary: Dict[str, dict], memory: str) -> str:
                      f"{r['peak_mib']:.0f} (+{r['growth_mib']:.0f}) | {100 * r['topk_fwd_share']:.1f}% | "
                      f"{100 * r['topk_bwd_share']:.1f}% | {100 * r['select_share']:.1f}% | {newton} | "
                      f"{r['ms_per_update'] / base:.2f}x |")
-    for name in ("beam_soft", "beam_soft_pool"):
+    for name in ("beam_soft", "beam_soft_pool", "beam_soft_fixed"):
         if name in summary and BASELINE in summary:
             ratio = summary[name]["ms_per_update"] / base
             verdict = "met" if ratio <= TARGET_RATIO else "NOT met"
@@ -323,7 +330,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=1, help="interleaved runs per config (fastest per update)")
     parser.add_argument("--beam", type=int, default=5, help="--train-beam k")
     parser.add_argument("--epsilon", type=float, default=None, help="--topk-epsilon (default: the criterion's)")
-    parser.add_argument("--candidate-pool", type=int, default=50, help="m of beam_soft_pool")
+    parser.add_argument("--candidate-pool", type=int, default=50, help="m of beam_soft_pool and beam_soft_fixed")
+    parser.add_argument("--fixed-iter", type=int, default=15,
+                        help="--topk-max-iter of beam_soft_fixed (every solve runs exactly this many iterations)")
     parser.add_argument("--teacher-forcing-ratio", type=float, default=0.8, help="p of the beam configs")
     parser.add_argument("--max-tokens", type=int, default=2000)
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch intra-op threads (default: all)")

@@ -415,3 +415,49 @@ def test_unconverged_solves_are_counted_not_warned(setup):
         assert out.n_unconverged == [i.converged for i in infos].count(False)
         assert not [w for w in caught if issubclass(w.category, SoftTopKConvergenceWarning)]
         assert (out.n_unconverged > 0) == (max_iter == 1)
+
+
+@pytest.mark.parametrize("pool", [0, 6])
+def test_fixed_iterations_search_equals_the_default_search(rng, pool):
+    """The sync-free search (every solve exactly max_iter iterations, no window, nothing dropped) gives the
+    default search's beams, losses and gradients where the solves converge, and counts the unconverged
+    solves on the device."""
+    decoder = TinyDecoder(9).double()
+    enc = torch.randn(2, 6, generator=rng, dtype=torch.float64)
+    target = torch.tensor([[2, 3, 4, 2, 5], [4, 4, 3, PAD, PAD]])
+    options = dict(beam=3, mode="soft", epsilon=0.3, tol=1e-10, candidate_pool=pool)
+    grad_default, default = _embedding_grad(decoder, enc, target, **options)
+    grad_fixed, fixed = _embedding_grad(decoder, enc, target, fixed_iterations=True, max_iter=30, **options)
+    assert torch.equal(fixed.tokens, default.tokens) and torch.equal(fixed.best_beam, default.best_beam)
+    torch.testing.assert_close(fixed.gold_lprobs, default.gold_lprobs, atol=1e-9, rtol=0)
+    torch.testing.assert_close(fixed.sharpness, default.sharpness, atol=1e-9, rtol=0)
+    torch.testing.assert_close(grad_fixed, grad_default, atol=1e-8, rtol=1e-7)
+    assert torch.is_tensor(fixed.n_unconverged) and int(fixed.n_unconverged) == 0
+    assert fixed.newton_iters == 30 * target.shape[1]
+    # one iteration cannot meet tol 1e-10 at any step: every step is counted
+    starved = run(decoder, enc, target, fixed_iterations=True, max_iter=1, **options)
+    assert int(starved.n_unconverged) == target.shape[1]
+
+
+def test_fixed_iterations_selection_is_one_graph_without_host_syncs(rng):
+    """torch.compile's tracer sees one step's selection whole with fixed_iterations; the default selection
+    breaks the graph (its candidate window's width and the solver's stopping test are read on the host),
+    which is what makes this test able to fail."""
+    from fairseq_softtopk.modules.beam_search import select_beams
+
+    scores = (torch.log_softmax(torch.randn(4, 3 * 50, generator=rng), -1)).requires_grad_()
+    kth = scores.detach().topk(4, dim=-1).values[:, -1:]
+
+    def selection(config):
+        def step(x):
+            sel = select_beams(x, 3, config, kth)
+            return sel.weights, sel.candidates, sel.converged
+        return step
+
+    for pool in (0, 20):
+        fixed = BeamSearchConfig(beam=3, epsilon=0.1, candidate_pool=pool, fixed_iterations=True, max_iter=12)
+        explained = torch._dynamo.explain(selection(fixed))(scores)
+        assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
+    default = BeamSearchConfig(beam=3, epsilon=0.1)
+    torch._dynamo.reset()
+    assert torch._dynamo.explain(selection(default))(scores).graph_break_count > 0

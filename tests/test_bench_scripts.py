@@ -82,11 +82,12 @@ def test_bench_train_prints_a_row_per_config(toy_data_bin, capsys):
     share = {name: [float(row[i].strip().rstrip("%")) for i in (3, 4, 5)] for name, row in rows.items()}
     assert share["teacher_forcing"] == [0.0, 0.0, 0.0]  # no top-k without the beam
     assert share["beam_hard"][:2] == [0.0, 0.0] and share["beam_hard"][2] > 0  # hard: topk only
-    for name in ("beam_soft", "beam_soft_pool"):
+    for name in ("beam_soft", "beam_soft_pool", "beam_soft_fixed"):
         fwd, bwd, select = share[name]
         assert 0 < fwd < select < 100 and 0 < bwd < 100  # the selection contains the operator's forward
         assert float(rows[name][6]) >= 1  # Newton iterations per solve, from the criterion's logging
     assert rows["beam_hard"][6].strip() == "-" and rows["teacher_forcing"][6].strip() == "-"
+    assert float(rows["beam_soft_fixed"][6]) == 15  # exactly --fixed-iter (default 15) per solve
     assert "target <= 1.25x" in out
 
     # one configuration in its own process, as the default (isolated) mode runs them

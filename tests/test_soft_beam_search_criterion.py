@@ -37,7 +37,8 @@ def build_criterion(dictionary, **overrides) -> SoftBeamSearchCriterion:
     values = dict(train_beam=3, topk_epsilon=0.1, topk_epsilon_start=0.0, topk_epsilon_anneal_updates=0,
                   topk_epsilon_relative=0.0,
                   topk_cost="linear", topk_tol=1e-8, topk_max_iter=50,
-                  teacher_forcing_ratio=0.8, topk_mode="soft", candidate_pool=0, selection_grad="capped",
+                  teacher_forcing_ratio=0.8, topk_mode="soft", candidate_pool=0, topk_fixed_iterations=False,
+                  selection_grad="capped",
                   selection_grad_cap=1.0, label_smoothing=0.1, sentence_avg=False)
     values.update(overrides)
     return SoftBeamSearchCriterion(SimpleNamespace(target_dictionary=dictionary), **values)
@@ -124,7 +125,9 @@ def test_sentence_avg_counts_sentences_and_p_one_skips_the_search(dictionary, rn
                                             "topk_mode": "hard"}, "topk-mode soft"),
                                           ({"topk_epsilon_relative": -0.5}, "epsilon-relative must be >= 0"),
                                           ({"topk_epsilon_relative": 0.5, "topk_mode": "hard"}, "topk-mode soft"),
-                                          ({"topk_epsilon_relative": 0.5, "topk_cost": "paper"}, "topk-cost linear")])
+                                          ({"topk_epsilon_relative": 0.5, "topk_cost": "paper"}, "topk-cost linear"),
+                                          ({"topk_fixed_iterations": True, "topk_mode": "hard"},
+                                           "fixed-iterations is an option of --topk-mode soft")])
 def test_bad_options_are_named(dictionary, bad, message):
     with pytest.raises(ValueError, match=message):
         build_criterion(dictionary, **bad)
@@ -226,6 +229,31 @@ def test_unconverged_counter_sees_exactly_the_unconverged_solves_without_warning
             assert log["topk_unconverged"] > 0
         else:
             assert log["topk_unconverged"] == 0
+
+
+def test_fixed_iterations_flag_gives_the_default_loss_and_gradient_and_counts_unconverged(dictionary, rng):
+    """--topk-fixed-iterations reaches the search (solves of exactly --topk-max-iter iterations, counted as
+    such), gives the default's loss and gradient where the solves converge, and logs topk_unconverged as an
+    int: every step with --topk-max-iter 1."""
+    model = build_model(dictionary, scale=3.0)
+    model.eval()  # no dropout: both criteria must see the same network
+    sample = make_sample(dictionary, rng, [5, 3, 4])
+    results = []
+    for fixed in (False, True):
+        model.zero_grad()
+        loss, _, log = build_criterion(dictionary, topk_fixed_iterations=fixed, topk_max_iter=40,
+                                       topk_tol=1e-10)(model, sample)
+        loss.backward()
+        results.append((loss.detach(), model.decoder.embed_tokens.weight.grad.clone(), log))
+    (loss_default, grad_default, log_default), (loss_fixed, grad_fixed, log_fixed) = results
+    torch.testing.assert_close(loss_fixed, loss_default, atol=1e-9, rtol=0)
+    torch.testing.assert_close(grad_fixed, grad_default, atol=1e-8, rtol=1e-7)
+    T = sample["target"].shape[1]
+    assert log_fixed["topk_newton_iters"] == 40 * T
+    assert log_default["topk_newton_iters"] < 40 * T
+    assert log_fixed["topk_unconverged"] == 0 and type(log_fixed["topk_unconverged"]) is int
+    _, _, starved = build_criterion(dictionary, topk_fixed_iterations=True, topk_max_iter=1, topk_tol=1e-12)(model, sample)
+    assert starved["topk_unconverged"] == T
 
 
 def test_annealed_epsilon_is_geometric_from_start_to_end():

@@ -71,6 +71,11 @@ class SoftBeamSearchConfig(FairseqDataclass):
     candidate_pool: int = field(default=0, metadata={
         "help": "keep only the m best of the k*V candidates (hard selection) before the soft top-k; 0 = all "
                 "(solved on the window that carries all but tol/100 of every rank, with --topk-cost linear)"})
+    topk_fixed_iterations: bool = field(default=False, metadata={
+        "help": "soft mode: decode without host synchronisation (for GPUs, CUDA graphs, torch.compile): every "
+                "step's solve runs exactly --topk-max-iter iterations (10-20 suit k <= 10) with on-device "
+                "convergence masks, on the --candidate-pool best candidates or, with 0, on all k*V (no window: "
+                "its width depends on the data); the same beams as the default where the solves converge"})
     selection_grad: ChoiceEnum(["capped", "full", "none"]) = field(default="capped", metadata={
         "help": "soft mode, gradient through the selection: capped (default: the exact gradient with its norm "
                 "capped per sentence and step by --selection-grad-cap, so that it cannot compound over the steps), "
@@ -144,7 +149,8 @@ def smoothed_nll(gold_lprobs: torch.Tensor, sum_lprobs: torch.Tensor, mask: torc
 class SoftBeamSearchCriterion(FairseqCriterion):
     def __init__(self, task, train_beam, topk_epsilon, topk_epsilon_start, topk_epsilon_anneal_updates,
                  topk_epsilon_relative, topk_cost, topk_tol, topk_max_iter, teacher_forcing_ratio, topk_mode,
-                 candidate_pool, selection_grad, selection_grad_cap, label_smoothing, sentence_avg):
+                 candidate_pool, topk_fixed_iterations, selection_grad, selection_grad_cap, label_smoothing,
+                 sentence_avg):
         super().__init__(task)
         if not 0.0 <= teacher_forcing_ratio <= 1.0:
             raise ValueError(f"--teacher-forcing-ratio must be in [0, 1], got {teacher_forcing_ratio}")
@@ -162,6 +168,9 @@ class SoftBeamSearchCriterion(FairseqCriterion):
                              f"(got {topk_epsilon_start} and {topk_epsilon_anneal_updates})")
         if topk_epsilon_start > 0 and str(topk_mode) != "soft":
             raise ValueError("--topk-epsilon-start is an option of --topk-mode soft")
+        if topk_fixed_iterations and str(topk_mode) != "soft":
+            raise ValueError("--topk-fixed-iterations is an option of --topk-mode soft (hard mode never waits "
+                             "on a solver)")
         if topk_epsilon_relative < 0:
             raise ValueError(f"--topk-epsilon-relative must be >= 0, got {topk_epsilon_relative}")
         if topk_epsilon_relative > 0 and (str(topk_mode) != "soft" or str(topk_cost) != "linear"):
@@ -174,7 +183,8 @@ class SoftBeamSearchCriterion(FairseqCriterion):
                                        cost=str(topk_cost), tol=topk_tol, max_iter=topk_max_iter,
                                        candidate_pool=candidate_pool, selection_grad=str(selection_grad),
                                        selection_grad_cap=selection_grad_cap * unit,
-                                       epsilon_relative=topk_epsilon_relative)
+                                       epsilon_relative=topk_epsilon_relative,
+                                       fixed_iterations=bool(topk_fixed_iterations))
         self.p = teacher_forcing_ratio
         self.label_smoothing = label_smoothing
         #: set to a list to collect every selection-gradient norm (scripts/diagnose_beam_gradients.py)
@@ -234,7 +244,7 @@ class SoftBeamSearchCriterion(FairseqCriterion):
             steps = mask.unsqueeze(-1).expand_as(beam.sharpness)
             logging_output["topk_sharpness_sum"] = beam.sharpness[steps].sum().data
             logging_output["topk_sharpness_count"] = int(steps.sum())
-            logging_output["topk_unconverged"] = beam.n_unconverged
+            logging_output["topk_unconverged"] = int(beam.n_unconverged)  # with fixed iterations: a tensor
             logging_output["topk_near_tie_sum"] = beam.near_tie[mask].sum().data
             logging_output["topk_steps"] = int(mask.sum())
             if search.mode == "soft":  # one batched solve per decoding step

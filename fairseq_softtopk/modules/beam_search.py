@@ -30,7 +30,7 @@ The decoder only needs the "step on embeddings" interface of
 import functools
 import math
 from dataclasses import dataclass
-from typing import Callable, List, NamedTuple, Optional, Tuple
+from typing import Callable, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -60,6 +60,7 @@ class BeamSearchConfig:
     selection_grad: str = "full"  # soft mode: "full" | "capped" | "none" (module docstring)
     selection_grad_cap: float = 1.0  # "capped": largest gradient norm per sentence and step
     epsilon_relative: float = 0.0  # > 0: per row, epsilon = max(epsilon, this * mean gap of the k+1 best)
+    fixed_iterations: bool = False  # soft mode: the search without host synchronisation (select_beams)
 
     def __post_init__(self):
         if self.selection_grad not in SELECTION_GRADS:
@@ -93,7 +94,8 @@ class BeamSearchOutput(NamedTuple):
         sharpness: ``(batch, T, beam)`` largest weight in each column of A (1 = hard selection).
         near_tie: ``(batch, T)`` bool: two of the k + 1 best candidates of the step are less than
             the (effective, linear-cost) epsilon apart, i.e. a rank boundary is soft there.
-        n_unconverged: number of steps whose top-k solve missed its tolerance.
+        n_unconverged: number of steps whose top-k solve missed its tolerance (with
+            ``fixed_iterations``, a 0-dim long tensor: reading it is the search's one host sync).
         newton_iters: Newton iterations of all the steps' soft top-k solves (0 in hard mode).
     """
 
@@ -104,7 +106,7 @@ class BeamSearchOutput(NamedTuple):
     tokens: Tensor
     sharpness: Tensor
     near_tie: Tensor
-    n_unconverged: int
+    n_unconverged: Union[int, Tensor]
     newton_iters: int
 
 
@@ -233,13 +235,14 @@ class Selection(NamedTuple):
         candidates: ``(batch, m)`` candidate ids (all ``k * V`` of them, or a window / pool).
         weights: ``(batch, m, beam)`` A: the weight of each candidate in each new beam
             (one-hot columns in hard mode); the weights of padded entries are 0.
-        converged: whether the soft top-k solve met its tolerance (True in hard mode).
+        converged: whether the soft top-k solve met its tolerance (True in hard mode; a 0-dim
+            bool tensor with ``fixed_iterations``).
         n_iter: Newton iterations of the solve (0 in hard mode).
     """
 
     candidates: Tensor
     weights: Tensor
-    converged: bool
+    converged: Union[bool, Tensor]
     n_iter: int
 
 
@@ -266,6 +269,13 @@ def select_beams(scores: Tensor, beam: int, config: BeamSearchConfig, kth: Tenso
     candidates left with a negligible weight are dropped after the solve; with the paper's
     cost, whose scale depends on every candidate, the operator sees all of them.
 
+    With ``config.fixed_iterations`` (soft mode) nothing waits on the device: the window and the
+    dropping of negligible candidates, whose widths depend on the data, are skipped (the operator
+    sees the pool, or all candidates), and the solve runs exactly ``max_iter`` iterations with
+    on-device convergence masks (``sorted_soft_topk(..., fixed_iterations=True)``), so that a
+    step can be captured by CUDA graphs or compiled whole. Where every solve converges, the
+    result is the default's up to ``tol``.
+
     Args:
         kth: ``(batch, 1)`` the (k+1)-th best score.
         observe: gets the ``(batch,)`` norms of the gradient reaching the operator.
@@ -275,7 +285,7 @@ def select_beams(scores: Tensor, beam: int, config: BeamSearchConfig, kth: Tenso
         pool = beam if config.mode == "hard" else config.candidate_pool
         if pool and pool < n:
             pool_scores, ids = scores.topk(pool, dim=-1, sorted=True)
-        elif not pool and config.cost == "linear":
+        elif not pool and config.cost == "linear" and not config.fixed_iterations:
             floor = candidate_window(kth, beam, config.epsilon, config.tol, n_out=n)
             ids, valid = compact_rows(scores.detach() >= floor)
             pool_scores = scores.gather(1, ids).masked_fill(~valid, -float("inf"))
@@ -291,8 +301,9 @@ def select_beams(scores: Tensor, beam: int, config: BeamSearchConfig, kth: Tenso
             pool_scores = cap_row_grad_norm(pool_scores, config.grad_cap, observe)
         # no warning per step: the search counts the unconverged solves (BeamSearchOutput.n_unconverged)
         A, info = sorted_soft_topk(pool_scores, beam, epsilon=config.epsilon, cost=config.cost, tol=config.tol,
-                                   max_iter=config.max_iter, return_info=True, warn=False)
-        if ids.shape[1] < n:
+                                   max_iter=config.max_iter, return_info=True, warn=False,
+                                   fixed_iterations=config.fixed_iterations)
+        if ids.shape[1] < n and not config.fixed_iterations:
             # the same budget as candidate_window's: all but tol / 100 of every rank is kept
             A, ids = drop_negligible(A, ids, config.tol / 100)
         return Selection(ids, A, info.converged, info.n_iter)
@@ -342,7 +353,9 @@ def unroll_beam_search(decoder, encoder_out, reorder_encoder_out: Callable, targ
         if grad_observer is not None:  # a sentence's last selection reaches no loss term: not live
             observe = functools.partial(_observe_step, grad_observer, t < lengths - 1)
         cand, A, converged, n_iter = select_beams(sel_scores, k, config, sel_top[:, -1:], observe)
-        n_unconverged += int(not converged)
+        # a tensor with fixed_iterations: counted on the device, read once after the search
+        n_unconverged = n_unconverged + (~converged).long() if torch.is_tensor(converged) else \
+            n_unconverged + int(not converged)
         newton_iters += n_iter
         best_cand = cand.gather(1, A.argmax(1))  # (B, k): the candidate each new beam follows
         cum = scores.gather(1, best_cand)
