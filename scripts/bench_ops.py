@@ -11,7 +11,12 @@ warm-up). Methods:
 * ``paper``: the published algorithm (200 Sinkhorn iterations, appendix-B backward), see
   :mod:`fairseq_softtopk.ops.paper_algorithm`;
 * ``unrolled``: the same 200 log-domain Sinkhorn iterations differentiated by autograd;
-* ``topk``: ``torch.topk`` values, forward + backward (the lower bound).
+* ``topk``: ``torch.topk`` values, forward + backward (the lower bound);
+* with ``--fixed-iterations N``, ``ours_fixed``: ours with ``fixed_iterations=True`` and
+  ``max_iter=N`` (no host synchronisation: N iterations on all n entries, the GPU path), and
+  with ``--compile MODE`` also ``ours_compiled``: that call under
+  ``torch.compile(fullgraph=True, mode=MODE)`` (``reduce-overhead`` captures CUDA graphs on a
+  GPU), compiled in an untimed first call of each case.
 
 Memory is the autograd memory: bytes of the distinct tensors saved for backward plus the
 output (what training keeps alive per call); on CUDA the peak allocation is printed too.
@@ -22,6 +27,7 @@ Usage::
     python scripts/bench_ops.py --threads 1          # the full grid (about 20 min here)
     python scripts/bench_ops.py --n 100000 --k 5 --eps 0.01
     python scripts/bench_ops.py --ops sorted_soft_topk --n 1000 --k 100 --eps 0.1 --cost linear --batch 100 --tol 1e-5
+    python scripts/bench_ops.py --n 100000 --k 5 --eps 0.01 --fixed-iterations 15 --compile reduce-overhead
 """
 
 import argparse
@@ -96,8 +102,12 @@ def _time(fn: Callable[[], torch.Tensor], x: torch.Tensor, repeats: int, device:
 
 
 def bench_case(n: int, k: int, eps: float, sorted_op: bool, repeats: int, tol: float, device: str,
-               cost: str = "paper", batch: int = 1) -> List[dict]:
+               cost: str = "paper", batch: int = 1, fixed_iterations: Optional[int] = None,
+               compile_mode: Optional[str] = None) -> List[dict]:
     """All methods on one (n, k, epsilon, operator) case of ``batch`` rows of scores; returns one row per method.
+
+    ``fixed_iterations`` adds ``ours_fixed`` (and ``compile_mode`` ``ours_compiled``, whose
+    ``err`` is its largest difference from ``ours_fixed``'s output).
 
     The published algorithm and the unrolled iterations solve the paper's cost only: with
     ``cost="linear"`` they are left out (the rows say so).
@@ -108,7 +118,6 @@ def bench_case(n: int, k: int, eps: float, sorted_op: bool, repeats: int, tol: f
     info_box = {}
 
     def ours():
-        op = sorted_soft_topk if sorted_op else soft_topk
         # unsorted: the paper's Algorithm 1 marks the k smallest; the appendix code sorts the largest
         out, info = op(x, k, epsilon=eps, cost=cost, tol=tol, largest=sorted_op, return_info=True)
         info_box["ours"] = info
@@ -135,10 +144,36 @@ def bench_case(n: int, k: int, eps: float, sorted_op: bool, repeats: int, tol: f
         info_box["unrolled"] = paper_marginal_error(plan, k, sorted_op)
         return n * (plan[..., :k] if sorted_op else plan[..., 0])
 
+    op = sorted_soft_topk if sorted_op else soft_topk
+
+    def fixed_call(v):
+        return op(v, k, epsilon=eps, cost=cost, tol=tol, largest=sorted_op, return_info=True,
+                  max_iter=fixed_iterations, fixed_iterations=True)
+
+    def ours_fixed():
+        out, info = fixed_call(x)
+        info_box["ours_fixed"] = info
+        return out
+
+    compiled_call = None
+    if compile_mode is not None:
+        # the output alone: the info's tensors are read from ours_fixed, which solves the same problem
+        compiled_call = torch.compile(lambda v: fixed_call(v)[0], fullgraph=True, dynamic=False,
+                                      mode=None if compile_mode == "default" else compile_mode)
+
+    def ours_compiled():
+        return compiled_call(x)
+
     def topk():
         return x.topk(k, dim=-1, largest=sorted_op).values
 
-    methods = {"ours": ours, "paper": paper, "unrolled": unrolled, "topk": topk}
+    methods = {"ours": ours}
+    if fixed_iterations is not None:
+        methods["ours_fixed"] = ours_fixed
+        if compile_mode is not None:
+            methods["ours_compiled"] = ours_compiled
+    methods.update(paper=paper, unrolled=unrolled, topk=topk)
+    outputs = {}
     for name, fn in methods.items():
         if name in ("paper", "unrolled") and (cost != "paper" or batch != 1):
             rows.append(dict(method=name, seconds=None, best=None, mbytes=None, err=None,
@@ -147,17 +182,25 @@ def bench_case(n: int, k: int, eps: float, sorted_op: bool, repeats: int, tol: f
         if name == "unrolled" and n * (k + 1) > UNROLLED_MAX_ELEMENTS:
             rows.append(dict(method=name, seconds=None, best=None, mbytes=None, err=None, note="skipped: memory"))
             continue
-        seconds, best, nbytes, _ = _time(fn, x, repeats, device)
+        if name == "ours_compiled":  # compilation (seconds to minutes) is not part of any call's time
+            out = fn()
+            out.backward(torch.ones_like(out))
+            x.grad = None
+        seconds, best, nbytes, outputs[name] = _time(fn, x, repeats, device)
         err = info_box.get(name)
         note = ""
-        if name == "ours":
-            note = f"{err.n_iter} it" + ("" if err.converged else " NOT CONVERGED")
-            err = err.marginal_error
+        if name in ("ours", "ours_fixed"):
+            note = f"{int(err.n_iter)} it" + ("" if bool(err.converged) else " NOT CONVERGED")
+            err = float(err.marginal_error)
+        elif name == "ours_compiled":
+            err = float((outputs[name].detach() - outputs["ours_fixed"].detach()).abs().max())
+            note = f"mode {compile_mode}; err = max difference from ours_fixed"
         rows.append(dict(method=name, seconds=seconds, best=best, mbytes=nbytes / 2 ** 20, err=err, note=note))
     return rows
 
 
-def warm_up(ops: List[str], k: int, eps: float, tol: float, device: str, cost: str, batch: int) -> None:
+def warm_up(ops: List[str], k: int, eps: float, tol: float, device: str, cost: str, batch: int,
+            fixed_iterations: Optional[int] = None) -> None:
     """Runs every method once on a small case, untimed, before the first measurement.
 
     The first call on a device initialises it and loads its libraries (CUDA, cuBLAS, cuSOLVER:
@@ -165,7 +208,8 @@ def warm_up(ops: List[str], k: int, eps: float, tol: float, device: str, cost: s
     per-case warm-up run does not cover them where a first run over 2 s counts as the measurement.
     """
     for op in ops:
-        bench_case(1000, k, eps, op.startswith("sorted"), 1, tol, device, cost=cost, batch=min(batch, 2))
+        bench_case(1000, k, eps, op.startswith("sorted"), 1, tol, device, cost=cost, batch=min(batch, 2),
+                   fixed_iterations=fixed_iterations)
 
 
 def format_rows(case: str, rows: List[dict]) -> List[str]:
@@ -176,7 +220,7 @@ def format_rows(case: str, rows: List[dict]) -> List[str]:
             lines.append(f"| {case} | {r['method']} | - | - | - | - | - | - | {r['note']} |")
             continue
         paper_seconds = by["paper"]["seconds"]
-        ratio_paper = paper_seconds / r["seconds"] if r["method"] == "ours" and paper_seconds else None
+        ratio_paper = paper_seconds / r["seconds"] if r["method"].startswith("ours") and paper_seconds else None
         vs_topk = r["seconds"] / by["topk"]["seconds"]
         best_vs_topk = r["best"] / by["topk"]["best"]
         err = "-" if r["err"] is None else f"{r['err']:.1e}"
@@ -201,7 +245,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--batch", type=int, default=1, help="rows of scores per call (ours and topk only above 1)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--fixed-iterations", type=int, default=None, metavar="N",
+                        help="also time ours with fixed_iterations=True, max_iter=N (the sync-free solve)")
+    parser.add_argument("--compile", default=None, metavar="MODE",
+                        choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
+                        help="also time the fixed-iteration call under torch.compile(fullgraph=True, mode=MODE) "
+                             "(needs --fixed-iterations; reduce-overhead: CUDA graphs on a GPU)")
     args = parser.parse_args(argv)
+    if args.compile is not None and args.fixed_iterations is None:
+        parser.error("--compile needs --fixed-iterations N (only the fixed-iteration solve compiles as one graph)")
+    if args.fixed_iterations is not None and args.fixed_iterations < 1:
+        parser.error(f"--fixed-iterations must be >= 1, got {args.fixed_iterations}")
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"# command: python {' '.join(sys.argv)}")
@@ -210,7 +264,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     print("# time = forward+backward ms, median and minimum over the runs (at least --repeats, fast methods "
           f"until {MIN_TIMED_SECONDS} s are timed); vs topk = time / torch.topk time (median / minimum); "
           "mem = autograd MB; err = marginal error reached; x faster = paper median / ours median")
-    warm_up(args.ops, min(args.k), args.eps[0], args.tol, args.device, args.cost, args.batch)
+    warm_up(args.ops, min(args.k), args.eps[0], args.tol, args.device, args.cost, args.batch, args.fixed_iterations)
     print("| case | method | median ms | vs topk | min ms | vs topk (min) | mem MB | err | notes |")
     print("|---|---|---|---|---|---|---|---|---|")
     for op in args.ops:
@@ -221,7 +275,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                     if args.cost != "paper" or args.batch != 1:
                         case += f" {args.cost} batch={args.batch}"
                     rows = bench_case(n, k, eps, op.startswith("sorted"), args.repeats, args.tol, args.device,
-                                      cost=args.cost, batch=args.batch)
+                                      cost=args.cost, batch=args.batch, fixed_iterations=args.fixed_iterations,
+                                      compile_mode=args.compile)
                     print("\n".join(format_rows(case, rows)), flush=True)
     return 0
 

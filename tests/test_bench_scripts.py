@@ -126,14 +126,51 @@ def test_bench_ops_warms_up_every_method_before_the_first_timed_case(monkeypatch
     calls = []
     real = bench_ops.bench_case
 
-    def recorded(n, k, eps, sorted_op, repeats, tol, device, cost="paper", batch=1):
+    def recorded(n, k, eps, sorted_op, repeats, tol, device, **options):
         calls.append((n, sorted_op, repeats))
-        return real(n, k, eps, sorted_op, repeats, tol, device, cost=cost, batch=batch)
+        return real(n, k, eps, sorted_op, repeats, tol, device, **options)
 
     monkeypatch.setattr(bench_ops, "bench_case", recorded)
     assert bench_ops.main(["--n", "300", "--k", "2", "--eps", "0.1", "--repeats", "2", "--threads", "1"]) == 0
     # untimed warm-up of both operators (every method runs inside bench_case) first, then the cases
     assert calls == [(1000, False, 1), (1000, True, 1), (300, False, 2), (300, True, 2)]
+
+
+def test_bench_ops_times_the_fixed_iteration_solve_plain_and_compiled(monkeypatch, capsys):
+    """--fixed-iterations adds the sync-free solve; --compile the same call under
+    torch.compile(fullgraph=True) (here the aot_eager backend: inductor's C++ build takes a minute
+    per case), which must give the fixed solve's output."""
+    import bench_ops
+
+    compiled = []
+    real_compile = torch.compile
+
+    def compile_traced(fn, **options):
+        compiled.append(options)
+        return real_compile(fn, fullgraph=options["fullgraph"], dynamic=options["dynamic"], backend="aot_eager")
+
+    monkeypatch.setattr(bench_ops.torch, "compile", compile_traced)
+    torch._dynamo.reset()
+    assert bench_ops.main(["--n", "300", "--k", "3", "--eps", "0.1", "--repeats", "2", "--threads", "1",
+                           "--fixed-iterations", "12", "--compile", "reduce-overhead"]) == 0
+    torch._dynamo.reset()
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| topk n=")
+            or line.startswith("| sorted n=")]
+    assert [r[1].strip() for r in rows] == ["ours", "ours_fixed", "ours_compiled", "paper", "unrolled", "topk"] * 2
+    assert compiled and all(o["fullgraph"] and o["mode"] == "reduce-overhead" for o in compiled)
+    for r in rows:
+        if r[1].strip() == "ours_fixed":  # 12 iterations, converged, the marginal error reached
+            assert "12 it" in r[8] and "NOT CONVERGED" not in r[8] and float(r[7]) <= 1e-4
+        if r[1].strip() == "ours_compiled":  # err: the largest difference from ours_fixed's output
+            assert float(r[7]) <= 1e-5 and "x faster" in r[8]
+
+
+def test_bench_ops_refuses_compile_without_a_fixed_iteration_budget(capsys):
+    import bench_ops
+
+    with pytest.raises(SystemExit):
+        bench_ops.main(["--n", "300", "--compile", "default"])
+    assert "--compile needs --fixed-iterations" in capsys.readouterr().err
 
 
 def test_bench_ops_times_batches_of_the_linear_cost_without_the_paper_baselines(capsys):
