@@ -26,7 +26,9 @@ How things are measured:
   ``softtopk::sorted_soft_topk_backward`` (implicit differentiation), ``select`` the whole
   candidate selection ``softtopk::select_beams`` (window, or the pool's / hard mode's
   ``torch.topk``, plus the operator's forward), so ``beam_hard`` shows what its selection
-  costs. The timed pass runs without the profiler. ``Newton it.`` is the mean number of
+  costs, ``mix`` the forward of the mixing of the next inputs and states by the selection
+  (``softtopk::mix_beams``: one weighted ``embedding_bag`` and one ``bmm`` per state tensor; its
+  backward runs in autograd, outside the range). The timed pass runs without the profiler. ``Newton it.`` is the mean number of
   Newton iterations per batched solve (the criterion's ``topk_newton`` logging).
 * Memory: CPU, the peak resident set size of the worker process during training (the peak
   is reset with ``/proc/self/clear_refs`` before the first update; elsewhere it is the peak
@@ -71,7 +73,7 @@ from fairseq_commands import binarize_generated_corpus
 CONFIGS = ("teacher_forcing", "beam_hard", "beam_soft", "beam_soft_pool", "beam_soft_fixed")
 #: table column -> the package's named profiler range it reads
 RANGE_KEYS = {"topk_fwd": "softtopk::sorted_soft_topk", "topk_bwd": "softtopk::sorted_soft_topk_backward",
-              "select": "softtopk::select_beams"}
+              "select": "softtopk::select_beams", "mix": "softtopk::mix_beams"}
 BASELINE = "beam_hard"
 TARGET_RATIO = 1.25  # issue 4: soft <= 1.25x the time of hard at k=5 on the Multi30k-sized model
 _RESULT_TAG = "BENCH_RESULT "
@@ -240,13 +242,13 @@ def summarize(results: List[dict]) -> dict:
 def format_table(summary: Dict[str, dict], memory: str) -> str:
     """Markdown table; ``time vs hard`` is the time per update over that of :data:`BASELINE`."""
     base = summary.get(BASELINE, {}).get("ms_per_update", float("nan"))
-    lines = [f"| config | target tokens/s | ms/update | {memory} | top-k fwd | top-k bwd | select | Newton it. "
-             "| time vs hard |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [f"| config | target tokens/s | ms/update | {memory} | top-k fwd | top-k bwd | select | mix | "
+             "Newton it. | time vs hard |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, r in summary.items():
         newton = "-" if r["newton_per_call"] != r["newton_per_call"] else f"{r['newton_per_call']:.1f}"  # nan: none
         lines.append(f"| {name} | {r['tokens_per_s']:.0f} | {r['ms_per_update']:.1f} | "
                      f"{r['peak_mib']:.0f} (+{r['growth_mib']:.0f}) | {100 * r['topk_fwd_share']:.1f}% | "
-                     f"{100 * r['topk_bwd_share']:.1f}% | {100 * r['select_share']:.1f}% | {newton} | "
+                     f"{100 * r['topk_bwd_share']:.1f}% | {100 * r['select_share']:.1f}% | {100 * r['mix_share']:.1f}% | {newton} | "
                      f"{r['ms_per_update'] / base:.2f}x |")
     for name in ("beam_soft", "beam_soft_pool", "beam_soft_fixed"):
         if name in summary and BASELINE in summary:

@@ -22,7 +22,7 @@ def test_summarize_takes_the_fastest_run_of_each_update():
         return {"seconds": seconds, "tokens": 10, "newton_iters": newton, "solves": 2.0}
 
     def profile(seconds, fwd):
-        return {"profiled_seconds": seconds, "topk_fwd": fwd, "topk_bwd": 0.1, "select": 2 * fwd}
+        return {"profiled_seconds": seconds, "topk_fwd": fwd, "topk_bwd": 0.1, "select": 2 * fwd, "mix": 0.2}
 
     runs = [{"updates": [update(2.0, 8.0), update(1.0, 2.0)], "peak_mib": 100.0, "growth_mib": 10.0,
              "profile": profile(4.0, 1.0)},
@@ -34,6 +34,7 @@ def test_summarize_takes_the_fastest_run_of_each_update():
     assert summary["newton_per_call"] == pytest.approx(1.5)  # (4 + 2) iterations / (2 + 2) solves
     assert summary["topk_fwd_share"] == pytest.approx(0.5)  # the faster profiled pass: 1.0 of 2.0 s
     assert summary["select_share"] == pytest.approx(1.0)
+    assert summary["mix_share"] == pytest.approx(0.1)
     assert summary["peak_mib"] == 120.0 and summary["growth_mib"] == 10.0
 
 
@@ -79,15 +80,17 @@ def test_bench_train_prints_a_row_per_config(toy_data_bin, capsys):
     for name, row in rows.items():  # the ratio column is the table's own ms/update over hard's
         assert float(row[-1].strip().rstrip("x")) == pytest.approx(ms[name] / ms["beam_hard"], abs=0.01)
     assert ms["teacher_forcing"] < ms["beam_hard"]  # no search at all
-    share = {name: [float(row[i].strip().rstrip("%")) for i in (3, 4, 5)] for name, row in rows.items()}
-    assert share["teacher_forcing"] == [0.0, 0.0, 0.0]  # no top-k without the beam
+    share = {name: [float(row[i].strip().rstrip("%")) for i in (3, 4, 5, 6)] for name, row in rows.items()}
+    assert share["teacher_forcing"] == [0.0, 0.0, 0.0, 0.0]  # no top-k and no mixing without the beam
     assert share["beam_hard"][:2] == [0.0, 0.0] and share["beam_hard"][2] > 0  # hard: topk only
+    for name in ("beam_hard", "beam_soft", "beam_soft_pool", "beam_soft_fixed"):
+        assert 0 < share[name][3] < 100  # every beam step mixes its next inputs and states
     for name in ("beam_soft", "beam_soft_pool", "beam_soft_fixed"):
-        fwd, bwd, select = share[name]
+        fwd, bwd, select, _ = share[name]
         assert 0 < fwd < select < 100 and 0 < bwd < 100  # the selection contains the operator's forward
-        assert float(rows[name][6]) >= 1  # Newton iterations per solve, from the criterion's logging
-    assert rows["beam_hard"][6].strip() == "-" and rows["teacher_forcing"][6].strip() == "-"
-    assert float(rows["beam_soft_fixed"][6]) == 15  # exactly --fixed-iter (default 15) per solve
+        assert float(rows[name][7]) >= 1  # Newton iterations per solve, from the criterion's logging
+    assert rows["beam_hard"][7].strip() == "-" and rows["teacher_forcing"][7].strip() == "-"
+    assert float(rows["beam_soft_fixed"][7]) == 15  # exactly --fixed-iter (default 15) per solve
     assert "target <= 1.25x" in out
 
     # one configuration in its own process, as the default (isolated) mode runs them
@@ -95,6 +98,7 @@ def test_bench_train_prints_a_row_per_config(toy_data_bin, capsys):
     assert len(result["updates"]) == 2 and result["peak_mib"] > 0
     assert all(r["newton_iters"] >= r["solves"] > 0 for r in result["updates"])
     assert 0 < result["profile"]["topk_fwd"] < result["profile"]["select"] < result["profile"]["profiled_seconds"]
+    assert 0 < result["profile"]["mix"] < result["profile"]["profiled_seconds"]
 
 
 def test_bench_ops_prints_every_method_with_our_solver_converged(capsys):
