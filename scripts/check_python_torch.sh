@@ -33,6 +33,9 @@ export PIP_CONFIG_FILE=/dev/null PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_DEFAULT_TIM
 [[ -f /etc/ssl/certs/ca-certificates.crt ]] && export PIP_CERT=/etc/ssl/certs/ca-certificates.crt
 [[ -x "${venv}/bin/python" ]] || "${python}" -m venv "${venv}"
 pip=("${venv}/bin/python" -m pip install --quiet)
+# the editable install below runs without build isolation: it needs setuptools and wheel in the venv
+# (an older Python's venv has an old setuptools and no wheel: "invalid command 'bdist_wheel'")
+"${pip[@]}" --upgrade pip setuptools wheel
 "${pip[@]}" "${torch_spec}" numpy cython
 if [[ -n "${fairseq_dir}" ]]; then
     "${venv}/bin/python" -m pip uninstall --quiet -y ve-fairseq 2>/dev/null || true
