@@ -17,6 +17,7 @@ with ``weights_only=False``, which would run that code; it is not repeated).
 
 import argparse
 import functools
+import importlib
 import pickle
 import re
 
@@ -34,9 +35,12 @@ def _numpy_array_globals() -> tuple:
         import numpy
     except ImportError:  # pragma: no cover - fairseq depends on numpy
         return ()
-    core = getattr(numpy, "_core", None) or numpy.core  # numpy 2 / numpy 1
+    # numpy 2 pickles arrays through numpy._core, numpy 1 through numpy.core; numpy 1.26 also has an
+    # (unimported) numpy._core stub, so the version decides, not which attribute exists
+    major = int(numpy.__version__.split(".")[0])
+    multiarray = importlib.import_module("numpy._core.multiarray" if major >= 2 else "numpy.core.multiarray")
     dtypes = tuple(type(numpy.dtype(name)) for name in ("int64", "int32", "float64", "float32"))
-    return (core.multiarray._reconstruct, numpy.ndarray, numpy.dtype, *dtypes)
+    return (multiarray._reconstruct, numpy.ndarray, numpy.dtype, *dtypes)
 
 
 #: The only non-tensor globals fairseq checkpoints were found to need: the legacy model
