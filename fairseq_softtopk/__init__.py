@@ -14,9 +14,12 @@ __version__ = "0.1.0"
 
 def register() -> None:
     """Registers the models and criterions with fairseq, allowlists checkpoint globals and makes a
-    refused checkpoint a plain error (:mod:`.checkpoint_safety`)."""
-    from .checkpoint_safety import allow_fairseq_checkpoint_globals, guard_checkpoint_loading
+    refused checkpoint a plain error (:mod:`.checkpoint_safety`). Raises RuntimeError under a torch
+    older than 2.6, whose ``torch.load`` is not weights-only by default."""
+    from .checkpoint_safety import (allow_fairseq_checkpoint_globals, guard_checkpoint_loading,
+                                    require_weights_only_torch)
 
+    require_weights_only_torch()
     allow_fairseq_checkpoint_globals()
     guard_checkpoint_loading()
     from . import criterions, models  # noqa: F401  (importing registers the components)

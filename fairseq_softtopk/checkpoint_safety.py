@@ -20,8 +20,10 @@ import functools
 import importlib
 import pickle
 import re
+from typing import Optional
 
 import torch
+
 
 def _numpy_array_globals() -> tuple:
     """What pickled numeric numpy arrays need: ``fairseq-train --eval-bleu`` keeps its n-gram counts
@@ -57,6 +59,34 @@ def allow_fairseq_checkpoint_globals() -> None:
     missing = [g for g in FAIRSEQ_CHECKPOINT_GLOBALS if g not in already]
     if missing:
         add_safe_globals(missing)
+
+
+#: The first torch whose ``torch.load`` is weights-only by default. fairseq calls ``torch.load``
+#: without ``weights_only``: under an older torch it unpickles anything, so a checkpoint could run
+#: code, and the plugin refuses to register (the operators in :mod:`fairseq_softtopk.ops` need no
+#: fairseq and run on torch >= 2.1).
+MIN_TORCH_FOR_SAFE_LOADING = (2, 6)
+
+
+def torch_release(version: str) -> tuple:
+    """``(major, minor)`` of a torch version string such as ``2.11.0+cu130`` or ``2.6.0a0+git1234``."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    if match is None:
+        raise ValueError(f"cannot read a torch release from the version {version!r}")
+    return int(match.group(1)), int(match.group(2))
+
+
+def require_weights_only_torch(version: Optional[str] = None) -> None:
+    """Raises a RuntimeError naming the problem when torch (``version``: default the installed one) is
+    older than :data:`MIN_TORCH_FOR_SAFE_LOADING`."""
+    version = version or torch.__version__
+    if torch_release(version) < MIN_TORCH_FOR_SAFE_LOADING:
+        need = ".".join(map(str, MIN_TORCH_FOR_SAFE_LOADING))
+        raise RuntimeError(
+            f"fairseq-softtopk's fairseq plugin needs torch >= {need}, found torch {version}: before {need}, "
+            f"torch.load unpickles any object by default, so fairseq (which does not pass weights_only) would run "
+            f"code stored in a checkpoint. Upgrade torch (pip install 'torch>={need}'); the operators in "
+            f"fairseq_softtopk.ops need no fairseq and run on torch >= 2.1.")
 
 
 class UnsafeCheckpointError(pickle.UnpicklingError):

@@ -2,6 +2,7 @@
 
 import io
 import pickle
+import re
 import sys
 import types
 
@@ -59,3 +60,32 @@ def test_numpy_1_with_an_unimported_core_stub_takes_numpy_core(monkeypatch):
 def test_numpy_2_takes_numpy_private_core(monkeypatch):
     marker = _fake_numpy(monkeypatch, "2.1.0", "numpy._core.multiarray", core_stub=False)
     assert checkpoint_safety._numpy_array_globals()[0] is marker
+
+
+@pytest.mark.parametrize("version, release", [("2.11.0+cu130", (2, 11)), ("2.6.0a0+git1234", (2, 6)),
+                                              ("2.1.2", (2, 1)), ("3.0.0", (3, 0))])
+def test_torch_release_reads_major_and_minor(version, release):
+    assert checkpoint_safety.torch_release(version) == release
+
+
+@pytest.mark.parametrize("version", ["2.1.2+cu121", "2.5.1"])
+def test_a_torch_without_weights_only_loading_is_refused_by_name(version):
+    with pytest.raises(RuntimeError, match=rf"needs torch >= 2\.6, found torch {re.escape(version)}.*run code"):
+        checkpoint_safety.require_weights_only_torch(version)
+
+
+@pytest.mark.parametrize("version", ["2.6.0", "2.11.0+cu130", "2.13.0+cpu", "3.1.0"])
+def test_a_weights_only_torch_is_accepted(version):
+    checkpoint_safety.require_weights_only_torch(version)
+
+
+def test_register_refuses_an_old_torch_before_registering_anything(monkeypatch):
+    """Found with torch 2.1.2: fairseq-generate ran the code pickled in a checkpoint (torch.load's default
+    was weights_only=False before 2.6)."""
+    import torch
+
+    import fairseq_softtopk
+
+    monkeypatch.setattr(torch, "__version__", "2.5.1")
+    with pytest.raises(RuntimeError, match="needs torch >= 2.6"):
+        fairseq_softtopk.register()
