@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import bench_train  # scripts/ is on sys.path (conftest)
+from conftest import compiles_fixed_solve
 
 
 def test_criterion_args_per_config():
@@ -143,6 +144,7 @@ def test_bench_ops_warms_up_every_method_before_the_first_timed_case(monkeypatch
     assert calls == [(1000, False, 1), (1000, True, 1), (300, False, 2), (300, True, 2)]
 
 
+@compiles_fixed_solve
 def test_bench_ops_times_the_fixed_iteration_solve_plain_and_compiled(monkeypatch, capsys):
     """--fixed-iterations adds the sync-free solve; --compile the same call under
     torch.compile(fullgraph=True) (here the aot_eager backend: inductor's C++ build takes a minute

@@ -11,6 +11,7 @@ import torch
 import fairseq_softtopk.ops as ops
 from fairseq_softtopk.ops import soft_topk
 from fairseq_softtopk.ops.paper_algorithm import paper_soft_topk
+from conftest import compiles_fixed_solve
 from ot_reference import sinkhorn_topk
 
 
@@ -327,6 +328,7 @@ def test_fixed_iterations_report_a_miss_without_warning(rng):
     assert not bool(info.converged) and float(info.marginal_error) > 1e-5
 
 
+@compiles_fixed_solve
 def test_fixed_iterations_compile_as_one_graph(rng):
     """No graph break (a host read would be one), and torch.compile(fullgraph=True) gives the eager
     values and gradients (aot_eager: traced forward and backward, no C++ compiler needed)."""

@@ -8,6 +8,7 @@ import torch
 
 from fairseq_softtopk.ops import sorted_soft_topk
 from fairseq_softtopk.ops.paper_algorithm import paper_soft_topk
+from conftest import compiles_fixed_solve
 from ot_reference import sinkhorn_topk
 
 
@@ -487,6 +488,7 @@ def test_fixed_iterations_report_a_miss_without_warning(rng):
     assert not bool(info.converged) and float(info.marginal_error) > 1e-5
 
 
+@compiles_fixed_solve
 def test_fixed_iterations_compile_as_one_graph(rng):
     """No graph break, and torch.compile(fullgraph=True) (aot_eager: forward and backward traced)
     gives the eager values and gradients."""
