@@ -116,6 +116,7 @@ def bench_case(n: int, k: int, eps: float, sorted_op: bool, repeats: int, tol: f
     x = torch.randn(batch, n, generator=gen).to(device).requires_grad_()
     rows = []
     info_box = {}
+    op = sorted_soft_topk if sorted_op else soft_topk
 
     def ours():
         # unsorted: the paper's Algorithm 1 marks the k smallest; the appendix code sorts the largest
@@ -143,8 +144,6 @@ def bench_case(n: int, k: int, eps: float, sorted_op: bool, repeats: int, tol: f
         plan = torch.exp((f + g - C) / eps)
         info_box["unrolled"] = paper_marginal_error(plan, k, sorted_op)
         return n * (plan[..., :k] if sorted_op else plan[..., 0])
-
-    op = sorted_soft_topk if sorted_op else soft_topk
 
     def fixed_call(v):
         return op(v, k, epsilon=eps, cost=cost, tol=tol, largest=sorted_op, return_info=True,

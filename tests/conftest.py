@@ -5,15 +5,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from fairseq_softtopk.checkpoint_safety import torch_release
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))  # scripts/ hold importable helpers (evaluate, ...)
 
 #: torch.compile of the unrolled fixed-iteration solve (forward and backward): torch 2.6's AOT
 #: partitioner ran for over 10 minutes on it (aot_eager, the tests' small cases); 2.11, 2.13 and 2.15
 #: compile it in seconds. Dynamo's graph-break checks (explain) run on every supported torch.
-_RELEASE = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 compiles_fixed_solve = pytest.mark.skipif(
-    _RELEASE < (2, 11), reason=f"torch {torch.__version__}: compiling the unrolled solve takes over 10 minutes")
+    torch_release(torch.__version__) < (2, 11), reason=f"torch {torch.__version__}: compiling the unrolled solve takes over 10 minutes")
 
 
 @pytest.fixture
