@@ -51,14 +51,12 @@ FAIRSEQ_CHECKPOINT_GLOBALS = (argparse.Namespace, *_numpy_array_globals())
 
 
 def allow_fairseq_checkpoint_globals() -> None:
-    """Adds :data:`FAIRSEQ_CHECKPOINT_GLOBALS` to torch's weights-only allowlist (idempotent)."""
-    add_safe_globals = getattr(torch.serialization, "add_safe_globals", None)
-    if add_safe_globals is None:  # torch < 2.4 loads with weights_only=False by default
-        return
+    """Adds :data:`FAIRSEQ_CHECKPOINT_GLOBALS` to torch's weights-only allowlist (idempotent; torch >=
+    2.6, which :func:`require_weights_only_torch` checks first in ``register``)."""
     already = set(torch.serialization.get_safe_globals())
     missing = [g for g in FAIRSEQ_CHECKPOINT_GLOBALS if g not in already]
     if missing:
-        add_safe_globals(missing)
+        torch.serialization.add_safe_globals(missing)
 
 
 #: The first torch whose ``torch.load`` is weights-only by default. fairseq calls ``torch.load``
