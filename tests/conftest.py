@@ -39,7 +39,7 @@ def recorded_solves():
     to the yielded list (the operator itself runs unchanged)."""
     from unittest import mock
 
-    from fairseq_softtopk.modules import beam_search
+    from fairseq_softtopk.modules import beam_selection
     from fairseq_softtopk.ops import sorted_soft_topk
 
     infos = []
@@ -49,7 +49,7 @@ def recorded_solves():
         infos.append(info)
         return out, info
 
-    with mock.patch.object(beam_search, "sorted_soft_topk", recording):
+    with mock.patch.object(beam_selection, "sorted_soft_topk", recording):
         yield infos
 
 

@@ -198,7 +198,7 @@ def test_soft_search_gradient_matches_finite_differences(rng, epsilon):
 
 def test_candidate_window_changes_nothing_at_the_tolerance(rng):
     """The default soft search solves on a window of candidates; the full problem agrees."""
-    from fairseq_softtopk.modules.beam_search import compact_rows
+    from fairseq_softtopk.modules.beam_selection import compact_rows
     from fairseq_softtopk.ops import candidate_window, sorted_soft_topk
 
     scores = torch.cat([torch.randn(4, 6, generator=rng, dtype=torch.float64) * 0.2,
@@ -216,7 +216,7 @@ def test_candidate_window_changes_nothing_at_the_tolerance(rng):
 
 
 def test_compact_rows_lists_the_true_columns_of_each_row(rng):
-    from fairseq_softtopk.modules.beam_search import compact_rows
+    from fairseq_softtopk.modules.beam_selection import compact_rows
 
     mask = torch.rand(7, 40, generator=rng) < 0.3
     mask[3] = False  # an empty row is all padding
@@ -229,7 +229,7 @@ def test_compact_rows_lists_the_true_columns_of_each_row(rng):
 
 
 def test_drop_negligible_keeps_every_rank_within_the_budget(rng):
-    from fairseq_softtopk.modules.beam_search import drop_negligible
+    from fairseq_softtopk.modules.beam_selection import drop_negligible
     from fairseq_softtopk.ops import sorted_soft_topk
 
     scores = torch.randn(5, 400, generator=rng, dtype=torch.float64) * 2
@@ -373,7 +373,7 @@ def test_relative_epsilon_needs_the_linear_cost():
 
 
 def test_near_ties_compares_the_gaps_among_the_k_plus_one_best_with_epsilon():
-    from fairseq_softtopk.modules.beam_search import near_ties
+    from fairseq_softtopk.modules.beam_selection import near_ties
 
     scores = torch.tensor([[0.0, -1.0, -2.0, -2.05, -9.0],  # ranks 3 / 4 (the rest boundary) 0.05 apart
                            [0.0, -1.0, -2.0, -3.0, -3.01],  # the tie is below the k+1 best: none
@@ -443,7 +443,7 @@ def test_fixed_iterations_selection_is_one_graph_without_host_syncs(rng):
     """torch.compile's tracer sees one step's selection whole with fixed_iterations; the default selection
     breaks the graph (its candidate window's width and the solver's stopping test are read on the host),
     which is what makes this test able to fail."""
-    from fairseq_softtopk.modules.beam_search import select_beams
+    from fairseq_softtopk.modules.beam_selection import select_beams
 
     scores = (torch.log_softmax(torch.randn(4, 3 * 50, generator=rng), -1)).requires_grad_()
     kth = scores.detach().topk(4, dim=-1).values[:, -1:]

@@ -172,7 +172,7 @@ def test_result_is_a_view_that_can_be_cloned_and_modified():
 
 def test_histogram_newton_solves_the_weighted_problem(rng):
     """The warm start's solver on weighted points is Sinkhorn on the points repeated by their weights."""
-    from fairseq_softtopk.ops.semi_dual_newton import _hard_start, _histogram_newton
+    from fairseq_softtopk.ops.semi_dual_warm_start import hard_start, histogram_newton
 
     k, epsilon = 3, 0.3
     z = torch.randn(2, 12, generator=rng, dtype=torch.float64)
@@ -180,8 +180,8 @@ def test_histogram_newton_solves_the_weighted_problem(rng):
     w = repeats.double().expand(2, -1)
     eps = torch.full((2, 1), epsilon, dtype=torch.float64)
     n_valid = w.sum(-1)
-    g = _hard_start(z.sort(-1, descending=True).values[:, : k + 1], n_valid == k, eps, k)
-    g = _histogram_newton(z, w, n_valid, eps, k, g, tol=1e-13, max_iter=50)
+    g = hard_start(z.sort(-1, descending=True).values[:, : k + 1], n_valid == k, eps, k)
+    g = histogram_newton(z, w, n_valid, eps, k, g, tol=1e-13, max_iter=50)
     anchors = torch.arange(k, -1, -1, dtype=torch.float64)
     P = torch.softmax(z.unsqueeze(1) * anchors.unsqueeze(-1) / epsilon + g.unsqueeze(-1), dim=1)  # (2, k+1, 12)
     ref = sinkhorn_topk(z.repeat_interleave(repeats, dim=1), k, epsilon, sorted=True)
@@ -372,11 +372,11 @@ def test_float32_logits_are_kept_where_their_rounding_is_below_the_tolerance(rng
     """The float64 logits of large k are not taken where float32 suffices (small k, scores a few
     epsilons apart), since they double the plan's memory traffic."""
     from fairseq_softtopk.ops._common import prepare_scores
-    from fairseq_softtopk.ops.semi_dual_newton import _logit_dtype, _Problem
+    from fairseq_softtopk.ops.semi_dual import SemiDualProblem, choose_logit_dtype
 
     def dtype_for(scores, k, epsilon, tol):
         prep = prepare_scores(scores, k, -1, True, epsilon, None, "linear", n_anchor_steps=k)
-        return _logit_dtype(_Problem.prepared(prep, k), tol)
+        return choose_logit_dtype(SemiDualProblem.prepared(prep, k), tol)
 
     log_probs = torch.randn(8, 5000, generator=rng).log_softmax(-1)
     assert dtype_for(log_probs, 5, 0.03, 1e-4) == torch.float32
@@ -389,7 +389,7 @@ def test_blocked_gram_equals_the_dense_product(rng, banded):
     """banded_rank_gram against the dense product: on a solver's plan (banded: columns on a few
     neighbouring ranks), and on a random plan with no band (every rank reached by every element),
     with masked columns (zero plan) and a last block shorter than the others."""
-    from fairseq_softtopk.ops.semi_dual_newton import banded_rank_gram
+    from fairseq_softtopk.ops.semi_dual_hessian import banded_rank_gram
 
     k, n = 40, 1003
     if banded:
@@ -411,7 +411,7 @@ def test_blocked_gram_equals_the_dense_product(rng, banded):
 def test_block_tridiagonal_solve_equals_the_dense_solve(rng, k, band):
     """Banded symmetric positive definite systems (entries vanish ``band`` or more off the
     diagonal), blocks that do not divide k, and the band read back from the matrix."""
-    from fairseq_softtopk.ops.semi_dual_newton import _band_width, block_tridiagonal_solve
+    from fairseq_softtopk.ops.semi_dual_hessian import _band_width, block_tridiagonal_solve
 
     offsets = torch.arange(k)
     inside = (offsets.unsqueeze(0) - offsets.unsqueeze(1)).abs() < (band + 1) // 2
@@ -430,7 +430,7 @@ def test_blocked_hessian_gives_the_same_operator_and_an_exact_gradient(rng, monk
     block_tridiagonal_solve: forced at k = 30 (small blocks of elements, evenly spread scores, so
     that the Hessian is banded), the operator agrees with the dense path and passes gradcheck,
     and the block solve did run in the forward and the backward pass."""
-    from fairseq_softtopk.ops import semi_dual_newton
+    from fairseq_softtopk.ops import semi_dual_hessian
 
     n, k, epsilon = 100, 30, 0.015
     x = torch.linspace(-3, 3, n, dtype=torch.float64).expand(2, n) + 0.01 * torch.randn(2, n, generator=rng,
@@ -440,11 +440,11 @@ def test_blocked_hessian_gives_the_same_operator_and_an_exact_gradient(rng, monk
     mask[1, :10] = True
     dense = sorted_soft_topk(x, k, epsilon=epsilon, mask=mask, tol=1e-13)
     assert float(dense.detach().amax(-2).min()) < 0.9  # a soft selection: the gradient is not negligible
-    monkeypatch.setattr(semi_dual_newton, "_BANDED_MIN_K", 2)
-    monkeypatch.setattr(semi_dual_newton, "_GRAM_MIN_BLOCK", 4)
+    monkeypatch.setattr(semi_dual_hessian, "_BANDED_MIN_K", 2)
+    monkeypatch.setattr(semi_dual_hessian, "_GRAM_MIN_BLOCK", 4)
     solves = []
-    block_solve = semi_dual_newton.block_tridiagonal_solve
-    monkeypatch.setattr(semi_dual_newton, "block_tridiagonal_solve",
+    block_solve = semi_dual_hessian.block_tridiagonal_solve
+    monkeypatch.setattr(semi_dual_hessian, "block_tridiagonal_solve",
                         lambda K, rhs, width: solves.append(width) or block_solve(K, rhs, width))
     blocked = sorted_soft_topk(x, k, epsilon=epsilon, mask=mask, tol=1e-13)
     torch.testing.assert_close(blocked, dense, rtol=0, atol=1e-12)

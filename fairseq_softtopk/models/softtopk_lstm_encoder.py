@@ -2,7 +2,6 @@
 
 from typing import NamedTuple
 
-import torch
 from fairseq.models import FairseqEncoder
 from fairseq.modules import FairseqDropout
 from torch import Tensor, nn

@@ -28,55 +28,16 @@ The decoder only needs the "step on embeddings" interface of
 """
 
 import functools
-import math
-from dataclasses import dataclass
-from typing import Callable, List, NamedTuple, Optional, Tuple, Union
+from typing import Callable, List, NamedTuple, Optional, Union
 
 import torch
 from torch import Tensor
 
-from ..ops import candidate_window, cap_row_grad_norm, sorted_soft_topk
-from ..ops._common import effective_epsilon
+from .beam_search_config import SELECTION_GRADS, BeamSearchConfig, GradientObserver
+from .beam_selection import near_ties, relative_scale, select_beams
 
-SELECTION_GRADS = ("full", "capped", "none")
-
-#: ``(norms, live)``: called in the backward pass once per step with the ``(batch,)`` norms of
-#: the gradient reaching the step's soft top-k (before any cap) and the ``(batch,)`` bool
-#: mask of the sentences for which the step's selection matters (steps before their last).
-GradientObserver = Callable[[Tensor, Tensor], None]
-
-
-@dataclass
-class BeamSearchConfig:
-    """Options of :func:`unroll_beam_search` (the criterion's flags map onto these)."""
-
-    beam: int = 5
-    mode: str = "soft"  # "soft" | "hard"
-    epsilon: float = 0.1
-    cost: str = "linear"
-    tol: float = 1e-4
-    max_iter: int = 50
-    candidate_pool: int = 0  # 0: all k*V candidates; m > 0: the m best by hard selection
-    selection_grad: str = "full"  # soft mode: "full" | "capped" | "none" (module docstring)
-    selection_grad_cap: float = 1.0  # "capped": largest gradient norm per sentence and step
-    epsilon_relative: float = 0.0  # > 0: per row, epsilon = max(epsilon, this * mean gap of the k+1 best)
-    fixed_iterations: bool = False  # soft mode: the search without host synchronisation (select_beams)
-
-    def __post_init__(self):
-        if self.selection_grad not in SELECTION_GRADS:
-            raise ValueError(f"selection_grad must be one of {SELECTION_GRADS}, got {self.selection_grad!r}")
-        if self.selection_grad == "capped" and not self.selection_grad_cap > 0:
-            raise ValueError(f"selection_grad_cap must be > 0, got {self.selection_grad_cap}")
-        if not self.epsilon_relative >= 0:
-            raise ValueError(f"epsilon_relative must be >= 0, got {self.epsilon_relative}")
-        if self.epsilon_relative > 0 and self.cost != "linear":
-            raise ValueError(f"epsilon_relative needs the linear cost (its epsilon is in units of the scores), "
-                             f"got cost {self.cost!r}")
-
-    @property
-    def grad_cap(self) -> float:
-        """The cap on the selection gradient per sentence and step (``inf`` unless ``"capped"``)."""
-        return self.selection_grad_cap if self.selection_grad == "capped" else math.inf
+__all__ = ["SELECTION_GRADS", "BeamSearchConfig", "BeamSearchOutput", "GradientObserver", "mix_embeddings",
+           "mix_state", "unroll_beam_search"]
 
 
 class BeamSearchOutput(NamedTuple):
@@ -125,50 +86,6 @@ def mix_state(state: NamedTuple, weights: Tensor) -> NamedTuple:
     return type(state)(*mixed)
 
 
-def compact_rows(mask: Tensor) -> Tuple[Tensor, Tensor]:
-    """Column indices of the True entries of every row, left-aligned and padded to one width.
-
-    Linear in ``mask.numel()`` (a ``nonzero`` scan), unlike a ``topk`` as wide as the window.
-
-    Args:
-        mask: ``(batch, n)`` bool.
-    Returns:
-        ``index`` ``(batch, w)`` long (0 at padding) and ``valid`` ``(batch, w)`` bool, where
-        ``w`` is the largest number of True entries in a row; entries keep their column order.
-    """
-    batch = mask.shape[0]
-    rows, cols = mask.nonzero(as_tuple=True)
-    counts = torch.bincount(rows, minlength=batch)
-    width = int(counts.max()) if batch else 0
-    position = torch.arange(rows.numel(), device=mask.device) - (counts.cumsum(0) - counts)[rows]
-    index = torch.zeros(batch, width, dtype=torch.long, device=mask.device)
-    index[rows, position] = cols
-    valid = torch.arange(width, device=mask.device) < counts.unsqueeze(1)
-    return index, valid
-
-
-def drop_negligible(A: Tensor, cand: Tensor, budget: float) -> Tuple[Tensor, Tensor]:
-    """Keeps the candidates whose weight ``sum_l A[c, l]`` is at least ``budget / m``.
-
-    Most candidates of a window are far below the selected ones, with a weight like
-    ``exp(-distance / epsilon)``: the soft beams need not mix in their embeddings and states.
-    What a row drops weighs less than ``budget`` in total, so in every rank.
-
-    Args:
-        A: ``(batch, m, beam)`` weights; cand: ``(batch, m)`` candidate ids.
-    Returns:
-        ``(A', cand')`` of the kept candidates, ``(batch, w, beam)`` and ``(batch, w)`` with
-        ``w <= m`` (rows with fewer are padded with weight-0 candidates).
-    """
-    batch, m, beam = A.shape
-    keep = A.detach().sum(-1) >= budget / m
-    index, valid = compact_rows(keep)
-    if index.shape[1] == m:
-        return A, cand
-    kept = A.gather(1, index.unsqueeze(-1).expand(-1, -1, beam)) * valid.unsqueeze(-1)
-    return kept, cand.gather(1, index)
-
-
 def mix_embeddings(embeddings: Tensor, tokens: Tensor, A: Tensor) -> Tensor:
     """Soft beam inputs ``inputs[b, l] = sum_c A[b, c, l] * embeddings[tokens[b, c]]``.
 
@@ -192,60 +109,6 @@ def mix_embeddings(embeddings: Tensor, tokens: Tensor, A: Tensor) -> Tensor:
     return torch.nn.functional.embedding_bag(bags, embeddings, mode="sum", per_sample_weights=weights)
 
 
-def relative_scale(top: Tensor, config: BeamSearchConfig) -> Optional[Tensor]:
-    """``(batch, 1)`` factors by which to divide the scores so that ``config.epsilon`` acts as
-    ``max(epsilon, epsilon_relative * g)`` per row, ``g`` the mean gap between consecutive scores
-    of the k + 1 best (``top``, sorted); ``None`` when the epsilon is not relative.
-
-    With the linear cost the selection depends on the scores only through ``scores / epsilon``,
-    so dividing a row by a factor is that row's epsilon multiplied by it. The factor is a
-    constant of the backward pass (it only sets the temperature). Rows whose k + 1 best are
-    far apart thus keep a soft selection (and a selection gradient) instead of a hard one; rows
-    with near ties keep ``epsilon``, the floor.
-    """
-    if config.epsilon_relative <= 0 or config.mode != "soft":
-        return None
-    gap = (top[:, :1] - top[:, -1:]) / max(top.shape[1] - 1, 1)
-    gap = torch.where(torch.isfinite(gap), gap, torch.zeros_like(gap))
-    return (config.epsilon_relative * gap / config.epsilon).clamp_min(1.0)
-
-
-def near_ties(scores: Tensor, top: Tensor, config: BeamSearchConfig) -> Tensor:
-    """Rows where two of the k + 1 best candidates are closer than the effective epsilon.
-
-    Args:
-        scores: ``(batch, n)``; top: ``(batch, k + 1)`` their best values, sorted.
-    Returns:
-        ``(batch,)`` bool.
-    """
-    if config.cost == "paper":
-        valid = torch.isfinite(scores)
-        eps = effective_epsilon(torch.where(valid, scores, torch.zeros_like(scores)), valid, config.epsilon,
-                                config.cost, config.beam).squeeze(-1)
-    else:
-        eps = config.epsilon * (0.5 if config.cost == "sqeuclidean" else 1.0)
-    gaps = top[:, :-1] - top[:, 1:]
-    return (gaps < torch.as_tensor(eps, dtype=gaps.dtype).reshape(-1, 1)).any(-1)
-
-
-class Selection(NamedTuple):
-    """One step's choice of the next beams among the candidates ``c = i * V + j`` (beam i, token j).
-
-    Attributes:
-        candidates: ``(batch, m)`` candidate ids (all ``k * V`` of them, or a window / pool).
-        weights: ``(batch, m, beam)`` A: the weight of each candidate in each new beam
-            (one-hot columns in hard mode); the weights of padded entries are 0.
-        converged: whether the soft top-k solve met its tolerance (True in hard mode; a 0-dim
-            bool tensor with ``fixed_iterations``).
-        n_iter: Newton iterations of the solve (0 in hard mode).
-    """
-
-    candidates: Tensor
-    weights: Tensor
-    converged: Union[bool, Tensor]
-    n_iter: int
-
-
 class StepRecord(NamedTuple):
     """What one decoding step leaves for backtracking: ``(batch, beam)`` tensors per new beam."""
 
@@ -256,57 +119,6 @@ class StepRecord(NamedTuple):
     smooth_lprobs: Tensor  # per old beam: sum of the log-probabilities over the vocabulary
     sharpness: Tensor  # largest weight in the new beam's column of A
     near_tie: Tensor  # (batch,): see BeamSearchOutput.near_tie
-
-
-def select_beams(scores: Tensor, beam: int, config: BeamSearchConfig, kth: Tensor,
-                 observe: Optional[Callable[[Tensor], None]] = None) -> Selection:
-    """Top-k of the candidates ``scores`` ``(batch, n)``, as a :class:`Selection`.
-
-    With a pool (or in hard mode) only the m best candidates are kept (hard selection), and
-    A is computed over them. Otherwise, with the linear cost, the soft top-k runs on the
-    :func:`~fairseq_softtopk.ops.candidate_window` of candidates (the others would get less
-    than ``tol / 100`` of any rank; padding is ``-inf``, which the operator excludes), and the
-    candidates left with a negligible weight are dropped after the solve; with the paper's
-    cost, whose scale depends on every candidate, the operator sees all of them.
-
-    With ``config.fixed_iterations`` (soft mode) nothing waits on the device: the window and the
-    dropping of negligible candidates, whose widths depend on the data, are skipped (the operator
-    sees the pool, or all candidates), and the solve runs exactly ``max_iter`` iterations with
-    on-device convergence masks (``sorted_soft_topk(..., fixed_iterations=True)``), so that a
-    step can be captured by CUDA graphs or compiled whole. Where every solve converges, the
-    result is the default's up to ``tol``.
-
-    Args:
-        kth: ``(batch, 1)`` the (k+1)-th best score.
-        observe: gets the ``(batch,)`` norms of the gradient reaching the operator.
-    """
-    batch, n = scores.shape
-    with torch.profiler.record_function("softtopk::select_beams"):
-        pool = beam if config.mode == "hard" else config.candidate_pool
-        if pool and pool < n:
-            pool_scores, ids = scores.topk(pool, dim=-1, sorted=True)
-        elif not pool and config.cost == "linear" and not config.fixed_iterations:
-            floor = candidate_window(kth, beam, config.epsilon, config.tol, n_out=n)
-            ids, valid = compact_rows(scores.detach() >= floor)
-            pool_scores = scores.gather(1, ids).masked_fill(~valid, -float("inf"))
-        else:
-            ids = torch.arange(n, device=scores.device).expand(batch, n)
-            pool_scores = scores
-        if config.mode == "hard":
-            A = torch.eye(beam, dtype=scores.dtype, device=scores.device).expand(batch, beam, beam)
-            return Selection(ids, A, True, 0)
-        if config.selection_grad == "none":
-            pool_scores = pool_scores.detach()
-        elif pool_scores.requires_grad and (observe is not None or config.grad_cap < math.inf):
-            pool_scores = cap_row_grad_norm(pool_scores, config.grad_cap, observe)
-        # no warning per step: the search counts the unconverged solves (BeamSearchOutput.n_unconverged)
-        A, info = sorted_soft_topk(pool_scores, beam, epsilon=config.epsilon, cost=config.cost, tol=config.tol,
-                                   max_iter=config.max_iter, return_info=True, warn=False,
-                                   fixed_iterations=config.fixed_iterations)
-        if ids.shape[1] < n and not config.fixed_iterations:
-            # the same budget as candidate_window's: all but tol / 100 of every rank is kept
-            A, ids = drop_negligible(A, ids, config.tol / 100)
-        return Selection(ids, A, info.converged, info.n_iter)
 
 
 def unroll_beam_search(decoder, encoder_out, reorder_encoder_out: Callable, target: Tensor, pad: int, bos: int,

@@ -25,7 +25,9 @@ from torch import Tensor
 
 from ._common import (SolverInfo, check_inputs, hard_topk_indices, oriented_rows, prepare_scores, restore_shape,
                       warn_if_unconverged)
-from .semi_dual_newton import anchor_hessian, anchors, fixed_newton_solve, newton_solve, solve_ridged
+from .semi_dual import anchors
+from .semi_dual_hessian import anchor_hessian, solve_ridged
+from .semi_dual_newton import fixed_newton_solve, newton_solve
 
 
 class SortedSoftTopKFunction(torch.autograd.Function):
