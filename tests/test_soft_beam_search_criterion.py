@@ -7,10 +7,10 @@ import torch
 from fairseq.criterions.label_smoothed_cross_entropy import label_smoothed_nll_loss
 from fairseq.tasks import FairseqTask
 
+from builders import build_criterion, build_model, make_sample
 from conftest import recorded_solves, word_dictionary
 
-from fairseq_softtopk.criterions.soft_beam_search import SoftBeamSearchCriterion, annealed_epsilon
-from fairseq_softtopk.models.softtopk_lstm import SoftTopKLSTMConfig, SoftTopKLSTMModel
+from fairseq_softtopk.criterions.soft_beam_search import annealed_epsilon
 from fairseq_softtopk.modules.beam_search import BeamSearchConfig, unroll_beam_search
 from fairseq_softtopk.ops import cap_row_grad_norm
 
@@ -18,47 +18,6 @@ from fairseq_softtopk.ops import cap_row_grad_norm
 @pytest.fixture
 def dictionary():
     return word_dictionary(13)
-
-
-def build_model(dictionary, scale: float = 1.0) -> SoftTopKLSTMModel:
-    torch.manual_seed(0)
-    config = SoftTopKLSTMConfig(dropout=0.0, encoder_embed_dim=6, encoder_hidden_size=7, decoder_embed_dim=8,
-                                decoder_hidden_size=12, decoder_out_embed_dim=8, attention_dim=10,
-                                max_source_positions=64, max_target_positions=64)
-    model = SoftTopKLSTMModel.build_model(config, SimpleNamespace(source_dictionary=dictionary,
-                                                                  target_dictionary=dictionary)).double()
-    with torch.no_grad():
-        for param in model.parameters():
-            param.mul_(scale)
-    return model.train()
-
-
-def build_criterion(dictionary, **overrides) -> SoftBeamSearchCriterion:
-    values = dict(train_beam=3, topk_epsilon=0.1, topk_epsilon_start=0.0, topk_epsilon_anneal_updates=0,
-                  topk_epsilon_relative=0.0,
-                  topk_cost="linear", topk_tol=1e-8, topk_max_iter=50,
-                  teacher_forcing_ratio=0.8, topk_mode="soft", candidate_pool=0, topk_fixed_iterations=False,
-                  selection_grad="capped",
-                  selection_grad_cap=1.0, label_smoothing=0.1, sentence_avg=False)
-    values.update(overrides)
-    return SoftBeamSearchCriterion(SimpleNamespace(target_dictionary=dictionary), **values)
-
-
-def make_sample(dictionary, rng, lengths, src_len=6) -> dict:
-    """A fairseq translation batch: right-padded targets ending in EOS, shifted inputs."""
-    batch, T = len(lengths), max(lengths)
-    pad, eos = dictionary.pad(), dictionary.eos()
-    src = torch.randint(dictionary.nspecial, len(dictionary), (batch, src_len), generator=rng)
-    src[:, -1] = eos
-    target = torch.full((batch, T), pad)
-    prev = torch.full((batch, T), pad)
-    for row, n in enumerate(lengths):
-        body = torch.randint(dictionary.nspecial, len(dictionary), (n - 1,), generator=rng)
-        target[row, :n] = torch.cat([body, torch.tensor([eos])])
-        prev[row, :n] = torch.cat([torch.tensor([eos]), body])
-    return {"net_input": {"src_tokens": src, "src_lengths": torch.full((batch,), src_len),
-                          "prev_output_tokens": prev},
-            "target": target, "ntokens": int(target.ne(pad).sum()), "nsentences": batch}
 
 
 def teacher_forced_lprobs(model, sample, prev_output_tokens):

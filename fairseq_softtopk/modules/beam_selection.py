@@ -107,14 +107,14 @@ def near_ties(scores: Tensor, top: Tensor, config: BeamSearchConfig) -> Tensor:
     Returns:
         ``(batch,)`` bool.
     """
-    if config.cost == "paper":
+    if config.cost == "paper":  # (batch, 1): the paper's cost scales epsilon per row
         valid = torch.isfinite(scores)
         eps = effective_epsilon(torch.where(valid, scores, torch.zeros_like(scores)), valid, config.epsilon,
-                                config.cost, config.beam).squeeze(-1)
+                                config.cost, config.beam)
     else:
         eps = config.epsilon * (0.5 if config.cost == "sqeuclidean" else 1.0)
     gaps = top[:, :-1] - top[:, 1:]
-    return (gaps < torch.as_tensor(eps, dtype=gaps.dtype).reshape(-1, 1)).any(-1)
+    return (gaps < eps).any(-1)
 
 
 def select_beams(scores: Tensor, beam: int, config: BeamSearchConfig, kth: Tensor,
