@@ -83,7 +83,9 @@ class SoftBeamSearchConfig(FairseqDataclass):
                 "through the selection)"})
     selection_grad_cap: float = field(default=0.3, metadata={
         "help": "with --selection-grad capped: the largest norm of the gradient reaching one step's selection "
-                "for one sentence, in units of one gold token's gradient in the beam term, i.e. (1 - p)"})
+                "for one sentence, in units of one gold token's gradient in the beam term, i.e. (1 - p), times the "
+                "gradient of the loss itself (the loss scale of --fp16/--amp, else 1): the update does not depend "
+                "on loss scaling"})
     label_smoothing: float = field(default=0.0, metadata={"help": "label smoothing of both loss terms"})
     sentence_avg: bool = II("optimization.sentence_avg")
 
@@ -233,6 +235,9 @@ class SoftBeamSearchCriterion(FairseqCriterion):
         else:
             beam_loss = beam_nll = tf_loss.new_zeros(())
         loss = self.p * tf_loss + (1.0 - self.p) * beam_loss
+        if run_beam and beam.scale_probe is not None:
+            # a zero whose gradient is the loss scale (fp16/amp): the selection gradient's cap follows it
+            loss = loss + beam.scale_probe
         ntokens = sample["ntokens"]
         sample_size = target.size(0) if self.sentence_avg else ntokens
         logging_output = {

@@ -17,7 +17,9 @@ step's operator, per sentence (:func:`fairseq_softtopk.ops.cap_row_grad_norm`), 
 exact gradient compounds over the steps (the selection at step t mixes the states that score
 step t + 1) and explodes where candidates are within about epsilon of each other at a rank
 boundary; ``"none"`` keeps the soft forward pass and stops the gradient through A (gradient
-still flows through the mixed embeddings and states, as weighted sums).
+still flows through the mixed embeddings and states, as weighted sums). The cap is in units of
+the loss's own gradient, read from ``BeamSearchOutput.scale_probe`` (which the loss adds), so
+that fp16/amp loss scaling changes nothing.
 
 The loss along the search is the gold-token negative log-likelihood along the beam that
 ends with the largest likelihood, backtracked through the argmax predecessors.
@@ -58,6 +60,10 @@ class BeamSearchOutput(NamedTuple):
         n_unconverged: number of steps whose top-k solve missed its tolerance (with
             ``fixed_iterations``, a 0-dim long tensor: reading it is the search's one host sync).
         newton_iters: Newton iterations of all the steps' soft top-k solves (0 in hard mode).
+        scale_probe: a 0-dim zero to add to the loss where the selection gradient is capped or
+            observed (None otherwise): through it the cap learns the factor by which the loss is
+            multiplied before the backward pass (fp16/amp loss scaling) and follows it, so that
+            the update does not depend on that factor (:func:`~fairseq_softtopk.ops.cap_row_grad_norm`).
     """
 
     gold_lprobs: Tensor
@@ -69,6 +75,7 @@ class BeamSearchOutput(NamedTuple):
     near_tie: Tensor
     n_unconverged: Union[int, Tensor]
     newton_iters: int
+    scale_probe: Optional[Tensor] = None
 
 
 def mix_state(state: NamedTuple, weights: Tensor) -> NamedTuple:
@@ -146,6 +153,7 @@ def unroll_beam_search(decoder, encoder_out, reorder_encoder_out: Callable, targ
     cum = None
     records: List[StepRecord] = []
     n_unconverged = newton_iters = 0
+    scale_probe = None
     for t in range(T):
         lprobs, new_state = decoder.step(inputs, state, enc)  # (B*k) x V
         V = lprobs.shape[-1]
@@ -164,7 +172,9 @@ def unroll_beam_search(decoder, encoder_out, reorder_encoder_out: Callable, targ
         observe = None
         if grad_observer is not None:  # a sentence's last selection reaches no loss term: not live
             observe = functools.partial(_observe_step, grad_observer, t < lengths - 1)
-        cand, A, converged, n_iter = select_beams(sel_scores, k, config, sel_top[:, -1:], observe)
+        cand, A, converged, n_iter, probe = select_beams(sel_scores, k, config, sel_top[:, -1:], observe)
+        if probe is not None:
+            scale_probe = probe if scale_probe is None else scale_probe + probe
         # a tensor with fixed_iterations: counted on the device, read once after the search
         n_unconverged = n_unconverged + (~converged).long() if torch.is_tensor(converged) else \
             n_unconverged + int(not converged)
@@ -182,7 +192,7 @@ def unroll_beam_search(decoder, encoder_out, reorder_encoder_out: Callable, targ
     gold, smooth, best_beam = _backtrack(records, lengths)
     return BeamSearchOutput(gold, smooth, cum, best_beam, _beam_tokens(records),
                             torch.stack([r.sharpness for r in records], 1),
-                            torch.stack([r.near_tie for r in records], 1), n_unconverged, newton_iters)
+                            torch.stack([r.near_tie for r in records], 1), n_unconverged, newton_iters, scale_probe)
 
 
 def _observe_step(grad_observer: GradientObserver, live: Tensor, norms: Tensor) -> None:

@@ -29,12 +29,16 @@ class Selection(NamedTuple):
         converged: whether the soft top-k solve met its tolerance (True in hard mode; a 0-dim
             bool tensor with ``fixed_iterations``).
         n_iter: Newton iterations of the solve (0 in hard mode).
+        scale_probe: where the selection gradient is capped or observed, the 0-dim zero whose
+            gradient sets the cap's unit (:func:`~fairseq_softtopk.ops.cap_row_grad_norm`): the
+            loss must add it; else None.
     """
 
     candidates: Tensor
     weights: Tensor
     converged: Union[bool, Tensor]
     n_iter: int
+    scale_probe: Optional[Tensor] = None
 
 
 def compact_rows(mask: Tensor) -> Tuple[Tensor, Tensor]:
@@ -154,10 +158,11 @@ def select_beams(scores: Tensor, beam: int, config: BeamSearchConfig, kth: Tenso
         if config.mode == "hard":
             A = torch.eye(beam, dtype=scores.dtype, device=scores.device).expand(batch, beam, beam)
             return Selection(ids, A, True, 0)
+        probe = None
         if config.selection_grad == "none":
             pool_scores = pool_scores.detach()
         elif pool_scores.requires_grad and (observe is not None or config.grad_cap < math.inf):
-            pool_scores = cap_row_grad_norm(pool_scores, config.grad_cap, observe)
+            pool_scores, probe = cap_row_grad_norm(pool_scores, config.grad_cap, observe, return_scale_probe=True)
         # no warning per step: the search counts the unconverged solves (BeamSearchOutput.n_unconverged)
         A, info = sorted_soft_topk(pool_scores, beam, epsilon=config.epsilon, cost=config.cost, tol=config.tol,
                                    max_iter=config.max_iter, return_info=True, warn=False,
@@ -165,4 +170,4 @@ def select_beams(scores: Tensor, beam: int, config: BeamSearchConfig, kth: Tenso
         if ids.shape[1] < n and not config.fixed_iterations:
             # the same budget as candidate_window's: all but tol / 100 of every rank is kept
             A, ids = drop_negligible(A, ids, config.tol / 100)
-        return Selection(ids, A, info.converged, info.n_iter)
+        return Selection(ids, A, info.converged, info.n_iter, probe)
