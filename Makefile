@@ -4,7 +4,7 @@
 #   make test   the whole test suite
 PY := .venv/bin/python
 
-.PHONY: setup demo test bench
+.PHONY: setup demo test bench gpu-check gpu-check-dry-run
 setup:
 	@bash scripts/setup_venv.sh
 
@@ -16,3 +16,11 @@ test: setup
 
 bench: setup
 	$(PY) scripts/bench_ops.py
+
+# On a GPU machine, after `make setup`: the cuda tests and both benchmarks, one report under
+# results/gpu_check/ (scripts/gpu_check.py; about 10 minutes). The dry run: the same steps on the CPU.
+gpu-check: setup
+	$(PY) scripts/gpu_check.py
+
+gpu-check-dry-run: setup
+	$(PY) scripts/gpu_check.py --dry-run

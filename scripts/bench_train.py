@@ -11,6 +11,9 @@ ones, with the ``soft_beam_search`` criterion as
 * ``beam_soft_pool``: ``--topk-mode soft --candidate-pool m`` (the m best candidates only),
 * ``beam_soft_fixed``: as ``beam_soft_pool`` with ``--topk-fixed-iterations --topk-max-iter
   --fixed-iter`` (no host synchronisation in the search: the GPU path),
+* ``beam_soft_compiled``: as ``beam_soft_fixed`` with ``--topk-compile default`` (the solve under
+  ``torch.compile``; compiled in the warm-up update, which must exist; not in the default
+  ``--configs``: on a CPU inductor needs a C++ compiler and a minute or two to compile),
 
 and prints target tokens/s, ms per update, peak memory, the share of the update spent in the
 sorted soft top-k operator and the time per update relative to ``beam_hard``.
@@ -34,6 +37,22 @@ How things are measured:
   is reset with ``/proc/self/clear_refs`` before the first update; elsewhere it is the peak
   since the process started) and its growth over the RSS before training; CUDA,
   ``torch.cuda.max_memory_allocated``.
+* Launches and syncs (the GPU-speed proxy, measurable on a CPU): one more pass over
+  ``--count-updates`` batches, forward and backward from the same initial parameters, under
+  :class:`fairseq_softtopk.dispatch_count.DispatchCounter`: dispatched ATen operations (about one
+  kernel launch each on a GPU) and host synchronisations per beam step (per target position for
+  teacher forcing), split by part of the step: ``step`` (decoder step, candidate scores, the
+  ``k + 1`` best, bookkeeping), ``select`` (window / pool / gradient cap), ``solve`` (the
+  operator's forward), ``mix``, ``solve bwd`` (implicit differentiation), ``other bwd`` (the rest
+  of the backward pass) and ``per batch`` (encoder, teacher-forcing pass, loss, spread over the
+  steps). ``syncs/step`` counts those inside a decoding step and in the backward pass, ``syncs/batch``
+  the others. ``fused solve`` is what a kernel doing the whole solve, and one its backward, would
+  leave: the launches without ``solve`` and ``solve bwd``, plus 2. On CUDA the profiled pass also
+  counts the kernel launches the CUDA runtime saw (``CUDA launches/step``, optimizer step included).
+  ``beam_soft_compiled``: under the counter the compiled solve runs eagerly, so its ``solve`` and
+  ``solve bwd`` columns are instead the kernels that inductor generated for the solve's forward and
+  backward graphs, read from the code it wrote in the warm-up update (on a CPU, C++ kernels;
+  on CUDA, Triton ones; library calls such as ``bmm`` included).
 * ``--profile CONFIG`` prints ``torch.profiler`` tables instead: self CPU time by region
   (the named ranges, other forward / backward, optimizer)
   with each region's costliest ops, then the top ops overall.
@@ -58,6 +77,7 @@ import json
 import logging
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -69,11 +89,24 @@ import torch
 from bench_harness import build_training_parts, range_seconds, timed_updates, training_batches
 from fairseq_commands import binarize_generated_corpus
 
-#: beam_soft_fixed: the sync-free search (--topk-fixed-iterations) on the pool of beam_soft_pool
-CONFIGS = ("teacher_forcing", "beam_hard", "beam_soft", "beam_soft_pool", "beam_soft_fixed")
+from fairseq_softtopk.dispatch_count import DispatchCounter
+
+#: beam_soft_fixed: the sync-free search (--topk-fixed-iterations) on the pool of beam_soft_pool;
+#: beam_soft_compiled: that search with its solve under torch.compile (--topk-compile default)
+CONFIGS = ("teacher_forcing", "beam_hard", "beam_soft", "beam_soft_pool", "beam_soft_fixed", "beam_soft_compiled")
+#: what runs without --configs: the compiled config only on request (compiling on a CPU takes minutes)
+DEFAULT_CONFIGS = CONFIGS[:-1]
+#: a kernel call in the code inductor writes: C++ (CPU) or Triton (CUDA) kernels, library calls, ATen fallbacks
+_KERNEL_CALL = re.compile(r"^\s+(?:\w+ = )?(?:cpp_fused_\w+|triton_\w+\.run|extern_kernels\.\w+|aten\.\w+(?:\.\w+)?|"
+                          r"torch\.ops\.\w+\.\w+(?:\.\w+)?)\(", re.M)
 #: table column -> the package's named profiler range it reads
 RANGE_KEYS = {"topk_fwd": "softtopk::sorted_soft_topk", "topk_bwd": "softtopk::sorted_soft_topk_backward",
               "select": "softtopk::select_beams", "mix": "softtopk::mix_beams"}
+#: innermost named range -> part of a decoding step in the launch table (others: their own name)
+COUNT_PARTS = {"beam_step": "step", "select_beams": "select", "sorted_soft_topk": "solve", "mix_beams": "mix",
+               "sorted_soft_topk_backward": "solve bwd", "backward": "other bwd", "other": "per batch"}
+#: kernel launches as the CUDA runtime records them in a torch.profiler trace
+CUDA_LAUNCH_EVENTS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
 BASELINE = "beam_hard"
 TARGET_RATIO = 1.25  # issue 4: soft <= 1.25x the time of hard at k=5 on the Multi30k-sized model
 _RESULT_TAG = "BENCH_RESULT "
@@ -95,6 +128,7 @@ def criterion_args(config: str, beam: int, epsilon: Optional[float], pool: int, 
         "beam_soft_fixed": ["--teacher-forcing-ratio", str(ratio), "--topk-mode", "soft", "--candidate-pool", str(pool),
                             "--topk-fixed-iterations", "--topk-max-iter", str(fixed_iter)],
     }
+    flags["beam_soft_compiled"] = flags["beam_soft_fixed"] + ["--topk-compile", "default"]
     if config not in flags:
         raise ValueError(f"unknown configuration {config!r}; choose from {CONFIGS}")
     return common + flags[config]
@@ -146,23 +180,77 @@ def update_record(record: dict) -> Dict[str, float]:
 
 
 def profiled_shares(model, criterion, batches: List[dict], warmup: int, device: str) -> Dict[str, float]:
-    """Seconds of the timed updates of ``batches`` under ``torch.profiler`` and inside each named range."""
+    """Seconds of the timed updates of ``batches`` under ``torch.profiler`` and inside each named range
+    (and, on CUDA, the kernel launches the runtime recorded per decoding step)."""
     from torch.profiler import ProfilerActivity, profile
 
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     timed_updates(model, criterion, batches[:warmup], 0, device, optimizer=optimizer)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    cuda = device.startswith("cuda")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
         records = timed_updates(model, criterion, batches[warmup:], 0, device, optimizer=optimizer)
     ranges = range_seconds(prof.events(), RANGE_KEYS.values())
-    return {"profiled_seconds": sum(r["seconds"] for r in records),
-            **{key: ranges[name] for key, name in RANGE_KEYS.items()}}
+    shares = {"profiled_seconds": sum(r["seconds"] for r in records),
+              **{key: ranges[name] for key, name in RANGE_KEYS.items()}}
+    if cuda:
+        steps = sum(sample["target"].shape[1] for sample in batches[warmup:])
+        shares["cuda_launches_per_step"] = sum(e.name in CUDA_LAUNCH_EVENTS for e in prof.events()) / steps
+    return shares
+
+
+def count_dispatches(model, criterion, batches: List[dict]) -> dict:
+    """Launches and syncs of the forward and backward passes over ``batches`` (module docstring), per
+    decoding step (``target.shape[1]`` per batch): ``{"launches": {part: n}, "syncs_step", "syncs_batch"}``."""
+    model.train()
+    # a compiled solve runs eagerly here (dynamo cannot trace under a dispatch mode; see compile_and_count_kernels)
+    with torch.compiler.set_stance("force_eager"), DispatchCounter() as counter:
+        for sample in batches:
+            model.zero_grad(set_to_none=True)
+            loss, _, _ = criterion(model, sample)
+            loss.backward()
+    steps = sum(sample["target"].shape[1] for sample in batches)
+    launches: Dict[str, float] = {}
+    for part, n in counter.by_innermost("launches").items():
+        name = COUNT_PARTS.get(part, part)
+        launches[name] = launches.get(name, 0.0) + n / steps
+    in_step = counter.total("syncs", inside="beam_step")
+    in_backward = sum(n for path, n in counter.counts["syncs"].items()
+                      if path == ("backward",) or path[-1].endswith("_backward"))
+    return {"launches": launches, "syncs_step": (in_step + in_backward) / steps,
+            "syncs_batch": (counter.total("syncs") - in_step - in_backward) / len(batches)}
+
+
+def kernel_calls(code: str) -> int:
+    """The kernel calls in one module of code that inductor wrote (:data:`_KERNEL_CALL`, in its ``call``)."""
+    start = code.find("def call(")
+    if start < 0:
+        return 0
+    end = code.find("\ndef ", start + 1)
+    return len(_KERNEL_CALL.findall(code[start: end if end > 0 else len(code)]))
+
+
+def compile_and_count_kernels(model, criterion, sample: dict) -> Dict[str, float]:
+    """One forward and backward of ``sample`` that compiles the solve of ``beam_soft_compiled`` (its
+    warm-up), returning the kernels inductor generated: ``{"solve": forward, "solve bwd": backward}``
+    (the first and the second graph compiled; each step runs both once)."""
+    from torch._inductor.utils import run_and_get_code
+
+    def forward_backward():
+        model.zero_grad(set_to_none=True)
+        criterion(model, sample)[0].backward()
+
+    model.train()
+    _, codes = run_and_get_code(forward_backward)
+    if len(codes) < 2:
+        raise RuntimeError(f"expected the solve's forward and backward graphs to compile, got {len(codes)}")
+    return {"solve": float(kernel_calls(codes[0])), "solve bwd": float(kernel_calls(codes[1]))}
 
 
 def _setup(opts: argparse.Namespace, config: str):
     """Threads, quiet logging, ``(model, criterion, batches)`` of one configuration."""
     torch.set_num_threads(opts.threads)
-    for name in ("fairseq", "hydra"):
+    for name in ("fairseq", "hydra", "filelock"):  # filelock: inductor's cache locks
         logging.getLogger(name).setLevel(logging.WARNING)
     task, model, criterion = build_parts(opts, config)
     return model, criterion, fixed_batches(task, opts.max_tokens, opts.warmup + opts.updates, opts.seed, opts.device)
@@ -171,12 +259,16 @@ def _setup(opts: argparse.Namespace, config: str):
 def run_config(opts: argparse.Namespace, config: str) -> dict:
     """Builds and trains one configuration in this process.
 
-    Returns ``{"updates": [...], "peak_mib", "growth_mib", "profile": {...}}``: the timed pass
-    (no profiler), then the profiled pass (:func:`profiled_shares`) over the first
-    ``opts.profile_updates`` of the same updates from the same initial parameters.
+    Returns ``{"updates": [...], "peak_mib", "growth_mib", "profile": {...}, "counts": {...}}``: the
+    timed pass (no profiler), then the profiled pass (:func:`profiled_shares`) over the first
+    ``opts.profile_updates`` of the same updates and the counted pass (:func:`count_dispatches`) over the
+    first ``opts.count_updates`` (forward and backward only), each from the same initial parameters.
     """
     model, criterion, batches = _setup(opts, config)
     initial = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+    compiled = None
+    if config == "beam_soft_compiled":  # compile now, reading the kernels (the timed warm-up then finds it compiled)
+        compiled = compile_and_count_kernels(model, criterion, batches[0])
     cuda = opts.device.startswith("cuda")
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -189,7 +281,11 @@ def run_config(opts: argparse.Namespace, config: str) -> dict:
     growth = None if peak is None or before is None else peak - before
     model.load_state_dict(initial)
     shares = profiled_shares(model, criterion, batches[: opts.warmup + opts.profile_updates], opts.warmup, opts.device)
-    return {"updates": records, "peak_mib": peak, "growth_mib": growth, "profile": shares}
+    model.load_state_dict(initial)
+    counts = count_dispatches(model, criterion, batches[opts.warmup: opts.warmup + opts.count_updates])
+    if compiled is not None:  # counted eagerly (module docstring): the solve is the kernels inductor wrote
+        counts["launches"].update(compiled)
+    return {"updates": records, "peak_mib": peak, "growth_mib": growth, "profile": shares, "counts": counts}
 
 
 def pretrain(opts: argparse.Namespace, path: Path) -> None:
@@ -236,7 +332,9 @@ def summarize(results: List[dict]) -> dict:
     return {"tokens_per_s": sum(r["tokens"] for r in fastest) / seconds, "ms_per_update": 1e3 * seconds / len(fastest),
             "peak_mib": max(peaks, default=float("nan")), "growth_mib": max(growths, default=float("nan")),
             "newton_per_call": sum(r["newton_iters"] for r in fastest) / solves if solves else float("nan"),
-            **{f"{key}_share": profile[key] / profile["profiled_seconds"] for key in RANGE_KEYS}}
+            **{f"{key}_share": profile[key] / profile["profiled_seconds"] for key in RANGE_KEYS},
+            "cuda_launches_per_step": profile.get("cuda_launches_per_step"),
+            "counts": results[0].get("counts")}  # counts do not depend on timing: the first run's
 
 
 def format_table(summary: Dict[str, dict], memory: str) -> str:
@@ -255,6 +353,31 @@ def format_table(summary: Dict[str, dict], memory: str) -> str:
             ratio = summary[name]["ms_per_update"] / base
             verdict = "met" if ratio <= TARGET_RATIO else "NOT met"
             lines.append(f"\n{name} / {BASELINE} = {ratio:.2f}x (target <= {TARGET_RATIO}x): {verdict}")
+    return "\n".join(lines)
+
+
+def format_count_table(summary: Dict[str, dict]) -> str:
+    """Markdown table of launches and syncs per decoding step (:func:`count_dispatches`), by part."""
+    parts = ["step", "select", "solve", "mix", "solve bwd", "other bwd", "per batch"]
+    cuda = any(r.get("cuda_launches_per_step") is not None for r in summary.values())
+    head = ("| config | launches/step | vs hard | syncs/step | syncs/batch | " + " | ".join(parts)
+            + " | fused solve | fused vs hard |" + (" CUDA launches/step |" if cuda else ""))
+    lines = [head, "|---|" + "---:|" * (len(parts) + 6 + cuda)]
+    base = summary.get(BASELINE, {}).get("counts")
+    base_total = sum(base["launches"].values()) if base else float("nan")
+    for name, r in summary.items():
+        counts = r.get("counts")
+        if not counts:
+            continue
+        launches = counts["launches"]
+        total = sum(launches.values())
+        fused = total - launches.get("solve", 0.0) - launches.get("solve bwd", 0.0) + 2 * ("solve" in launches)
+        cells = [f"{total:.0f}", f"{total / base_total:.2f}x", f"{counts['syncs_step']:.1f}",
+                 f"{counts['syncs_batch']:.1f}", *(f"{launches.get(part, 0.0):.0f}" for part in parts),
+                 f"{fused:.0f}", f"{fused / base_total:.2f}x"]
+        if cuda:
+            cells.append(f"{r['cuda_launches_per_step']:.0f}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -326,7 +449,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", type=Path, help="fairseq binary data dir (default: the toy corpus in a temp dir)")
     parser.add_argument("--arch", default="softtopk_lstm_multi30k", help="a softtopk_lstm architecture")
-    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {CONFIGS}")
+    parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                        help=f"comma-separated subset of {CONFIGS} (default: all but beam_soft_compiled)")
     parser.add_argument("--updates", type=int, default=20, help="timed updates per run")
     parser.add_argument("--warmup", type=int, default=3, help="untimed updates before timing")
     parser.add_argument("--repeats", type=int, default=1, help="interleaved runs per config (fastest per update)")
@@ -347,6 +471,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "from the result; 0: from --checkpoint or random initialisation")
     parser.add_argument("--profile-updates", type=int, default=5,
                         help="updates of the profiled pass that measures the top-k shares (at most --updates)")
+    parser.add_argument("--count-updates", type=int, default=2,
+                        help="batches of the counted pass (launches and syncs per step; at most --updates)")
     parser.add_argument("--in-process", action="store_true", help="no subprocess per run (memory then accumulates)")
     parser.add_argument("--profile", metavar="CONFIG", help="print a torch.profiler table for this config instead")
     parser.add_argument("--profile-rows", type=int, default=25)
@@ -362,10 +488,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     unknown = [c for c in configs + [opts.profile or CONFIGS[0]] if c not in CONFIGS]
     if unknown:
         parser.error(f"unknown configurations {unknown}; choose from {CONFIGS}")
-    if min(opts.updates, opts.repeats, opts.threads, opts.profile_updates) < 1 or opts.warmup < 0:
-        parser.error(f"need --updates, --repeats, --threads, --profile-updates >= 1 and --warmup >= 0, got "
-                     f"{opts.updates}, {opts.repeats}, {opts.threads}, {opts.profile_updates}, {opts.warmup}")
+    if min(opts.updates, opts.repeats, opts.threads, opts.profile_updates, opts.count_updates) < 1 or opts.warmup < 0:
+        parser.error(f"need --updates, --repeats, --threads, --profile-updates, --count-updates >= 1 and --warmup >= 0, "
+                     f"got {opts.updates}, {opts.repeats}, {opts.threads}, {opts.profile_updates}, {opts.count_updates}, "
+                     f"{opts.warmup}")
     opts.profile_updates = min(opts.profile_updates, opts.updates)
+    opts.count_updates = min(opts.count_updates, opts.updates)
     if opts.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error("--device cuda but torch.cuda.is_available() is False")
     if opts.worker:
@@ -389,6 +517,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         summary = run_benchmark(opts, argv, configs)
     memory = "peak CUDA MiB (+growth)" if opts.device.startswith("cuda") else "peak RSS MiB (+growth)"
     print(format_table(summary, memory))
+    print("\nlaunches (dispatched ATen operations) and host syncs per decoding step, forward + backward:")
+    print(format_count_table(summary))
     return 0
 
 

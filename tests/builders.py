@@ -44,7 +44,8 @@ def build_transformer(dictionary, dtype: torch.dtype = torch.float64, **options)
 CRITERION_DEFAULTS = dict(train_beam=3, topk_epsilon=0.1, topk_epsilon_start=0.0, topk_epsilon_anneal_updates=0,
                           topk_epsilon_relative=0.0, topk_cost="linear", topk_tol=1e-8, topk_max_iter=50,
                           teacher_forcing_ratio=0.8, topk_mode="soft", candidate_pool=0, topk_fixed_iterations=False,
-                          selection_grad="capped", selection_grad_cap=1.0, label_smoothing=0.1, sentence_avg=False)
+                          selection_grad="capped", selection_grad_cap=1.0, label_smoothing=0.1, sentence_avg=False,
+                          topk_compile="none")
 
 
 def build_criterion(dictionary, **overrides) -> SoftBeamSearchCriterion:

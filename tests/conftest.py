@@ -10,6 +10,31 @@ from fairseq_softtopk.checkpoint_safety import torch_release
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))  # scripts/ hold importable helpers (evaluate, ...)
 
+
+def cuda_unavailable_reason():
+    """Why the ``cuda`` tests cannot run here, or None where they can (on CUDA, or on the CPU in a dry run:
+    ``SOFTTOPK_CUDA_TESTS_DEVICE=cpu``, see tests/test_cuda.py)."""
+    import os
+
+    if os.environ.get("SOFTTOPK_CUDA_TESTS_DEVICE") == "cpu":
+        return None
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is built without CUDA"
+    if not torch.cuda.is_available():
+        return f"torch {torch.__version__} (CUDA {torch.version.cuda}) finds no GPU"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``cuda`` are skipped, with the reason, where CUDA is not available."""
+    reason = cuda_unavailable_reason()
+    if reason is None:
+        return
+    skip = pytest.mark.skip(reason=f"cuda test: {reason}")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
 #: torch.compile of the unrolled fixed-iteration solve (forward and backward): torch 2.6's AOT
 #: partitioner ran for over 10 minutes on it (aot_eager, the tests' small cases); 2.11, 2.13 and 2.15
 #: compile it in seconds. Dynamo's graph-break checks (explain) run on every supported torch.

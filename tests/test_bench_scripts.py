@@ -18,6 +18,38 @@ def test_criterion_args_per_config():
         bench_train.criterion_args("beam_medium", 5, 0.1, 50, 0.8)
 
 
+def test_compiled_config_is_the_fixed_search_under_torch_compile_and_runs_only_on_request():
+    fixed = bench_train.criterion_args("beam_soft_fixed", 5, 0.1, 50, 0.8)
+    assert bench_train.criterion_args("beam_soft_compiled", 5, 0.1, 50, 0.8) == fixed + ["--topk-compile", "default"]
+    assert "beam_soft_compiled" in bench_train.CONFIGS and "beam_soft_compiled" not in bench_train.DEFAULT_CONFIGS
+
+
+INDUCTOR_CODE = """
+from torch._inductor.select_algorithm import extern_kernels
+cpp_fused_add_0 = async_compile.cpp_pybinding(['float*'], 'extern "C" void kernel(...)')
+
+def call(args):
+    arg0_1, arg1_1 = args
+    buf0 = empty_strided_cpu((4, 4), (4, 1), torch.float32)
+    cpp_fused_add_0(arg0_1, buf0)
+    buf1 = empty_strided_cpu((4, 4), (4, 1), torch.float32)
+    extern_kernels.bmm(buf0, arg1_1, out=buf1)
+    triton_poi_fused_mul_1.run(buf1, buf0, 16, stream=stream0)
+    buf2 = aten.topk.default(buf0, 3)
+    del buf1
+    return (buf0, buf2)
+
+
+def benchmark_compiled_module(times=10, repeat=10):
+    cpp_fused_add_0(arg0_1, buf0)
+"""
+
+
+def test_kernel_calls_counts_the_kernels_that_inductor_code_calls():
+    assert bench_train.kernel_calls(INDUCTOR_CODE) == 4  # inside call(): not the benchmark's, not allocations
+    assert bench_train.kernel_calls("x = 1") == 0
+
+
 def test_summarize_takes_the_fastest_run_of_each_update():
     def update(seconds, newton):
         return {"seconds": seconds, "tokens": 10, "newton_iters": newton, "solves": 2.0}
@@ -74,9 +106,14 @@ def test_bench_train_prints_a_row_per_config(toy_data_bin, capsys):
     out = capsys.readouterr().out
     assert out.startswith("command: ")
     assert "pretrained 2 teacher-forced updates" in out
-    rows = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in out.splitlines()
-            if re.match(r"\| (teacher_forcing|beam_\w+) \|", line)}
-    assert set(rows) == set(bench_train.CONFIGS)
+    timing, counting = out.split("launches (dispatched ATen operations)")
+
+    def table(text):
+        return {line.split("|")[1].strip(): line.split("|")[2:-1] for line in text.splitlines()
+                if re.match(r"\| (teacher_forcing|beam_\w+) \|", line)}
+
+    rows = table(timing)
+    assert set(rows) == set(bench_train.DEFAULT_CONFIGS)  # the compiled config only on request
     ms = {name: float(row[1]) for name, row in rows.items()}
     for name, row in rows.items():  # the ratio column is the table's own ms/update over hard's
         ratio = ms[name] / ms["beam_hard"]
@@ -96,6 +133,30 @@ def test_bench_train_prints_a_row_per_config(toy_data_bin, capsys):
     assert rows["beam_hard"][7].strip() == "-" and rows["teacher_forcing"][7].strip() == "-"
     assert float(rows["beam_soft_fixed"][7]) == 15  # exactly --fixed-iter (default 15) per solve
     assert "target <= 1.25x" in out
+
+    # launches and syncs per decoding step (columns as format_count_table's header)
+    header = next(line for line in counting.splitlines() if line.startswith("| config |"))
+    names = [cell.strip() for cell in header.split("|")[2:-1]]
+    counts = {name: dict(zip(names, row)) for name, row in table(counting).items()}
+    assert set(counts) == set(bench_train.DEFAULT_CONFIGS)
+    value = {name: {col: float(cell.strip().rstrip("x")) for col, cell in row.items()} for name, row in counts.items()}
+    parts = ["step", "select", "solve", "mix", "solve bwd", "other bwd", "per batch"]
+    for name, v in value.items():
+        assert sum(v[part] for part in parts) == pytest.approx(v["launches/step"], abs=4)  # up to the roundings
+        assert v["vs hard"] == pytest.approx(v["launches/step"] / value["beam_hard"]["launches/step"], abs=0.01)
+        assert v["fused vs hard"] == pytest.approx(v["fused solve"] / value["beam_hard"]["launches/step"], abs=0.01)
+        assert v["fused solve"] == pytest.approx(v["launches/step"] - v["solve"] - v["solve bwd"]
+                                                 + 2 * (v["solve"] > 0), abs=2)
+    for name in ("teacher_forcing", "beam_hard"):
+        assert value[name]["solve"] == value[name]["solve bwd"] == 0  # no soft top-k
+    assert value["teacher_forcing"]["launches/step"] < value["beam_hard"]["launches/step"]
+    for name in ("beam_soft", "beam_soft_pool", "beam_soft_fixed"):
+        assert value[name]["solve"] > 0 and value[name]["solve bwd"] > 0
+        assert value[name]["launches/step"] > value["beam_hard"]["launches/step"]
+    assert value["beam_soft"]["syncs/step"] > 0  # the adaptive solve reads its convergence on the host
+    assert value["beam_soft_fixed"]["syncs/step"] == 0  # the sync-free search: none in a step, none in backward
+    # every fixed-iteration solve runs its whole budget: more launches than the adaptive solve's
+    assert value["beam_soft_fixed"]["solve"] > value["beam_soft_pool"]["solve"]
 
     # one configuration in its own process, as the default (isolated) mode runs them
     result = bench_train.run_isolated(bench_train.build_parser().parse_args(tiny), tiny, "beam_soft")

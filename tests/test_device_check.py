@@ -181,8 +181,8 @@ def test_the_check_fails_on_a_floating_factory_without_a_dtype(rng, monkeypatch)
     sorted_module = importlib.import_module("fairseq_softtopk.ops.sorted_soft_topk")  # the package exports the function
 
     mutant, line = _mutated(sorted_module.SortedSoftTopKFunction._vjp,
-                            "y = anchors(k, P)[:k].expand(P.shape[0], 1, k)",
-                            "y = torch.arange(k, 0, -1.0, device=P.device).expand(P.shape[0], 1, k)")
+                            "y = anchors(k, P)[:k].expand(P.size(0), 1, k)",
+                            "y = torch.arange(k, 0, -1.0, device=P.device).expand(P.size(0), 1, k)")
     monkeypatch.setattr(sorted_module.SortedSoftTopKFunction, "_vjp", staticmethod(mutant))
     x = torch.randn(2, 20, generator=rng, dtype=torch.float64).requires_grad_()
     with package_device_check():

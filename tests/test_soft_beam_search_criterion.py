@@ -8,9 +8,10 @@ from fairseq.criterions.label_smoothed_cross_entropy import label_smoothed_nll_l
 from fairseq.tasks import FairseqTask
 
 from builders import build_criterion, build_model, make_sample
-from conftest import recorded_solves, word_dictionary
+from conftest import compiles_fixed_solve, recorded_solves, word_dictionary
 
 from fairseq_softtopk.criterions.soft_beam_search import annealed_epsilon
+from fairseq_softtopk.modules import beam_selection
 from fairseq_softtopk.modules.beam_search import BeamSearchConfig, unroll_beam_search
 from fairseq_softtopk.ops import cap_row_grad_norm
 
@@ -86,7 +87,11 @@ def test_sentence_avg_counts_sentences_and_p_one_skips_the_search(dictionary, rn
                                           ({"topk_epsilon_relative": 0.5, "topk_mode": "hard"}, "topk-mode soft"),
                                           ({"topk_epsilon_relative": 0.5, "topk_cost": "paper"}, "topk-cost linear"),
                                           ({"topk_fixed_iterations": True, "topk_mode": "hard"},
-                                           "fixed-iterations is an option of --topk-mode soft")])
+                                           "fixed-iterations is an option of --topk-mode soft"),
+                                          ({"topk_compile": "default"}, "topk-compile needs --topk-fixed-iterations"),
+                                          ({"topk_compile": "default", "topk_fixed_iterations": True,
+                                            "topk_epsilon_start": 0.3, "topk_epsilon_anneal_updates": 5},
+                                           "does not go with an epsilon schedule")])
 def test_bad_options_are_named(dictionary, bad, message):
     with pytest.raises(ValueError, match=message):
         build_criterion(dictionary, **bad)
@@ -192,8 +197,8 @@ def test_unconverged_counter_sees_exactly_the_unconverged_solves_without_warning
 
 def test_fixed_iterations_flag_gives_the_default_loss_and_gradient_and_counts_unconverged(dictionary, rng):
     """--topk-fixed-iterations reaches the search (solves of exactly --topk-max-iter iterations, counted as
-    such), gives the default's loss and gradient where the solves converge, and logs topk_unconverged as an
-    int: every step with --topk-max-iter 1."""
+    such), gives the default's loss and gradient where the solves converge, and logs topk_unconverged as a
+    tensor (counted on the device, read when fairseq reduces the logs): every step with --topk-max-iter 1."""
     model = build_model(dictionary, scale=3.0)
     model.eval()  # no dropout: both criteria must see the same network
     sample = make_sample(dictionary, rng, [5, 3, 4])
@@ -210,9 +215,54 @@ def test_fixed_iterations_flag_gives_the_default_loss_and_gradient_and_counts_un
     T = sample["target"].shape[1]
     assert log_fixed["topk_newton_iters"] == 40 * T
     assert log_default["topk_newton_iters"] < 40 * T
-    assert log_fixed["topk_unconverged"] == 0 and type(log_fixed["topk_unconverged"]) is int
+    assert torch.is_tensor(log_fixed["topk_unconverged"]) and int(log_fixed["topk_unconverged"]) == 0
     _, _, starved = build_criterion(dictionary, topk_fixed_iterations=True, topk_max_iter=1, topk_tol=1e-12)(model, sample)
-    assert starved["topk_unconverged"] == T
+    assert int(starved["topk_unconverged"]) == T
+
+
+@compiles_fixed_solve
+def test_topk_compile_gives_the_eager_loss_and_gradient_and_compiles_once_for_all_batch_sizes(dictionary, rng,
+                                                                                                monkeypatch):
+    """--topk-compile runs each step's fixed-iteration solve under torch.compile (fullgraph, dynamic shapes;
+    here the aot_eager backend, which traces forward and backward as inductor does: inductor's C++ build takes
+    minutes on this CPU): the eager search's loss and gradients, and batches of other sizes and lengths reuse
+    the one compiled solve (a recompilation per batch shape would cost minutes per update)."""
+    aot_eager = torch._dynamo.lookup_backend("aot_eager")
+    graphs = []
+
+    def counting_backend(graph, example_inputs):
+        graphs.append(graph)
+        return aot_eager(graph, example_inputs)
+
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: real_compile(fn, **{**options, "backend": counting_backend}))
+    beam_selection.compiled_fixed_solve.cache_clear()
+    torch._dynamo.reset()
+    try:
+        model = build_model(dictionary, scale=3.0)
+        model.eval()  # no dropout: both criteria must see the same network
+        options = dict(topk_fixed_iterations=True, topk_max_iter=12, teacher_forcing_ratio=0.5)
+        compiled_after = []
+        for lengths in ([5, 3, 4], [6, 2, 4, 3, 5]):
+            sample = make_sample(dictionary, rng, lengths)
+            results = []
+            for compile_mode in ("none", "default"):
+                model.zero_grad()
+                loss, _, log = build_criterion(dictionary, topk_compile=compile_mode, **options)(model, sample)
+                loss.backward()
+                results.append((loss.detach(), [p.grad.clone() for p in model.parameters()], log))
+            (loss_eager, grads_eager, log_eager), (loss_compiled, grads_compiled, log_compiled) = results
+            torch.testing.assert_close(loss_compiled, loss_eager, atol=1e-10, rtol=1e-10)
+            for eager, compiled in zip(grads_eager, grads_compiled):
+                torch.testing.assert_close(compiled, eager, atol=1e-10, rtol=1e-8)
+            assert int(log_compiled["topk_unconverged"]) == int(log_eager["topk_unconverged"]) == 0
+            compiled_after.append(len(graphs))
+        # compiled at the first batch (dynamo may trace a frame twice, restarting once for its float arguments),
+        # then nothing more for a batch of other sentence count and length
+        assert compiled_after[0] >= 1 and compiled_after[1] == compiled_after[0]
+    finally:
+        beam_selection.compiled_fixed_solve.cache_clear()
+        torch._dynamo.reset()
 
 
 def test_annealed_epsilon_is_geometric_from_start_to_end():

@@ -76,6 +76,10 @@ class SoftBeamSearchConfig(FairseqDataclass):
                 "step's solve runs exactly --topk-max-iter iterations (10-20 suit k <= 10) with on-device "
                 "convergence masks, on the --candidate-pool best candidates or, with 0, on all k*V (no window: "
                 "its width depends on the data); the same beams as the default where the solves converge"})
+    topk_compile: ChoiceEnum(["none", "default", "reduce-overhead", "max-autotune"]) = field(default="none", metadata={
+        "help": "with --topk-fixed-iterations: run each step's solve (forward and backward) under torch.compile in "
+                "this mode, so that its iterations are fused into few kernels on a GPU (compiled at the first "
+                "batch); none: eager"})
     selection_grad: ChoiceEnum(["capped", "full", "none"]) = field(default="capped", metadata={
         "help": "soft mode, gradient through the selection: capped (default: the exact gradient with its norm "
                 "capped per sentence and step by --selection-grad-cap, so that it cannot compound over the steps), "
@@ -107,12 +111,13 @@ class SelectionGradientStats:
         self.sums = torch.zeros(len(SELGRAD_KEYS), dtype=torch.float64, device=device)
 
     def __call__(self, norms: torch.Tensor, live: torch.Tensor) -> None:
-        norms = norms.detach()[live].double()
-        if self.record is not None:
-            self.record += (norms / self.unit).tolist()
-        with torch.no_grad():
-            self.sums += torch.stack([norms.new_tensor(norms.numel()), norms.clamp_min(1e-12).log10().sum(),
-                                      (norms > self.cap).sum().double(), (norms > 100 * self.unit).sum().double()])
+        norms = norms.detach().double()
+        if self.record is not None:  # diagnostics only: reads the norms on the host
+            self.record += (norms[live] / self.unit).tolist()
+        with torch.no_grad():  # masked sums, not boolean indexing: no host synchronisation in the backward pass
+            live = live.double()
+            self.sums += torch.stack([live.sum(), (norms.clamp_min(1e-12).log10() * live).sum(),
+                                      ((norms > self.cap) * live).sum(), ((norms > 100 * self.unit) * live).sum()])
 
     def logging_output(self) -> dict:
         return {key: self.sums[i] for i, key in enumerate(SELGRAD_KEYS)}
@@ -151,8 +156,8 @@ def smoothed_nll(gold_lprobs: torch.Tensor, sum_lprobs: torch.Tensor, mask: torc
 class SoftBeamSearchCriterion(FairseqCriterion):
     def __init__(self, task, train_beam, topk_epsilon, topk_epsilon_start, topk_epsilon_anneal_updates,
                  topk_epsilon_relative, topk_cost, topk_tol, topk_max_iter, teacher_forcing_ratio, topk_mode,
-                 candidate_pool, topk_fixed_iterations, selection_grad, selection_grad_cap, label_smoothing,
-                 sentence_avg):
+                 candidate_pool, topk_fixed_iterations, topk_compile, selection_grad, selection_grad_cap,
+                 label_smoothing, sentence_avg):
         super().__init__(task)
         if not 0.0 <= teacher_forcing_ratio <= 1.0:
             raise ValueError(f"--teacher-forcing-ratio must be in [0, 1], got {teacher_forcing_ratio}")
@@ -173,6 +178,12 @@ class SoftBeamSearchCriterion(FairseqCriterion):
         if topk_fixed_iterations and str(topk_mode) != "soft":
             raise ValueError("--topk-fixed-iterations is an option of --topk-mode soft (hard mode never waits "
                              "on a solver)")
+        if str(topk_compile) != "none" and not (topk_fixed_iterations and str(topk_mode) == "soft"):
+            raise ValueError("--topk-compile needs --topk-fixed-iterations (the default solve reads values on the "
+                             "host, which torch.compile cannot trace whole)")
+        if str(topk_compile) != "none" and topk_epsilon_start > 0:
+            raise ValueError("--topk-compile does not go with an epsilon schedule (--topk-epsilon-start): every new "
+                             "epsilon would compile the solve again")
         if topk_epsilon_relative < 0:
             raise ValueError(f"--topk-epsilon-relative must be >= 0, got {topk_epsilon_relative}")
         if topk_epsilon_relative > 0 and (str(topk_mode) != "soft" or str(topk_cost) != "linear"):
@@ -186,7 +197,8 @@ class SoftBeamSearchCriterion(FairseqCriterion):
                                        candidate_pool=candidate_pool, selection_grad=str(selection_grad),
                                        selection_grad_cap=selection_grad_cap * unit,
                                        epsilon_relative=topk_epsilon_relative,
-                                       fixed_iterations=bool(topk_fixed_iterations))
+                                       fixed_iterations=bool(topk_fixed_iterations),
+                                       compile="" if str(topk_compile) == "none" else str(topk_compile))
         self.p = teacher_forcing_ratio
         self.label_smoothing = label_smoothing
         #: set to a list to collect every selection-gradient norm (scripts/diagnose_beam_gradients.py)
@@ -245,13 +257,12 @@ class SoftBeamSearchCriterion(FairseqCriterion):
             "beam_nll_loss": beam_nll.data, "ntokens": ntokens, "nsentences": target.size(0),
             "sample_size": sample_size,
         }
-        if run_beam:
-            steps = mask.unsqueeze(-1).expand_as(beam.sharpness)
-            logging_output["topk_sharpness_sum"] = beam.sharpness[steps].sum().data
-            logging_output["topk_sharpness_count"] = int(steps.sum())
-            logging_output["topk_unconverged"] = int(beam.n_unconverged)  # with fixed iterations: a tensor
-            logging_output["topk_near_tie_sum"] = beam.near_tie[mask].sum().data
-            logging_output["topk_steps"] = int(mask.sum())
+        if run_beam:  # sums on the device (no host read here); ntokens = the unpadded target positions
+            logging_output["topk_sharpness_sum"] = (beam.sharpness * mask.unsqueeze(-1)).sum().data
+            logging_output["topk_sharpness_count"] = ntokens * search.beam
+            logging_output["topk_unconverged"] = beam.n_unconverged  # with fixed iterations: a tensor
+            logging_output["topk_near_tie_sum"] = (beam.near_tie & mask).sum().data
+            logging_output["topk_steps"] = ntokens
             if search.mode == "soft":  # one batched solve per decoding step
                 logging_output["topk_newton_iters"] = beam.newton_iters
                 logging_output["topk_solves"] = target.size(1)

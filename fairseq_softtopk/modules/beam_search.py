@@ -155,40 +155,41 @@ def unroll_beam_search(decoder, encoder_out, reorder_encoder_out: Callable, targ
     n_unconverged = newton_iters = 0
     scale_probe = None
     for t in range(T):
-        lprobs, new_state = decoder.step(inputs, state, enc)  # (B*k) x V
-        V = lprobs.shape[-1]
-        lprobs = lprobs.view(batch, k, V)
-        gold = target[:, t].clamp_min(0).view(batch, 1, 1).expand(batch, k, 1)
-        gold_lprobs, smooth_lprobs = lprobs.gather(-1, gold).squeeze(-1), lprobs.sum(-1)
-        lprobs = lprobs.to(torch.promote_types(lprobs.dtype, torch.float32))  # scores in >= float32
-        if cum is None:  # only beam 0 is live at the first step: the others would duplicate it
-            cum = torch.full((batch, k), -float("inf"), dtype=lprobs.dtype, device=device)
-            cum[:, 0] = 0.0
-        scores = (cum.unsqueeze(-1) + lprobs).view(batch, k * V)  # candidate (i, j) -> i*V + j
-        top = scores.detach().topk(min(k + 1, k * V), dim=-1).values
-        scale = relative_scale(top, config)
-        # the selection sees the rescaled scores (a per-row epsilon); the beams' scores stay as they are
-        sel_scores, sel_top = (scores, top) if scale is None else (scores / scale, top / scale)
-        observe = None
-        if grad_observer is not None:  # a sentence's last selection reaches no loss term: not live
-            observe = functools.partial(_observe_step, grad_observer, t < lengths - 1)
-        cand, A, converged, n_iter, probe = select_beams(sel_scores, k, config, sel_top[:, -1:], observe)
-        if probe is not None:
-            scale_probe = probe if scale_probe is None else scale_probe + probe
-        # a tensor with fixed_iterations: counted on the device, read once after the search
-        n_unconverged = n_unconverged + (~converged).long() if torch.is_tensor(converged) else \
-            n_unconverged + int(not converged)
-        newton_iters += n_iter
-        best_cand = cand.gather(1, A.argmax(1))  # (B, k): the candidate each new beam follows
-        cum = scores.gather(1, best_cand)
-        records.append(StepRecord(best_cand // V, best_cand % V, cum, gold_lprobs, smooth_lprobs,
-                                  A.detach().amax(1), near_ties(sel_scores.detach(), sel_top, config)))
-        # next inputs: mixed embeddings of the candidates' tokens; states: mixed predecessors
-        with torch.profiler.record_function("softtopk::mix_beams"):
-            inputs = mix_embeddings(embeddings, cand % V, A)
-            state_weights = torch.zeros(batch, k, k, dtype=A.dtype, device=device).scatter_add_(
-                1, (cand // V).unsqueeze(-1).expand(-1, -1, k), A)  # B x k_old x k_new
-            state = mix_state(new_state, state_weights)
+        with torch.profiler.record_function("softtopk::beam_step"):  # one decoding step (counted per step)
+            lprobs, new_state = decoder.step(inputs, state, enc)  # (B*k) x V
+            V = lprobs.shape[-1]
+            lprobs = lprobs.view(batch, k, V)
+            gold = target[:, t].clamp_min(0).view(batch, 1, 1).expand(batch, k, 1)
+            gold_lprobs, smooth_lprobs = lprobs.gather(-1, gold).squeeze(-1), lprobs.sum(-1)
+            lprobs = lprobs.to(torch.promote_types(lprobs.dtype, torch.float32))  # scores in >= float32
+            if cum is None:  # only beam 0 is live at the first step: the others would duplicate it
+                cum = torch.full((batch, k), -float("inf"), dtype=lprobs.dtype, device=device)
+                cum[:, 0] = 0.0
+            scores = (cum.unsqueeze(-1) + lprobs).view(batch, k * V)  # candidate (i, j) -> i*V + j
+            top = scores.detach().topk(min(k + 1, k * V), dim=-1).values
+            scale = relative_scale(top, config)
+            # the selection sees the rescaled scores (a per-row epsilon); the beams' scores stay as they are
+            sel_scores, sel_top = (scores, top) if scale is None else (scores / scale, top / scale)
+            observe = None
+            if grad_observer is not None:  # a sentence's last selection reaches no loss term: not live
+                observe = functools.partial(_observe_step, grad_observer, t < lengths - 1)
+            cand, A, converged, n_iter, probe = select_beams(sel_scores, k, config, sel_top[:, -1:], observe)
+            if probe is not None:
+                scale_probe = probe if scale_probe is None else scale_probe + probe
+            # a tensor with fixed_iterations: counted on the device, read once after the search
+            n_unconverged = n_unconverged + (~converged).long() if torch.is_tensor(converged) else \
+                n_unconverged + int(not converged)
+            newton_iters += n_iter
+            best_cand = cand.gather(1, A.argmax(1))  # (B, k): the candidate each new beam follows
+            cum = scores.gather(1, best_cand)
+            records.append(StepRecord(best_cand // V, best_cand % V, cum, gold_lprobs, smooth_lprobs,
+                                      A.detach().amax(1), near_ties(sel_scores.detach(), sel_top, config)))
+            # next inputs: mixed embeddings of the candidates' tokens; states: mixed predecessors
+            with torch.profiler.record_function("softtopk::mix_beams"):
+                inputs = mix_embeddings(embeddings, cand % V, A)
+                state_weights = torch.zeros(batch, k, k, dtype=A.dtype, device=device).scatter_add_(
+                    1, (cand // V).unsqueeze(-1).expand(-1, -1, k), A)  # B x k_old x k_new
+                state = mix_state(new_state, state_weights)
     gold, smooth, best_beam = _backtrack(records, lengths)
     return BeamSearchOutput(gold, smooth, cum, best_beam, _beam_tokens(records),
                             torch.stack([r.sharpness for r in records], 1),

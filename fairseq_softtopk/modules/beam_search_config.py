@@ -7,6 +7,8 @@ from typing import Callable
 from torch import Tensor
 
 SELECTION_GRADS = ("full", "capped", "none")
+#: ``torch.compile`` modes of the sync-free solve (``compile``); "" = not compiled
+COMPILE_MODES = ("", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 #: ``(norms, live)``: called in the backward pass once per step with the ``(batch,)`` norms of
 #: the gradient reaching the step's soft top-k (before any cap) and the ``(batch,)`` bool
@@ -29,6 +31,7 @@ class BeamSearchConfig:
     selection_grad_cap: float = 1.0  # "capped": largest gradient norm per sentence and step
     epsilon_relative: float = 0.0  # > 0: per row, epsilon = max(epsilon, this * mean gap of the k+1 best)
     fixed_iterations: bool = False  # soft mode: the search without host synchronisation (select_beams)
+    compile: str = ""  # with fixed_iterations: the solve under torch.compile in this mode (COMPILE_MODES)
 
     def __post_init__(self):
         if self.selection_grad not in SELECTION_GRADS:
@@ -40,6 +43,11 @@ class BeamSearchConfig:
         if self.epsilon_relative > 0 and self.cost != "linear":
             raise ValueError(f"epsilon_relative needs the linear cost (its epsilon is in units of the scores), "
                              f"got cost {self.cost!r}")
+        if self.compile not in COMPILE_MODES:
+            raise ValueError(f"compile must be one of {COMPILE_MODES}, got {self.compile!r}")
+        if self.compile and not (self.fixed_iterations and self.mode == "soft"):
+            raise ValueError("compile needs the sync-free solve (fixed_iterations, soft mode): the default solve reads "
+                             "values on the host, which torch.compile cannot trace whole")
 
     @property
     def grad_cap(self) -> float:

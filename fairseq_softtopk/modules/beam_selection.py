@@ -8,6 +8,7 @@ helpers cut the candidates to those that can carry weight (:func:`compact_rows`,
 rank boundary is soft (:func:`near_ties`).
 """
 
+import functools
 import math
 from typing import Callable, NamedTuple, Optional, Tuple, Union
 
@@ -163,6 +164,12 @@ def select_beams(scores: Tensor, beam: int, config: BeamSearchConfig, kth: Tenso
             pool_scores = pool_scores.detach()
         elif pool_scores.requires_grad and (observe is not None or config.grad_cap < math.inf):
             pool_scores, probe = cap_row_grad_norm(pool_scores, config.grad_cap, observe, return_scale_probe=True)
+        if config.compile:
+            # a copy, not a view: torch.compile guards on the sizes of a view's base too, so a view would
+            # compile again whenever a size of its base changes (or stops matching one of the view's)
+            A, converged = compiled_fixed_solve(config.compile)(pool_scores.clone(), beam, config.epsilon,
+                                                                config.cost, config.tol, config.max_iter)
+            return Selection(ids, A, converged, config.max_iter, probe)
         # no warning per step: the search counts the unconverged solves (BeamSearchOutput.n_unconverged)
         A, info = sorted_soft_topk(pool_scores, beam, epsilon=config.epsilon, cost=config.cost, tol=config.tol,
                                    max_iter=config.max_iter, return_info=True, warn=False,
@@ -171,3 +178,22 @@ def select_beams(scores: Tensor, beam: int, config: BeamSearchConfig, kth: Tenso
             # the same budget as candidate_window's: all but tol / 100 of every rank is kept
             A, ids = drop_negligible(A, ids, config.tol / 100)
         return Selection(ids, A, info.converged, info.n_iter, probe)
+
+
+def fixed_solve(scores: Tensor, k: int, epsilon: float, cost: str, tol: float, max_iter: int) -> Tuple[Tensor, Tensor]:
+    """The sync-free sorted soft top-k of one step: ``(A, converged)``, ``(batch, n, k)`` and a 0-dim bool."""
+    A, info = sorted_soft_topk(scores, k, epsilon=epsilon, cost=cost, tol=tol, max_iter=max_iter, return_info=True,
+                               warn=False, fixed_iterations=True)
+    return A, info.converged
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_fixed_solve(mode: str) -> Callable[..., Tuple[Tensor, Tensor]]:
+    """:func:`fixed_solve` under ``torch.compile(fullgraph=True, dynamic=True, mode=mode)``, forward and backward
+    (one per mode; compiled at its first call, again only for new arguments other than the shapes).
+
+    Every iteration of the solve is a few small operations, so on a GPU the eager solve is bound
+    by kernel launches (about 65 per iteration); compiled, the iterations' elementwise work is
+    fused into a few kernels each (``scripts/bench_train.py`` counts them).
+    """
+    return torch.compile(fixed_solve, fullgraph=True, dynamic=True, mode=mode)

@@ -62,9 +62,11 @@ class SortedSoftTopKFunction(torch.autograd.Function):
     @staticmethod
     def _vjp(P: Tensor, eps: Tensor, no_rest: Tensor, grad_output: Tensor, blocked: bool = True) -> Tensor:
         """``dL/dz`` ``(rows, n)`` from ``dL/dA`` ``(rows, n, k)`` (see :meth:`backward`)."""
-        k = P.shape[1] - 1
+        # sizes by .size(dim), not .shape: under torch.compile a whole .shape read in a backward
+        # pass fixes every dimension of P, so each new batch size would compile the solve again
+        k = P.size(1) - 1
         P_ranks = P[:, :k]  # G is 0 on the rest anchor: only the rank rows enter the sums
-        y = anchors(k, P)[:k].expand(P.shape[0], 1, k)  # (rows, 1, k)
+        y = anchors(k, P)[:k].expand(P.size(0), 1, k)  # (rows, 1, k)
         PG = P_ranks * grad_output.to(P.dtype).transpose(1, 2)  # (rows, k, n)
         # Sums over the k ranks as small matrix products, each one pass over a (k, n) tensor.
         G_bar, yPG = torch.bmm(torch.cat([torch.ones_like(y), y], dim=1), PG).unbind(1)  # (rows, n) each
@@ -72,9 +74,9 @@ class SortedSoftTopKFunction(torch.autograd.Function):
         b = PG.sum(-1).double() - torch.bmm(P_ranks, G_bar.unsqueeze(-1)).squeeze(-1).double()
         u = solve_ridged(anchor_hessian(P, k, no_rest, blocked), b, P.dtype, blocked).to(P.dtype)  # (rows, k)
         y_bar, Pyu, Pu = torch.bmm(torch.cat([y, y * u.unsqueeze(1), u.unsqueeze(1)], dim=1), P_ranks).unbind(1)
-        # (direct - implicit) with direct = yPG - G_bar y_bar and implicit = Pyu - y_bar Pu
-        grad = yPG.sub_(Pyu).sub_(y_bar.mul_(G_bar.sub_(Pu)))
-        return grad.div_(eps)
+        # (direct - implicit) with direct = yPG - G_bar y_bar and implicit = Pyu - y_bar Pu; out of
+        # place: under torch.compile, in-place updates of unbind's views also fix the batch size
+        return (yPG - Pyu - y_bar * (G_bar - Pu)) / eps
 
 
 def sorted_soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = True, epsilon: float = 0.1,

@@ -1,0 +1,164 @@
+"""What a GPU would launch and wait for, counted on any device: dispatched ATen operations and host syncs.
+
+On a GPU, a step of eager PyTorch costs at least one kernel launch per ATen operation (a few
+microseconds each, whatever the tensor size), and every host synchronisation stalls the CPU until
+the device has caught up, which also keeps a step out of CUDA graphs. Both can be counted without a
+GPU: :class:`DispatchCounter` sees every operation below autograd (a ``TorchDispatchMode``, active
+in the backward pass too) and the host reads above it (a ``TorchFunctionMode``):
+
+* **launches**: dispatched ATen operations that would run a kernel: everything but views,
+  ``detach``/``alias``, uninitialised allocations (``empty*``), the profiler's range markers and
+  the host reads below (an approximation: a few operations launch several kernels, ``topk`` or a
+  batched solve, and a compiler fuses many into one);
+* **syncs**: operations that make the host wait for the device: reading a value
+  (``.item()``, ``bool()``, ``int()``, ``float()``: ``aten._local_scalar_dense``), copying to
+  the host (``.cpu()``, ``.tolist()``, ``.numpy()``), and operations whose output size depends on
+  the data (``nonzero``, ``masked_select``, boolean indexing, ``unique``, ``bincount``,
+  ``repeat_interleave`` without ``output_size``), plus ``linalg.solve``'s error check.
+
+Each count is attributed to the package's named ``torch.profiler`` ranges (``softtopk::...``) open
+when it happened: its *path*, e.g. ``("beam_step", "select_beams", "sorted_soft_topk")``, or
+``("backward",)`` / ``("other",)`` outside any range in the backward / forward pass.
+"""
+
+from collections import Counter
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["DispatchCounter", "RANGE_PREFIX"]
+
+#: The package's named ranges start with this (``softtopk::sorted_soft_topk``, ...).
+RANGE_PREFIX = "softtopk::"
+
+_aten = torch.ops.aten
+#: Operations that make the host wait for the device (besides the host reads seen above autograd).
+_SYNC_OPS = {
+    _aten._local_scalar_dense.default, _aten.nonzero.default, _aten.masked_select.default,
+    _aten.unique_consecutive.default, _aten._unique2.default, _aten.unique_dim.default, _aten.bincount.default,
+    _aten.linalg_solve.default, _aten.equal.default, _aten.is_nonzero.default,
+}
+#: Operations that launch no kernel: allocations without initialisation, aliases, markers.
+_FREE_OPS = {
+    _aten.empty.memory_format, _aten.empty_strided.default, _aten.empty_like.default, _aten.new_empty.default,
+    _aten.new_empty_strided.default, _aten.detach.default, _aten.alias.default, _aten.lift_fresh.default,
+}
+_RECORD_ENTER = {torch.ops.profiler._record_function_enter.default, torch.ops.profiler._record_function_enter_new.default}
+_RECORD_EXIT = {torch.ops.profiler._record_function_exit.default, torch.ops.profiler._record_function_exit._RecordFunction}
+#: Tensor methods that copy to the host (on a CPU tensor they dispatch nothing, so they are seen above autograd).
+_HOST_READS = {torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.cpu}
+
+
+def _is_sync(func, args, kwargs) -> bool:
+    if func in _SYNC_OPS:
+        return True
+    if func is _aten.repeat_interleave.Tensor:
+        return kwargs.get("output_size") is None
+    if func in (_aten.index.Tensor, _aten.index_put.default, _aten.index_put_.default):
+        # a boolean index is turned into the indices of its True entries, whose number depends on the data
+        indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+        return any(i is not None and i.dtype == torch.bool for i in indices)
+    return False
+
+
+class _Dispatch(TorchDispatchMode):
+    def __init__(self, counter: "DispatchCounter"):
+        super().__init__()
+        self.counter = counter
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        counter = self.counter
+        if func in _RECORD_ENTER:
+            counter._stack.append(args[0])
+        elif func in _RECORD_EXIT:
+            if counter._stack:
+                counter._stack.pop()
+        elif _is_sync(func, args, kwargs):
+            counter._count("syncs", func)
+            if func is not _aten._local_scalar_dense.default:  # nonzero & co. also run a kernel
+                counter._count("launches", func)
+        elif func not in _FREE_OPS and not func.is_view and func.namespace == "aten":
+            counter._count("launches", func)
+        return func(*args, **kwargs)
+
+
+class _HostReads(TorchFunctionMode):
+    def __init__(self, counter: "DispatchCounter"):
+        super().__init__()
+        self.counter = counter
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _HOST_READS or (func is torch.Tensor.to and _to_host(args, kwargs)):
+            self.counter._count("syncs", func)
+        return func(*args, **kwargs)
+
+
+def _to_host(args, kwargs) -> bool:
+    """Whether a ``Tensor.to`` call names the CPU as its target device."""
+    for value in (*args[1:], kwargs.get("device")):
+        if isinstance(value, (str, torch.device)) and torch.device(value).type == "cpu":
+            return True
+    return False
+
+
+class DispatchCounter:
+    """Counts launches and syncs (module docstring) while active, per path of open ranges.
+
+    Example::
+
+        with DispatchCounter() as counter:
+            loss = criterion(model, sample)[0]
+            loss.backward()
+        counter.total("launches"), counter.total("syncs", inside="beam_step")
+
+    Attributes:
+        counts: ``{kind: Counter({path: n})}`` for ``kind`` in ``("launches", "syncs")``, ``path`` a
+            tuple of range names without their prefix (module docstring).
+        ops: ``{kind: Counter({(path, op name): n})}``, for finding where they come from.
+    """
+
+    KINDS = ("launches", "syncs")
+
+    def __init__(self):
+        self.counts: Dict[str, Counter] = {kind: Counter() for kind in self.KINDS}
+        self.ops: Dict[str, Counter] = {kind: Counter() for kind in self.KINDS}
+        self._stack: List[str] = []
+        self._modes = (_HostReads(self), _Dispatch(self))
+
+    def path(self) -> Tuple[str, ...]:
+        """The open package ranges, outermost first (module docstring)."""
+        path = tuple(name[len(RANGE_PREFIX):] for name in self._stack if name.startswith(RANGE_PREFIX))
+        if path:
+            return path
+        return ("backward",) if torch._C._current_autograd_node() is not None else ("other",)
+
+    def _count(self, kind: str, func) -> None:
+        path = self.path()
+        self.counts[kind][path] += 1
+        self.ops[kind][(path, getattr(func, "__name__", str(func)))] += 1
+
+    def total(self, kind: str, inside: Optional[str] = None, innermost: Optional[str] = None) -> int:
+        """Count of ``kind``: everywhere, or where the range ``inside`` is open, or where ``innermost``
+        is the innermost open range (``"backward"``, ``"other"`` included)."""
+        return sum(n for path, n in self.counts[kind].items()
+                   if (inside is None or inside in path) and (innermost is None or path[-1] == innermost))
+
+    def by_innermost(self, kind: str) -> Dict[str, int]:
+        """``{innermost range: count}`` of ``kind``."""
+        out: Counter = Counter()
+        for path, n in self.counts[kind].items():
+            out[path[-1]] += n
+        return dict(out)
+
+    def __enter__(self) -> "DispatchCounter":
+        for mode in self._modes:
+            mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for mode in reversed(self._modes):
+            mode.__exit__(*exc)

@@ -1,0 +1,220 @@
+#!/usr/bin/env python
+"""Does it work on this GPU, and how fast: the cuda tests and both benchmarks, in one report.
+
+``make gpu-check`` (after README's setup on a GPU machine; about 10 minutes on one GPU) runs, each as
+its own process with its output kept:
+
+1. ``pytest -m cuda tests``: the operators and the criterion on CUDA against the CPU, the sync-free
+   search under CUDA's sync debug mode, and fairseq-train / fairseq-generate with --fp16, --bf16, --amp;
+2. ``scripts/bench_ops.py``: the operators' forward + backward against ``torch.topk`` (the target case and
+   the beam-search shape; plain, sync-free and in CUDA graphs);
+3. ``scripts/bench_train.py``: updates per second of teacher forcing, hard and soft beam search (default,
+   candidate pool, fixed iterations, compiled), with the launch and sync counts per decoding step,
+
+and writes one markdown report (``--out``, default ``results/gpu_check/<device>.md``): the device, torch,
+CUDA and fairseq versions, the commit, each command with its status and time, and the tables the
+benchmarks printed; each step's whole output goes next to it (``<report>.<step>.log``). The exit status
+is non-zero when a step failed (the report still lists every step).
+
+``--dry-run`` runs the same steps on the CPU with small sizes (``make gpu-check-dry-run``; the suite runs
+it, so that this command cannot rot where no GPU is): the cuda tests with the CPU in the GPU's place
+(tests/test_cuda.py), tiny benchmarks, the compiled config left out (inductor's C++ build takes minutes).
+"""
+
+import argparse
+import datetime
+import os
+import platform
+import re
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, NamedTuple, Optional, Sequence
+
+REPO = Path(__file__).resolve().parents[1]
+
+#: the benchmarks' arguments on a GPU: the Multi30k-sized model on the toy corpus, the beam-search shape
+GPU_STEPS = {
+    "bench_ops": ["--device", "cuda", "--n", "100000", "1000000", "--k", "5", "--eps", "0.01", "--fixed-iterations",
+                  "15", "--compile", "reduce-overhead"],
+    "bench_ops_beam_shape": ["--device", "cuda", "--ops", "sorted_soft_topk", "--n", "38840", "--k", "5", "--eps",
+                             "0.03", "--cost", "linear", "--batch", "64", "--fixed-iterations", "15", "--compile",
+                             "reduce-overhead"],
+    "bench_train": ["--device", "cuda", "--arch", "softtopk_lstm_multi30k", "--updates", "20", "--warmup", "3",
+                    "--configs", "teacher_forcing,beam_hard,beam_soft,beam_soft_pool,beam_soft_fixed,beam_soft_compiled"],
+}
+#: the same steps on the CPU, small enough for the test suite
+DRY_RUN_STEPS = {
+    "bench_ops": ["--device", "cpu", "--n", "2000", "--k", "5", "--eps", "0.1", "--repeats", "1", "--threads", "1",
+                  "--fixed-iterations", "15"],
+    "bench_ops_beam_shape": ["--device", "cpu", "--ops", "sorted_soft_topk", "--n", "3000", "--k", "5", "--eps", "0.03",
+                             "--cost", "linear", "--batch", "8", "--repeats", "1", "--threads", "1",
+                             "--fixed-iterations", "15"],
+    "bench_train": ["--device", "cpu", "--arch", "softtopk_lstm_tiny", "--updates", "2", "--warmup", "1",
+                    "--max-tokens", "200", "--beam", "3", "--candidate-pool", "10", "--threads", "1", "--in-process",
+                    "--configs", "teacher_forcing,beam_hard,beam_soft,beam_soft_pool,beam_soft_fixed"],
+}
+
+
+class StepResult(NamedTuple):
+    name: str
+    command: List[str]
+    returncode: int
+    seconds: float
+    output: str
+    log: Path
+
+
+def environment() -> Dict[str, str]:
+    """Device, versions and commit, for the report's header."""
+    import torch
+
+    info = {"date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "python": platform.python_version(),
+            "torch": torch.__version__, "CUDA (torch build)": str(torch.version.cuda),
+            "cuDNN": str(torch.backends.cudnn.version()) if torch.backends.cudnn.is_available() else "none"}
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info["device"] = f"{props.name} ({props.total_memory / 2**30:.0f} GiB, {torch.cuda.device_count()} visible)"
+        info["driver CUDA"] = _nvidia_smi_field("driver_version") or "n/a"
+    else:
+        info["device"] = f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores (no GPU)"
+    try:
+        import fairseq
+
+        info["fairseq"] = fairseq.__version__
+    except ImportError:
+        info["fairseq"] = "not installed"
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True,
+                           text=True)
+    info["commit"] = (commit.stdout.strip() or "unknown") + (" (with uncommitted changes)" if dirty.stdout.strip() else "")
+    return info
+
+
+def _nvidia_smi_field(field: str) -> Optional[str]:
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+
+
+def plan(dry_run: bool) -> List[tuple]:
+    """``(name, command, extra environment)`` of each step."""
+    python = sys.executable
+    steps = DRY_RUN_STEPS if dry_run else GPU_STEPS
+    test_env = {"SOFTTOPK_CUDA_TESTS_DEVICE": "cpu"} if dry_run else {}
+    return [
+        ("cuda_tests", [python, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "tests"], test_env),
+        ("bench_ops", [python, "scripts/bench_ops.py", *steps["bench_ops"]], {}),
+        ("bench_ops_beam_shape", [python, "scripts/bench_ops.py", *steps["bench_ops_beam_shape"]], {}),
+        ("bench_train", [python, "scripts/bench_train.py", *steps["bench_train"]], {}),
+    ]
+
+
+def run_step(name: str, command: List[str], extra_env: Dict[str, str], log: Path) -> StepResult:
+    """Runs one step from the repository root, printing its output as it comes and keeping it in ``log``."""
+    print(f"\n== {name}: {shlex.join(command)}", flush=True)
+    env = dict(os.environ, **extra_env)
+    start = time.perf_counter()
+    lines = []
+    with subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          bufsize=1) as proc, open(log, "w") as sink:
+        for line in proc.stdout:
+            lines.append(line)
+            sink.write(line)
+            sys.stdout.write(line)
+        proc.wait()
+    seconds = time.perf_counter() - start
+    print(f"== {name}: exit {proc.returncode} after {seconds:.0f} s", flush=True)
+    return StepResult(name, command, proc.returncode, seconds, "".join(lines), log)
+
+
+def summary_of(result: StepResult) -> str:
+    """One line on the outcome: the tests' summary, or the benchmark's verdict line."""
+    if result.name == "cuda_tests":
+        found = re.findall(r"^=*\s*(\d+ (?:passed|failed).*?)(?: in [0-9.]+s.*)?=*$", result.output, re.M)
+        return found[-1].strip() if found else "no test summary"
+    if result.name == "bench_train":
+        verdict = [line for line in result.output.splitlines() if "target <=" in line]
+        return verdict[-1] if verdict else "no verdict line"
+    rows = [line for line in result.output.splitlines() if line.startswith("| ") and "method" not in line]
+    return f"{len(rows)} table rows"
+
+
+def tables_of(output: str) -> str:
+    """The markdown tables (and the lines that introduce them) of a benchmark's output."""
+    keep, previous = [], ""
+    for line in output.splitlines():
+        if line.startswith("|"):
+            if not previous.startswith("|"):  # a new table, introduced by the line before it
+                keep += ["", previous, ""] if previous.strip() else [""]
+            keep.append(line)
+        previous = line
+    return "\n".join(keep).strip()
+
+
+def write_report(path: Path, info: Dict[str, str], results: Sequence[StepResult], dry_run: bool,
+                 argv: Sequence[str]) -> None:
+    mode = "CPU dry run (the GPU's steps on the CPU, small sizes)" if dry_run else "GPU"
+    lines = [f"# gpu-check: {info['device']}", "",
+             f"Written by `python scripts/gpu_check.py {shlex.join(argv)}` ({mode}).", "",
+             "| | |", "|---|---|"]
+    lines += [f"| {key} | {value} |" for key, value in info.items()]
+    lines += ["", "| step | status | seconds | result | command |", "|---|---|---:|---|---|"]
+    for r in results:
+        status = "ok" if r.returncode == 0 else f"FAILED (exit {r.returncode})"
+        command = shlex.join([Path(c).name if c == sys.executable else c for c in r.command])
+        lines.append(f"| {r.name} | {status} | {r.seconds:.0f} | {summary_of(r)} | `{command}` |")
+    for r in results:
+        lines += ["", f"## {r.name}", "", f"`{r.log.name}` holds the whole output."]
+        if r.name != "cuda_tests" and r.returncode == 0:
+            lines += ["", tables_of(r.output)]
+        elif r.returncode != 0:
+            lines += ["", "```", *r.output.splitlines()[-40:], "```"]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def default_report_path(info: Dict[str, str], dry_run: bool) -> Path:
+    name = "cpu_dry_run" if dry_run else re.sub(r"[^A-Za-z0-9]+", "_", info["device"].split(" (")[0]).strip("_")
+    return REPO / "results" / "gpu_check" / f"{name.lower()}.md"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dry-run", action="store_true", help="the same steps on the CPU, small sizes (for CI)")
+    parser.add_argument("--out", type=Path, help="the report (default: results/gpu_check/<device>.md)")
+    parser.add_argument("--steps", default=None,
+                        help="comma-separated subset of cuda_tests,bench_ops,bench_ops_beam_shape,bench_train")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    opts = parser.parse_args(argv)
+    import torch
+
+    if not opts.dry_run and not torch.cuda.is_available():
+        parser.error(f"no GPU: torch {torch.__version__} (CUDA build {torch.version.cuda}) finds none; "
+                     "use --dry-run to run the steps on the CPU")
+    steps = plan(opts.dry_run)
+    names = [name for name, _, _ in steps]
+    if opts.steps:
+        wanted = opts.steps.split(",")
+        unknown = [s for s in wanted if s not in names]
+        if unknown:
+            parser.error(f"unknown steps {unknown}; choose from {names}")
+        steps = [step for step in steps if step[0] in wanted]
+    info = environment()
+    out = opts.out or default_report_path(info, opts.dry_run)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    results = []
+    for name, command, env in steps:
+        results.append(run_step(name, command, env, out.with_name(f"{out.stem}.{name}.log")))
+        write_report(out, info, results, opts.dry_run, argv)  # after every step: a partial report survives
+    failed = [r.name for r in results if r.returncode != 0]
+    print(f"\nreport: {out}" + (f"; FAILED: {', '.join(failed)}" if failed else "; every step passed"))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""The package on a GPU: the same numbers as on the CPU, no host synchronisation in the sync-free search, and
+fairseq's half-precision training and generation with the plugin's models.
+
+Marked ``cuda``: skipped, with the reason, where ``torch.cuda.is_available()`` is False (conftest); run
+them with ``pytest -m cuda tests`` or ``make gpu-check`` on a machine with a GPU.
+
+``SOFTTOPK_CUDA_TESTS_DEVICE=cpu`` (``make gpu-check-dry-run``, run by CI) runs them with the CPU in the GPU's
+place, so that they cannot rot where no GPU is: the comparisons are then CPU against CPU, the sync check
+uses the dispatch counter instead of CUDA's sync debug mode, and fairseq trains in float32 with ``--cpu``
+(fairseq refuses half precision there); what they check on a GPU is only checked on a GPU.
+"""
+
+import math
+import os
+import re
+
+import pytest
+import torch
+
+from builders import CRITERION_MODES, build_criterion, build_model, build_transformer, make_sample, sample_to
+from conftest import run_fairseq, word_dictionary
+
+from fairseq_softtopk.dispatch_count import DispatchCounter
+from fairseq_softtopk.modules.attention_normalizer import ATTENTION_NORMALIZERS
+from fairseq_softtopk.modules.beam_search import unroll_beam_search
+from fairseq_softtopk.ops import COSTS, soft_topk, sorted_soft_topk
+
+pytestmark = pytest.mark.cuda
+
+#: the device under test: the GPU, or the CPU in a dry run (module docstring)
+CUDA = torch.device(os.environ.get("SOFTTOPK_CUDA_TESTS_DEVICE", "cuda"))
+DRY_RUN = CUDA.type == "cpu"
+
+
+@pytest.fixture
+def dictionary():
+    return word_dictionary(13)
+
+
+def _on_both(fn, *tensors):
+    """``fn`` on CPU copies and on CUDA copies of ``tensors`` (leaves requiring grad where floating):
+    ``(cpu output, cpu grads, cuda output, cuda grads)``, the output summed against fixed weights and
+    differentiated."""
+    results = []
+    for device in ("cpu", CUDA):
+        leaves = [t.detach().to(device).requires_grad_(t.is_floating_point()) for t in tensors]
+        out = fn(*leaves)
+        out = out[0] if isinstance(out, tuple) else out
+        weights = torch.linspace(-1, 1, out.numel(), dtype=out.dtype, device=device).reshape(out.shape)
+        if out.requires_grad:
+            (out * weights).sum().backward()
+        results.append((out.detach().cpu(), [None if leaf.grad is None else leaf.grad.cpu() for leaf in leaves]))
+    return results
+
+
+@pytest.mark.parametrize("fixed", [False, True], ids=["adaptive", "fixed_iterations"])
+@pytest.mark.parametrize("cost", COSTS)
+@pytest.mark.parametrize("operator", [soft_topk, sorted_soft_topk])
+def test_operators_give_the_cpu_values_and_gradients(rng, operator, cost, fixed):
+    x = torch.randn(4, 300, generator=rng, dtype=torch.float64)
+    x[1, :5] = x[1, 5]  # ties
+    mask = torch.zeros(4, 300, dtype=torch.bool)
+    mask[2, :40] = True
+    for options in (dict(), dict(largest=False), dict(hard=True)):
+        (cpu, cpu_grads), (gpu, gpu_grads) = _on_both(
+            lambda v: operator(v, 5, epsilon=0.1, cost=cost, fixed_iterations=fixed, max_iter=60, tol=1e-9,
+                               **options), x)
+        torch.testing.assert_close(gpu, cpu, atol=1e-9, rtol=1e-7)
+        if cpu_grads[0] is not None:
+            torch.testing.assert_close(gpu_grads[0], cpu_grads[0], atol=1e-8, rtol=1e-6)
+    (cpu, cpu_grads), (gpu, gpu_grads) = _on_both(
+        lambda v, m: operator(v, 5, epsilon=0.1, cost=cost, fixed_iterations=fixed, max_iter=60, tol=1e-9, mask=m),
+        x, mask)
+    torch.testing.assert_close(gpu, cpu, atol=1e-9, rtol=1e-7)
+    torch.testing.assert_close(gpu_grads[0], cpu_grads[0], atol=1e-8, rtol=1e-6)
+
+
+@pytest.mark.parametrize("selection_grad", ["capped", "full", "none"])
+@pytest.mark.parametrize("mode", sorted(CRITERION_MODES))
+def test_criterion_forward_and_backward_give_the_cpu_loss_and_gradients(dictionary, rng, mode, selection_grad):
+    if mode == "hard" and selection_grad != "capped":
+        pytest.skip("hard mode has no selection gradient")
+    sample = make_sample(dictionary, rng, [5, 3, 4])
+    results = []
+    for device in ("cpu", CUDA):
+        model = build_model(dictionary, scale=3.0).to(device)
+        model.eval()  # no dropout: both devices see the same network
+        model.set_num_updates(4)
+        criterion = build_criterion(dictionary, selection_grad=selection_grad, **CRITERION_MODES[mode])
+        loss, _, log = criterion(model, sample_to(sample, device))
+        loss.backward()
+        results.append((loss.detach().cpu(), {n: p.grad.cpu() for n, p in model.named_parameters()
+                                              if p.grad is not None}))
+    (cpu_loss, cpu_grads), (gpu_loss, gpu_grads) = results
+    torch.testing.assert_close(gpu_loss, cpu_loss, atol=1e-8, rtol=1e-8)
+    assert gpu_grads.keys() == cpu_grads.keys()
+    for name in cpu_grads:
+        torch.testing.assert_close(gpu_grads[name], cpu_grads[name], atol=1e-7, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("pool", [0, 12])
+def test_the_sync_free_search_never_synchronises_with_the_host(dictionary, rng, pool):
+    """--topk-fixed-iterations: the whole beam unroll, forward and backward, under CUDA's sync debug mode
+    set to "error" (an operation that makes the host wait for the device raises). Its CPU counterpart,
+    with the dispatch counter, is in test_dispatch_count.py."""
+    model = build_model(dictionary, scale=3.0).to(CUDA)
+    model.eval()
+    sample = sample_to(make_sample(dictionary, rng, [5, 3, 4]), CUDA)
+    criterion = build_criterion(dictionary, topk_fixed_iterations=True, topk_max_iter=12, candidate_pool=pool,
+                                teacher_forcing_ratio=0.0)
+    encoder_out = model.encoder(sample["net_input"]["src_tokens"], src_lengths=sample["net_input"]["src_lengths"])
+
+    def search_forward_backward():
+        beam = unroll_beam_search(model.decoder, encoder_out, model.encoder.reorder_encoder_out, sample["target"],
+                                  dictionary.pad(), dictionary.eos(), criterion.search)
+        (beam.gold_lprobs.sum() + beam.scale_probe).backward()
+        return beam
+
+    if DRY_RUN:
+        with DispatchCounter() as counter:
+            beam = search_forward_backward()
+        assert counter.total("syncs") == 0
+    else:
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            beam = search_forward_backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert int(beam.n_unconverged) == 0 and model.decoder.embed_tokens.weight.grad is not None
+
+
+@pytest.mark.parametrize("normalizer", ATTENTION_NORMALIZERS)
+@pytest.mark.parametrize("architecture", ["lstm", "transformer"])
+def test_attention_normalizers_give_the_cpu_output_and_gradients(dictionary, rng, architecture, normalizer):
+    sample = make_sample(dictionary, rng, [5, 3, 4], src_len=7)
+    results = []
+    for device in ("cpu", CUDA):
+        model = (build_model(dictionary, scale=3.0, attention_normalizer=normalizer, attention_topk=2)
+                 if architecture == "lstm" else
+                 build_transformer(dictionary, attention_normalizer=normalizer, attention_topk=2,
+                                   topk_self_attention=True)).to(device)
+        net_input = sample_to(sample, device)["net_input"]
+        out = model(**net_input)[0]
+        out.float().logsumexp(-1).sum().backward()
+        results.append((out.detach().cpu(), [p.grad.cpu() for p in model.parameters() if p.grad is not None]))
+    (cpu_out, cpu_grads), (gpu_out, gpu_grads) = results
+    torch.testing.assert_close(gpu_out, cpu_out, atol=1e-8, rtol=1e-6)
+    for gpu, cpu in zip(gpu_grads, cpu_grads):
+        torch.testing.assert_close(gpu, cpu, atol=1e-7, rtol=1e-5)
+
+
+# fairseq-train on the GPU: a few updates of each training mode in each half precision
+
+TRAIN = ["--optimizer", "adam", "--lr", "0.005", "--max-tokens", "1000", "--required-batch-size-multiple", "1",
+         "--no-progress-bar", "--log-format", "simple", "--log-interval", "1", "--num-workers", "0", "--seed", "3",
+         "--max-update", "6", "--disable-validation", "--no-save-optimizer-state"]
+MODES = {
+    "soft": ["--arch", "softtopk_lstm_tiny", "--criterion", "soft_beam_search", "--train-beam", "3",
+             "--teacher-forcing-ratio", "0.5"],
+    "soft_fixed": ["--arch", "softtopk_lstm_tiny", "--criterion", "soft_beam_search", "--train-beam", "3",
+                   "--teacher-forcing-ratio", "0.5", "--topk-fixed-iterations", "--topk-max-iter", "15",
+                   "--candidate-pool", "20"],
+    "hard": ["--arch", "softtopk_lstm_tiny", "--criterion", "soft_beam_search", "--train-beam", "3",
+             "--teacher-forcing-ratio", "0.5", "--topk-mode", "hard"],
+    "topk_attention": ["--arch", "softtopk_transformer_tiny", "--attention-normalizer", "soft_topk",
+                       "--attention-topk", "2", "--topk-self-attention", "--criterion", "label_smoothed_cross_entropy",
+                       "--label-smoothing", "0.1"],
+}
+
+
+#: (mode, precision): soft, hard and top-k attention in both half precisions; amp and the sync-free search once
+HALF_PRECISION_RUNS = [(mode, precision) for mode in ("soft", "hard", "topk_attention") for precision in ("--fp16", "--bf16")
+                       ] + [("soft", "--amp"), ("soft_fixed", "--fp16")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode, precision", HALF_PRECISION_RUNS)
+def test_fairseq_train_in_half_precision_then_generate(toy_data_bin, tmp_path, repo_root, mode, precision):
+    """A few updates with fairseq's own half-precision training (loss scaling under --fp16 and --amp),
+    finite losses, then fairseq-generate on the GPU from the checkpoint."""
+    _, data_bin = toy_data_bin
+    user_dir = repo_root / "fairseq_softtopk"
+    save = tmp_path / "ckpt"
+    device = ["--cpu"] if DRY_RUN else [precision]
+    generate_device = device if DRY_RUN or precision != "--amp" else []  # amp is a training option only
+    train = run_fairseq("train", [data_bin, "--user-dir", user_dir, *MODES[mode], *TRAIN, *device, "--save-dir", save])
+    log = train.stdout + train.stderr
+    losses = [float(v) for v in re.findall(r"train_inner \| .*? loss=([0-9.naif]+)", log)]
+    assert losses and all(math.isfinite(v) for v in losses), log[-3000:]
+    assert re.search(r"num_updates[= ]6\b", log), log[-3000:]
+    gen = run_fairseq("generate", [data_bin, "--user-dir", user_dir, "--path", save / "checkpoint_last.pt",
+                                   "--gen-subset", "test", "--beam", "3", "--batch-size", "16",
+                                   "--required-batch-size-multiple", "1", *generate_device])
+    assert len(re.findall(r"^H-\d+\t", gen.stdout, flags=re.M)) == 40

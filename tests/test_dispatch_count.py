@@ -1,0 +1,87 @@
+"""DispatchCounter: the launches and host synchronisations a GPU would see, counted on the CPU."""
+
+import pytest
+import torch
+from torch.profiler import record_function
+
+from builders import build_criterion, build_model, make_sample
+from conftest import word_dictionary
+
+from fairseq_softtopk.dispatch_count import DispatchCounter
+from fairseq_softtopk.modules.beam_search import unroll_beam_search
+from fairseq_softtopk.ops import sorted_soft_topk
+
+
+def test_counts_kernels_and_host_reads_of_known_code():
+    with DispatchCounter() as counter:
+        a = torch.ones(4)  # 1 launch (a fill)
+        b = a * 2 + 1  # 2 launches
+        b.view(2, 2).t()  # views: none
+        torch.empty(3)  # an uninitialised allocation: none
+        float(b.sum())  # 1 launch (sum), 1 sync (the host reads the value)
+        b[b > 2]  # 2 launches (gt, index), 1 sync (the number of True entries decides the output size)
+        b.tolist()  # 1 sync (a copy to the host)
+        b.nonzero()  # 1 launch, 1 sync
+    assert counter.total("launches") == 7
+    assert counter.total("syncs") == 4
+    assert set(counter.counts["launches"]) == {("other",)}  # outside any range, in the forward pass
+    assert counter.ops["syncs"][(("other",), "_local_scalar_dense.default")] == 1
+
+
+def test_attributes_counts_to_the_open_package_ranges_and_the_backward_pass():
+    x = torch.randn(5, requires_grad=True)
+    with DispatchCounter() as counter:
+        with record_function("softtopk::outer"):
+            y = x * 3  # 1 launch in ("outer",)
+            with record_function("softtopk::inner"), record_function("not_ours"):
+                z = y.exp()  # 1 launch in ("outer", "inner"): other ranges are not part of the path
+            int(z.argmax())  # 1 launch, 1 sync in ("outer",)
+        z.sum().backward()
+    assert counter.counts["launches"][("outer",)] == 2 and counter.counts["syncs"][("outer",)] == 1
+    assert counter.counts["launches"][("outer", "inner")] == 1
+    assert counter.total("launches", inside="outer") == 3
+    assert counter.total("launches", innermost="inner") == 1
+    assert counter.total("launches", innermost="backward") > 0  # the sum's, exp's and mul's backward
+    assert counter.total("launches", innermost="other") >= 1  # sum, outside the ranges
+    assert counter.by_innermost("launches")["outer"] == 2
+    assert sum(counter.by_innermost("launches").values()) == counter.total("launches")
+
+
+def test_the_fixed_iteration_solve_never_waits_on_the_device_and_the_adaptive_one_does():
+    """The claim behind --topk-fixed-iterations: no host synchronisation, forward or backward (its
+    backward inside the operator's own named range); the adaptive solve reads its convergence."""
+    scores = torch.randn(6, 40, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    grad = torch.randn(6, 40, 3, generator=torch.Generator().manual_seed(1))
+    syncs = {}
+    for fixed in (False, True):
+        with DispatchCounter() as counter:
+            A = sorted_soft_topk(scores, 3, epsilon=0.1, max_iter=15, fixed_iterations=fixed, warn=False)
+            (A * grad).sum().backward()
+        syncs[fixed] = counter.total("syncs")
+        assert counter.total("launches", innermost="sorted_soft_topk") > 15  # at least one per iteration
+        assert counter.total("launches", innermost="sorted_soft_topk_backward") > 0
+    assert syncs[True] == 0
+    assert syncs[False] > 0
+
+
+@pytest.mark.parametrize("pool", [0, 12])
+def test_the_sync_free_beam_unroll_has_no_host_synchronisation_forward_or_backward(rng, pool):
+    """The CPU counterpart of tests/test_cuda.py's sync debug mode test: --topk-fixed-iterations' whole
+    unroll (every step's scores, selection, solve and mixing, then the backward pass) reads nothing on the
+    host; the default search does, once per step at least (its solves' convergence)."""
+    dictionary = word_dictionary(13)
+    model = build_model(dictionary, scale=3.0)
+    sample = make_sample(dictionary, rng, [5, 3, 4])
+    syncs = {}
+    for fixed in (False, True):
+        criterion = build_criterion(dictionary, topk_fixed_iterations=fixed, topk_max_iter=12, candidate_pool=pool,
+                                    teacher_forcing_ratio=0.0)
+        encoder_out = model.encoder(sample["net_input"]["src_tokens"], src_lengths=sample["net_input"]["src_lengths"])
+        with DispatchCounter() as counter:
+            beam = unroll_beam_search(model.decoder, encoder_out, model.encoder.reorder_encoder_out, sample["target"],
+                                      dictionary.pad(), dictionary.eos(), criterion.search)
+            (beam.gold_lprobs.sum() + beam.scale_probe).backward()
+        syncs[fixed] = counter.total("syncs")
+        assert counter.total("launches", inside="sorted_soft_topk") > 0
+    assert syncs[True] == 0
+    assert syncs[False] >= sample["target"].shape[1]

@@ -1,0 +1,45 @@
+"""scripts/gpu_check.py (make gpu-check): its CPU dry run, as CI runs it, so that the GPU command cannot rot."""
+
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import gpu_check  # scripts/ is on sys.path (conftest)
+
+
+@pytest.mark.slow
+def test_dry_run_runs_every_step_and_writes_one_report(tmp_path, repo_root):
+    report = tmp_path / "report.md"
+    proc = subprocess.run([sys.executable, "scripts/gpu_check.py", "--dry-run", "--out", str(report)], cwd=repo_root,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    text = report.read_text()
+    for key in ("device", "torch", "CUDA (torch build)", "fairseq", "commit"):
+        assert re.search(rf"^\| {re.escape(key)} \| .+ \|$", text, re.M), key
+    assert f"| torch | {torch.__version__} |" in text
+    steps = dict(re.findall(r"^\| (cuda_tests|bench_ops|bench_ops_beam_shape|bench_train) \| (\S+) \|", text, re.M))
+    assert steps == {name: "ok" for name in ("cuda_tests", "bench_ops", "bench_ops_beam_shape", "bench_train")}
+    tests = re.search(r"^\| cuda_tests \| ok \| \d+ \| (\d+) passed", text, re.M)
+    assert tests and int(tests.group(1)) >= 50 and "failed" not in text.split("## cuda_tests")[0]
+    # the benchmarks' tables, the launch and sync counts included
+    assert "| sorted n=3e+03 k=5 eps=0.03 linear batch=8 | ours_fixed |" in text
+    assert "| beam_soft_fixed |" in text and "launches/step" in text and "syncs/step" in text
+    for step in ("cuda_tests", "bench_ops", "bench_ops_beam_shape", "bench_train"):
+        assert (tmp_path / f"report.{step}.log").stat().st_size > 0
+
+
+def test_without_a_gpu_it_asks_for_the_dry_run(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(SystemExit):
+        gpu_check.main([])
+    err = capsys.readouterr().err
+    assert "no GPU" in err and "--dry-run" in err
+
+
+def test_tables_of_keeps_the_tables_and_their_introductions():
+    output = "noise\n# intro line\n| a | b |\n|---|---|\n| 1 | 2 |\nmore noise\nsecond table:\n| c |\n|---|\n"
+    assert gpu_check.tables_of(output) == "# intro line\n\n| a | b |\n|---|---|\n| 1 | 2 |\n\nsecond table:\n\n| c |\n|---|"
