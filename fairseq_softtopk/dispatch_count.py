@@ -14,7 +14,11 @@ in the backward pass too) and the host reads above it (a ``TorchFunctionMode``):
   (``.item()``, ``bool()``, ``int()``, ``float()``: ``aten._local_scalar_dense``), copying to
   the host (``.cpu()``, ``.tolist()``, ``.numpy()``), and operations whose output size depends on
   the data (``nonzero``, ``masked_select``, boolean indexing, ``unique``, ``bincount``,
-  ``repeat_interleave`` without ``output_size``), plus ``linalg.solve``'s error check.
+  ``repeat_interleave`` without ``output_size``), ``linalg.solve``'s error check, and tensors made
+  from Python data (``torch.tensor``, ``torch.as_tensor`` of a number or list, ``Tensor.new_tensor``):
+  on a GPU that is a copy from pageable host memory, which waits for the device (and is what
+  ``torch.cuda.set_sync_debug_mode`` reports); ``torch.full`` or a Python scalar in ``torch.where``
+  launches a kernel instead.
 
 Each count is attributed to the package's named ``torch.profiler`` ranges (``softtopk::...``) open
 when it happened: its *path*, e.g. ``("beam_step", "select_beams", "sorted_soft_topk")``, or
@@ -49,6 +53,8 @@ _RECORD_ENTER = {torch.ops.profiler._record_function_enter.default, torch.ops.pr
 _RECORD_EXIT = {torch.ops.profiler._record_function_exit.default, torch.ops.profiler._record_function_exit._RecordFunction}
 #: Tensor methods that copy to the host (on a CPU tensor they dispatch nothing, so they are seen above autograd).
 _HOST_READS = {torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.cpu}
+#: factories that copy Python data from the host: ``{function: position of the data argument}``
+_FROM_HOST_DATA = {torch.tensor: 0, torch.as_tensor: 0, torch.Tensor.new_tensor: 1}
 
 
 def _is_sync(func, args, kwargs) -> bool:
@@ -92,9 +98,17 @@ class _HostReads(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _HOST_READS or (func is torch.Tensor.to and _to_host(args, kwargs)):
+        if (func in _HOST_READS or (func is torch.Tensor.to and _to_host(args, kwargs))
+                or (func in _FROM_HOST_DATA and _host_data(func, args, kwargs))):
             self.counter._count("syncs", func)
         return func(*args, **kwargs)
+
+
+def _host_data(func, args, kwargs) -> bool:
+    """Whether a factory of :data:`_FROM_HOST_DATA` is given Python data (not a tensor)."""
+    position = _FROM_HOST_DATA[func]
+    data = args[position] if len(args) > position else kwargs.get("data")
+    return not isinstance(data, torch.Tensor)
 
 
 def _to_host(args, kwargs) -> bool:

@@ -115,6 +115,11 @@ def plan(dry_run: bool) -> List[tuple]:
     ]
 
 
+def portable(text: str) -> str:
+    """``text`` without this machine's paths: the interpreter as ``python``, the repository as ``.``."""
+    return text.replace(sys.executable, "python").replace(str(REPO) + "/", "").replace(str(REPO), ".")
+
+
 def run_step(name: str, command: List[str], extra_env: Dict[str, str], log: Path) -> StepResult:
     """Runs one step from the repository root, printing its output as it comes and keeping it in ``log``."""
     print(f"\n== {name}: {shlex.join(command)}", flush=True)
@@ -124,8 +129,8 @@ def run_step(name: str, command: List[str], extra_env: Dict[str, str], log: Path
     with subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           bufsize=1) as proc, open(log, "w") as sink:
         for line in proc.stdout:
-            lines.append(line)
-            sink.write(line)
+            lines.append(portable(line))
+            sink.write(lines[-1])
             sys.stdout.write(line)
         proc.wait()
     seconds = time.perf_counter() - start
@@ -161,13 +166,13 @@ def write_report(path: Path, info: Dict[str, str], results: Sequence[StepResult]
                  argv: Sequence[str]) -> None:
     mode = "CPU dry run (the GPU's steps on the CPU, small sizes)" if dry_run else "GPU"
     lines = [f"# gpu-check: {info['device']}", "",
-             f"Written by `python scripts/gpu_check.py {shlex.join(argv)}` ({mode}).", "",
+             f"Written by `python scripts/gpu_check.py {portable(shlex.join(argv))}` ({mode}).", "",
              "| | |", "|---|---|"]
     lines += [f"| {key} | {value} |" for key, value in info.items()]
     lines += ["", "| step | status | seconds | result | command |", "|---|---|---:|---|---|"]
     for r in results:
         status = "ok" if r.returncode == 0 else f"FAILED (exit {r.returncode})"
-        command = shlex.join([Path(c).name if c == sys.executable else c for c in r.command])
+        command = portable(shlex.join(r.command))
         lines.append(f"| {r.name} | {status} | {r.seconds:.0f} | {summary_of(r)} | `{command}` |")
     for r in results:
         lines += ["", f"## {r.name}", "", f"`{r.log.name}` holds the whole output."]

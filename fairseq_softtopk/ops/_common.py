@@ -324,8 +324,8 @@ def _valid_range(x: Tensor, valid: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
     """``(low, high)``: ``(rows, 1)`` smallest and largest valid entry of each row (``valid`` None: all)."""
     if valid is None:  # two reductions: aminmax along a dim is 10x slower on CPUs (torch 2.13)
         return x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
-    high = torch.where(valid, x, x.new_tensor(-math.inf)).amax(-1, keepdim=True)
-    low = torch.where(valid, x, x.new_tensor(math.inf)).amin(-1, keepdim=True)
+    high = torch.where(valid, x, -math.inf).amax(-1, keepdim=True)
+    low = torch.where(valid, x, math.inf).amin(-1, keepdim=True)
     return low, high
 
 
@@ -364,4 +364,5 @@ def oriented_rows(scores: Tensor, dim: int, prep: PreparedScores) -> Tensor:
 def hard_topk_indices(scores: Tensor, k: int, valid: Tensor, largest: bool) -> Tensor:
     """``(rows, k)`` indices of the k best valid entries of ``(rows, n)`` scores, best first."""
     fill = -float("inf") if largest else float("inf")
-    return torch.where(valid, scores, scores.new_tensor(fill)).topk(k, dim=-1, largest=largest, sorted=True).indices
+    # a Python scalar, not scores.new_tensor(fill): on a GPU that would be a host-to-device copy, which waits
+    return torch.where(valid, scores, fill).topk(k, dim=-1, largest=largest, sorted=True).indices

@@ -147,13 +147,13 @@ def newton_solve(prep: PreparedScores, k: int, tol: float, max_iter: int) -> Tup
         width = int(inside.sum(-1).max())
         if width > n // 2:
             break
-        index = torch.where(inside, z, z.new_tensor(-math.inf)).topk(width, dim=-1).indices
+        index = torch.where(inside, z, -math.inf).topk(width, dim=-1).indices
         z_w, inside_w = z.gather(-1, index), inside.gather(-1, index)
         window = SemiDualProblem(z_w, inside_w, inside.sum(-1).to(n_valid.dtype), eps, top, k)
         solved, n_iter = _solve_rows(window, g, tol, max_iter - used)
         used += n_iter
         # The best element left out must give every rank less than exp(margin) of its mass.
-        best_out = torch.where(valid & ~inside, z, z.new_tensor(-math.inf)).amax(-1, keepdim=True).double()
+        best_out = torch.where(valid & ~inside, z, -math.inf).amax(-1, keepdim=True).double()
         y = anchors(k, g)[:k]
         rank_logit = (best_out * y / eps.double() + solved.g[:, :k]).amax(-1, keepdim=True)
         if bool((rank_logit < margin).all()):

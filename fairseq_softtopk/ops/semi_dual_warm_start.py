@@ -92,7 +92,7 @@ def binned_start(problem: SemiDualProblem, g: Tensor, tol: float) -> Optional[Te
     n = z.shape[-1]
     if n < 8 * _BINS or bool(problem.no_rest.any()):
         return None
-    low = (z if all_valid else torch.where(valid, z, z.new_tensor(math.inf))).amin(-1, keepdim=True)
+    low = (z if all_valid else torch.where(valid, z, math.inf)).amin(-1, keepdim=True)
     width = (top[:, :1] - low) / _BINS
     if bool((width > eps / 16).any()):
         return None

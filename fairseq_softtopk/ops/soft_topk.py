@@ -40,7 +40,7 @@ def _threshold_solve(prep: PreparedScores, k: int, tol: float, max_iter: int,
     dtype = torch.float64  # the scalar threshold is kept in float64; the O(n) work stays in z.dtype
     limit = -log_floor(z.dtype)
     # Excluded entries sit at -inf, so that they add nothing without a mask in the loop.
-    scaled = torch.where(valid, z / eps, z.new_tensor(-math.inf))
+    scaled = torch.where(valid, z / eps, -math.inf)
     eps64 = eps.squeeze(-1).to(dtype)
     top_vals = prep.top.to(dtype)
     kth = top_vals[:, k - 1]
@@ -49,7 +49,7 @@ def _threshold_solve(prep: PreparedScores, k: int, tol: float, max_iter: int,
     t = 0.5 * (kth + next_val) / eps64  # the hard threshold (in units of eps): exact as eps -> 0
     # A bracket that always holds: sum_i sigmoid > k at lo and < k at hi.
     span = torch.log(n_valid.to(dtype)) + 2.0
-    lo = torch.where(valid, z, z.new_tensor(math.inf)).amin(-1).to(dtype) / eps64 - span
+    lo = torch.where(valid, z, math.inf).amin(-1).to(dtype) / eps64 - span
     hi = top_vals[:, 0] / eps64 + span
     # The O(n) work uses t rounded to z's dtype: a bracket narrower than that cannot improve.
     resolution = 4 * torch.finfo(z.dtype).eps
@@ -70,8 +70,8 @@ def _threshold_solve(prep: PreparedScores, k: int, tol: float, max_iter: int,
         inside = (newton > lo) & (newton < hi) & (slope > 0)
         t = torch.where(done, t, torch.where(inside, newton, 0.5 * (lo + hi)))
     a = (scaled - t.to(z.dtype).unsqueeze(-1)).clamp_(-limit, limit)
-    a = torch.where(full.unsqueeze(-1), a.new_tensor(math.inf), a)
-    a = torch.where(valid, a, a.new_tensor(-math.inf))
+    a = torch.where(full.unsqueeze(-1), math.inf, a)
+    a = torch.where(valid, a, -math.inf)
     if fixed_iterations:
         max_err = err.amax() if rows else err.new_zeros(())
         return a, SolverInfo(converged=max_err <= tol, n_iter=n_iter, marginal_error=max_err)
