@@ -53,6 +53,8 @@ _RECORD_ENTER = {torch.ops.profiler._record_function_enter.default, torch.ops.pr
 _RECORD_EXIT = {torch.ops.profiler._record_function_exit.default, torch.ops.profiler._record_function_exit._RecordFunction}
 #: Tensor methods that copy to the host (on a CPU tensor they dispatch nothing, so they are seen above autograd).
 _HOST_READS = {torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.cpu}
+#: marks the tensors a counted host copy returned (moving them to the host again is free)
+_ON_HOST = "_dispatch_count_on_host"
 #: factories that copy Python data from the host: ``{function: position of the data argument}``
 _FROM_HOST_DATA = {torch.tensor: 0, torch.as_tensor: 0, torch.Tensor.new_tensor: 1}
 
@@ -98,9 +100,17 @@ class _HostReads(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if (func in _HOST_READS or (func is torch.Tensor.to and _to_host(args, kwargs))
-                or (func in _FROM_HOST_DATA and _host_data(func, args, kwargs))):
+        if func in _FROM_HOST_DATA and _host_data(func, args, kwargs):
             self.counter._count("syncs", func)
+            return func(*args, **kwargs)
+        if func in _HOST_READS or (func is torch.Tensor.to and _to_host(args, kwargs)):
+            if getattr(args[0], _ON_HOST, False):  # a copy this pass already made to the host: no device involved
+                return func(*args, **kwargs)
+            self.counter._count("syncs", func)
+            out = func(*args, **kwargs)
+            if isinstance(out, torch.Tensor):
+                setattr(out, _ON_HOST, True)
+            return out
         return func(*args, **kwargs)
 
 
