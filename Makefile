@@ -18,7 +18,7 @@ bench: setup
 	$(PY) scripts/bench_ops.py
 
 # On a GPU machine, after `make setup`: the cuda tests and both benchmarks, one report under
-# results/gpu_check/ (scripts/gpu_check.py; about 10 minutes). The dry run: the same steps on the CPU.
+# results/gpu_check/ (scripts/gpu_check.py; meant to take under 10 minutes). The dry run: the same steps on the CPU.
 gpu-check: setup
 	$(PY) scripts/gpu_check.py
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Does it work on this GPU, and how fast: the cuda tests and both benchmarks, in one report.
 
-``make gpu-check`` (after README's setup on a GPU machine; about 10 minutes on one GPU) runs, each as
+``make gpu-check`` (after README's setup on a GPU machine; meant to take under 10 minutes on one GPU) runs, each as
 its own process with its output kept:
 
 1. ``pytest -m cuda tests``: the operators and the criterion on CUDA against the CPU, the sync-free
@@ -42,7 +42,7 @@ GPU_STEPS = {
     "bench_ops_beam_shape": ["--device", "cuda", "--ops", "sorted_soft_topk", "--n", "38840", "--k", "5", "--eps",
                              "0.03", "--cost", "linear", "--batch", "64", "--fixed-iterations", "15", "--compile",
                              "reduce-overhead"],
-    "bench_train": ["--device", "cuda", "--arch", "softtopk_lstm_multi30k", "--updates", "20", "--warmup", "3",
+    "bench_train": ["--device", "cuda", "--arch", "softtopk_lstm_multi30k", "--updates", "10", "--warmup", "2",
                     "--configs", "teacher_forcing,beam_hard,beam_soft,beam_soft_pool,beam_soft_fixed,beam_soft_compiled"],
 }
 #: the same steps on the CPU, small enough for the test suite
