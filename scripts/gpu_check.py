@@ -29,6 +29,7 @@ import re
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Dict, List, NamedTuple, Optional, Sequence
@@ -117,7 +118,8 @@ def plan(dry_run: bool) -> List[tuple]:
 
 def portable(text: str) -> str:
     """``text`` without this machine's paths: the interpreter as ``python``, the repository as ``.``."""
-    return text.replace(sys.executable, "python").replace(str(REPO) + "/", "").replace(str(REPO), ".")
+    text = text.replace(sys.executable, "python").replace(str(REPO) + "/", "").replace(str(REPO), ".")
+    return re.sub(re.escape(tempfile.gettempdir()) + r"/tmp\w+", "<temp dir>", text)  # the toy corpus's directory
 
 
 def run_step(name: str, command: List[str], extra_env: Dict[str, str], log: Path) -> StepResult:

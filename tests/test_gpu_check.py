@@ -3,6 +3,7 @@
 import re
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -30,6 +31,7 @@ def test_dry_run_runs_every_step_and_writes_one_report(tmp_path, repo_root):
     for step in ("cuda_tests", "bench_ops", "bench_ops_beam_shape", "bench_train"):
         log = (tmp_path / f"report.{step}.log").read_text()
         assert log and str(repo_root) not in log and sys.executable not in log  # no paths of this machine
+        assert not re.search(re.escape(tempfile.gettempdir()) + r"/tmp\w+", log)
     assert str(repo_root) not in text and sys.executable not in text
 
 
