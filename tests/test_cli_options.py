@@ -53,3 +53,24 @@ def test_runs_as_a_module_from_outside_the_repository(tmp_path):
 def test_console_script_is_declared(repo_root):
     text = (repo_root / "pyproject.toml").read_text()
     assert 'fairseq-softtopk-options = "fairseq_softtopk.cli.options:main"' in text
+
+
+@pytest.mark.slow
+def test_the_plugin_trains_and_generates_from_outside_the_repository(toy_data_bin, tmp_path):
+    """The absolute --user-dir that `fairseq-softtopk-options --user-dir` prints: fairseq-train and
+    fairseq-generate run from a directory that is not the repository, as on a user's own project."""
+    from conftest import run_fairseq
+
+    _, data_bin = toy_data_bin
+    user_dir = subprocess.run([sys.executable, "-m", "fairseq_softtopk.cli.options", "--user-dir"], cwd=tmp_path,
+                              capture_output=True, text=True, env=clean_env(), check=True).stdout.strip()
+    assert user_dir.endswith("fairseq_softtopk") and user_dir.startswith("/")
+    save = tmp_path / "checkpoints"
+    run_fairseq("train", [data_bin, "--user-dir", user_dir, "--arch", "softtopk_lstm_tiny", "--criterion",
+                          "soft_beam_search", "--train-beam", "2", "--optimizer", "adam", "--lr", "0.01",
+                          "--max-tokens", "1000", "--max-update", "3", "--cpu", "--no-progress-bar",
+                          "--disable-validation", "--num-workers", "0", "--save-dir", save], cwd=tmp_path)
+    gen = run_fairseq("generate", [data_bin, "--user-dir", user_dir, "--path", save / "checkpoint_last.pt",
+                                   "--gen-subset", "test", "--beam", "2", "--batch-size", "16", "--cpu",
+                                   "--required-batch-size-multiple", "1"], cwd=tmp_path)
+    assert len(re.findall(r"^H-\d+\t", gen.stdout, flags=re.M)) == 40

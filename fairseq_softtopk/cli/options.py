@@ -5,6 +5,7 @@ does not list the plugin's options; this command does, from the dataclass config
 
     fairseq-softtopk-options                       # every component, as text
     python -m fairseq_softtopk.cli.options --format markdown --component soft_beam_search
+    fairseq-train DATA --user-dir "$(fairseq-softtopk-options --user-dir)" ...   # from any directory
 
 Components: the criterion ``soft_beam_search``, the architectures ``softtopk_lstm`` (with its named
 sizes) and ``softtopk_transformer`` (fairseq's Transformer options plus these).
@@ -12,6 +13,7 @@ sizes) and ``softtopk_transformer`` (fairseq's Transformer options plus these).
 
 import argparse
 import dataclasses
+import os
 import sys
 from enum import Enum
 from typing import Dict, List, NamedTuple, Optional, Sequence
@@ -109,7 +111,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--format", choices=["text", "markdown"], default="text")
     parser.add_argument("--component", action="append",
                         help="soft_beam_search, softtopk_lstm or softtopk_transformer (repeatable; default: all)")
+    parser.add_argument("--user-dir", action="store_true",
+                        help="print the absolute directory to pass to fairseq's --user-dir, and nothing else")
     opts = parser.parse_args(argv)
+    if opts.user_dir:  # the installed package's directory: works from any working directory
+        import fairseq_softtopk
+
+        print(os.path.dirname(os.path.abspath(fairseq_softtopk.__file__)))
+        return 0
     found = components()
     if opts.component:
         unknown = [c for c in opts.component if c not in found]
