@@ -8,7 +8,7 @@
 # the model ties all embeddings. Environment overrides (defaults in brackets):
 #   NORMALIZER [soft_topk]  softmax | soft_topk | hard_topk | sparsemax | entmax15
 #   TOPK [5]  EPSILON [0.1]  SELF_ATTENTION [0] (1: also normalise self-attention)
-#   MAX_UPDATE [30000]  DEVICE [--cpu] (set DEVICE= on a GPU)  PYTHON [python]
+#   MAX_UPDATE [30000]  DEVICE [the GPU if torch finds one, else --cpu]  PYTHON [python]
 # Rerunning resumes from SAVE_DIR/checkpoint_last.pt (fairseq's default --restore-file).
 set -euo pipefail
 
@@ -17,7 +17,10 @@ data_bin="${1:?usage: $0 DATA_BIN [SAVE_DIR]}"
 normalizer="${NORMALIZER:-soft_topk}"
 save_dir="${2:-checkpoints/softtopk_transformer_multi30k_${normalizer}}"
 python="${PYTHON:-python}"
-device="${DEVICE---cpu}"
+if [[ -z "${DEVICE+set}" ]]; then  # not set: the GPU where torch finds one
+    if "${python}" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then DEVICE=""; else DEVICE="--cpu"; fi
+fi
+device="${DEVICE}"
 self_attention=()
 if [[ "${SELF_ATTENTION:-0}" == 1 ]]; then self_attention=(--topk-self-attention); fi
 

@@ -257,3 +257,30 @@ def test_train_generate_and_plot_end_to_end(tmp_path):
 
     image = matplotlib.image.imread(png)
     assert image.ndim == 3 and min(image.shape[:2]) > 100 and image.std() > 0
+
+
+@pytest.mark.parametrize("gpu, device_env, expect_cpu", [(False, None, True), (True, None, False), (True, "--cpu", True),
+                                                         (False, "", False)])
+def test_recipe_script_picks_the_gpu_when_torch_finds_one(tmp_path, gpu, device_env, expect_cpu):
+    """configs/softtopk_transformer_multi30k.sh: --cpu only where torch finds no GPU, unless DEVICE says otherwise
+    (a stand-in Python records the commands and answers the GPU question)."""
+    import os
+    import subprocess
+
+    calls = tmp_path / "calls.txt"
+    fake = tmp_path / "python"
+    fake.write_text(f"""#!/usr/bin/env bash
+if [[ "$1" == -c ]]; then exit {0 if gpu else 1}; fi
+echo "$*" >> {calls}
+mkdir -p "{tmp_path}/save"
+""")
+    fake.chmod(0o755)
+    env = {key: os.environ[key] for key in ("PATH", "HOME") if key in os.environ}
+    env["PYTHON"] = str(fake)
+    if device_env is not None:
+        env["DEVICE"] = device_env
+    subprocess.run(["bash", REPO / "configs" / "softtopk_transformer_multi30k.sh", tmp_path / "bin", tmp_path / "save"],
+                   env=env, check=True, capture_output=True, text=True)
+    train, generate = calls.read_text().splitlines()
+    assert train.startswith("-m fairseq_cli.train") and generate.startswith("-m fairseq_cli.generate")
+    assert (" --cpu " in f" {train} ") == expect_cpu and (" --cpu " in f" {generate} ") == expect_cpu
