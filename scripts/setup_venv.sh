@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create or reuse the virtualenv at .venv/ and install the pinned dependencies.
 # Idempotent: a stamp holding the hash of the dependency files skips a finished install.
-# About 2 minutes on a fresh machine here (torch comes from local disk, the rest from PyPI).
+# About 1 minute on a fresh machine here (torch comes from local disk, the rest from PyPI).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${root}/.venv"
@@ -14,11 +14,17 @@ if [[ -f "${stamp_file}" && "$(cat "${stamp_file}")" == "${stamp_value}" ]]; the
     exit 0
 fi
 
-echo "[setup] creating/updating ${venv} (one-time, about 2 minutes)" >&2
+echo "[setup] creating/updating ${venv} (one-time, about 1 minute)" >&2
 [[ -x "${venv}/bin/python" ]] || "${python}" -m venv "${venv}"
 pip=("${venv}/bin/python" -m pip install --quiet --disable-pip-version-check -c "${root}/constraints.txt")
-# torch first, alone: the CPU build 2.13.0 lies on this machine's disk; a CUDA user keeps their own.
-"${pip[@]}" torch numpy cython
+# torch first, alone: the CPU build 2.13.0 lies on this machine's disk. A torch >= 2.6 already in the
+# virtualenv (say a CUDA build installed there first) is kept: nothing below installs torch then.
+if "${venv}/bin/python" -c "import sys, torch; sys.exit(0 if tuple(int(p) for p in torch.__version__.split('+')[0].split('.')[:2]) >= (2, 6) else 1)" 2>/dev/null; then
+    echo "[setup] keeping the virtualenv's torch $("${venv}/bin/python" -c 'import torch; print(torch.__version__)')" >&2
+    "${pip[@]}" numpy cython
+else
+    "${pip[@]}" torch numpy cython
+fi
 # fairseq main-branch build for Python 3.11, without its declared deps (torchaudio would pull another torch).
 "${pip[@]}" --no-deps ve-fairseq
 "${pip[@]}" -r "${root}/requirements.txt"

@@ -21,7 +21,6 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from entmax import entmax15, sparsemax
 from torch import Tensor, nn
 
 from fairseq_softtopk.ops import soft_topk
@@ -92,9 +91,20 @@ def normalize_attention(scores: Tensor, key_padding_mask: Optional[Tensor] = Non
     elif normalizer == "soft_topk":
         weights = _soft_topk_attention(x, excluded, empty_row, k, epsilon, tol, max_iter)
     else:
-        weights = _sparse_attention(x, excluded, sparsemax if normalizer == "sparsemax" else entmax15)
+        weights = _sparse_attention(x, excluded, sparse_mapping(normalizer))
     weights = weights.masked_fill(excluded | empty_row, 0.0)
     return weights.to(scores.dtype)
+
+
+def sparse_mapping(normalizer: str):
+    """``entmax.sparsemax`` or ``entmax.entmax15``, imported on first use: the ``entmax`` package is an
+    optional dependency (``pip install fairseq-softtopk[sparse-attention]``)."""
+    try:
+        import entmax
+    except ImportError as error:
+        raise ImportError(f"--attention-normalizer {normalizer} needs the entmax package: pip install entmax "
+                          "(or fairseq-softtopk[sparse-attention])") from error
+    return entmax.sparsemax if normalizer == "sparsemax" else entmax.entmax15
 
 
 def _excluded_positions(x: Tensor, key_padding_mask: Optional[Tensor]) -> Tensor:

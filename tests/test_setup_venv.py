@@ -1,0 +1,45 @@
+"""scripts/setup_venv.sh keeps a torch that the virtualenv already has (a CUDA user's build)."""
+
+import os
+import shutil
+import subprocess
+
+
+def _run_setup(tmp_path, repo_root, torch_version):
+    """Runs a copy of the setup script against a virtualenv whose Python is a stand-in: it records every
+    command and has ``torch_version`` installed (None: no torch)."""
+    root = tmp_path / "project"
+    (root / "scripts").mkdir(parents=True)
+    for name in ("constraints.txt", "requirements.txt", "pyproject.toml"):
+        shutil.copy(repo_root / name, root / name)
+    shutil.copy(repo_root / "scripts" / "setup_venv.sh", root / "scripts" / "setup_venv.sh")
+    calls = tmp_path / "calls.txt"
+    python = root / ".venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    has_torch = "true" if torch_version else "false"
+    python.write_text(f"""#!/usr/bin/env bash
+echo "$*" >> {calls}
+if [[ "$1" == -c && "$2" == *"import sys, torch"* ]]; then
+    {has_torch} || exit 1
+    [[ "{torch_version}" > "2.6" ]] && exit 0 || exit 1
+fi
+if [[ "$1" == -c ]]; then echo "{torch_version}"; fi
+exit 0
+""")
+    python.chmod(0o755)
+    env = {key: os.environ[key] for key in ("PATH", "HOME") if key in os.environ}
+    proc = subprocess.run(["bash", root / "scripts" / "setup_venv.sh"], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    installs = [line.split() for line in calls.read_text().splitlines() if line.startswith("-m pip install")]
+    return proc.stderr, installs
+
+
+def test_a_torch_already_in_the_virtualenv_is_kept(tmp_path, repo_root):
+    stderr, installs = _run_setup(tmp_path, repo_root, "2.9.1+cu128")
+    assert "keeping the virtualenv's torch 2.9.1+cu128" in stderr
+    assert installs and not any("torch" in args for args in installs)
+
+
+def test_without_torch_the_pinned_one_is_installed(tmp_path, repo_root):
+    _, installs = _run_setup(tmp_path, repo_root, None)
+    assert any("torch" in args for args in installs[:1])  # torch first, alone (with numpy and cython)
