@@ -1,0 +1,80 @@
+"""README.md and docs/: links that resolve, a README of at most 250 lines without commit hashes, issue
+numbers or machine paths, and option tables equal to the plugin's dataclass fields."""
+
+import dataclasses
+import re
+
+import pytest
+
+from fairseq_softtopk.criterions.soft_beam_search import SoftBeamSearchConfig
+from fairseq_softtopk.models._attention_config import AttentionNormalizerConfig
+from fairseq_softtopk.models.softtopk_lstm import SoftTopKLSTMConfig
+from fairseq_softtopk.models.softtopk_transformer import SoftTopKAttentionConfig
+
+
+def _documents(repo_root):
+    return [repo_root / "README.md", *sorted((repo_root / "docs").glob("*.md"))]
+
+
+def test_every_relative_link_points_to_a_file_that_exists(repo_root):
+    broken = []
+    for doc in _documents(repo_root):
+        for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text()):
+            if re.match(r"[a-z]+:", target) or target.startswith("#"):
+                continue  # a URL, or an anchor in the same document
+            path = (doc.parent / target.split("#")[0]).resolve()
+            if not path.exists():
+                broken.append(f"{doc.relative_to(repo_root)}: {target}")
+    assert not broken, broken
+    assert len(_documents(repo_root)) >= 7  # README and the six documents it links
+
+
+def test_readme_is_short_and_has_no_commit_hashes_issue_numbers_or_machine_paths(repo_root):
+    text = (repo_root / "README.md").read_text()
+    assert len(text.splitlines()) <= 250
+    assert not re.search(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b", text), "a commit hash"
+    assert not re.search(r"\bissues? \d+", text, re.I), "an issue number"
+    assert not re.search(r"(/work/|/home/|/tmp/|/root/|\.\./shared)", text), "a machine path"
+
+
+def _table(text, first_option):
+    """``{option: default}`` of the README table whose first row is ``first_option``."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"| `{first_option}` |"))
+    rows = {}
+    for line in lines[start:]:
+        if not line.startswith("| `"):
+            break
+        option, default = re.match(r"\| `(--[\w-]+)` \| ([^|]*?) \|", line).groups()
+        rows[option] = default
+    return rows
+
+
+def _defaults(config, names=None):
+    out = {}
+    for field in dataclasses.fields(config):
+        if field.name.startswith("_") or str(field.default).startswith("${") or (names and field.name not in names):
+            continue
+        value = getattr(field.default, "value", field.default)
+        out["--" + field.name.replace("_", "-")] = {True: "on", False: "off"}.get(value, value) \
+            if isinstance(value, bool) else str(value)
+    return out
+
+
+def test_readme_option_tables_are_the_dataclass_fields_with_their_defaults(repo_root):
+    text = (repo_root / "README.md").read_text()
+    criterion = {**_table(text, "--train-beam"), **_table(text, "--topk-cost")}
+    assert criterion == _defaults(SoftBeamSearchConfig)  # every criterion option, main or advanced, once
+    attention = _table(text, "--attention-normalizer")
+    assert attention == _defaults(SoftTopKAttentionConfig)
+    lstm_only = {f.name for f in dataclasses.fields(SoftTopKLSTMConfig)} - {
+        f.name for f in dataclasses.fields(AttentionNormalizerConfig)}
+    sizes = dict(re.findall(r"`(--[\w-]+)` \(([^);]*)[^)]*\)",
+                            text.split("`softtopk_lstm` sizes:")[1].split("\n\n")[0]))
+    assert sizes == _defaults(SoftTopKLSTMConfig, lstm_only)
+
+
+@pytest.mark.parametrize("option", ["--teacher-forcing-ratio"])
+def test_the_teacher_forcing_ratio_is_explained_as_a_loss_weight(repo_root, option):
+    row = next(line for line in (repo_root / "README.md").read_text().splitlines() if line.startswith(f"| `{option}`"))
+    assert "weight p of the teacher-forcing loss" in row and "not scheduled sampling" in row
