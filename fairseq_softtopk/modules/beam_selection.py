@@ -164,17 +164,17 @@ def select_beams(scores: Tensor, beam: int, config: BeamSearchConfig, kth: Tenso
             pool_scores = pool_scores.detach()
         elif pool_scores.requires_grad and (observe is not None or config.grad_cap < math.inf):
             pool_scores, probe = cap_row_grad_norm(pool_scores, config.grad_cap, observe, return_scale_probe=True)
-        if config.compile:
-            # a copy, not a view: torch.compile guards on the sizes of a view's base too, so a view would
-            # compile again whenever a size of its base changes (or stops matching one of the view's)
-            A, converged = compiled_fixed_solve(config.compile)(pool_scores.clone(), beam, config.epsilon,
-                                                                config.cost, config.tol, config.max_iter)
+        if config.fixed_iterations:  # every solve runs exactly max_iter iterations
+            solve = compiled_fixed_solve(config.compile) if config.compile else fixed_solve
+            # compiled, a copy rather than a view: torch.compile guards on the sizes of a view's base too, so a
+            # view would compile again whenever a size of its base changes (or stops matching one of the view's)
+            A, converged = solve(pool_scores.clone() if config.compile else pool_scores, beam, config.epsilon,
+                                 config.cost, config.tol, config.max_iter)
             return Selection(ids, A, converged, config.max_iter, probe)
         # no warning per step: the search counts the unconverged solves (BeamSearchOutput.n_unconverged)
         A, info = sorted_soft_topk(pool_scores, beam, epsilon=config.epsilon, cost=config.cost, tol=config.tol,
-                                   max_iter=config.max_iter, return_info=True, warn=False,
-                                   fixed_iterations=config.fixed_iterations)
-        if ids.shape[1] < n and not config.fixed_iterations:
+                                   max_iter=config.max_iter, return_info=True, warn=False)
+        if ids.shape[1] < n:
             # the same budget as candidate_window's: all but tol / 100 of every rank is kept
             A, ids = drop_negligible(A, ids, config.tol / 100)
         return Selection(ids, A, info.converged, info.n_iter, probe)
