@@ -140,15 +140,13 @@ class DispatchCounter:
         counter.total("launches"), counter.total("syncs", inside="beam_step")
 
     Attributes:
-        counts: ``{kind: Counter({path: n})}`` for ``kind`` in ``("launches", "syncs")``, ``path`` a
-            tuple of range names without their prefix (module docstring).
-        ops: ``{kind: Counter({(path, op name): n})}``, for finding where they come from.
+        ops: ``{kind: Counter({(path, op name): n})}`` for ``kind`` in ``("launches", "syncs")``, ``path``
+            a tuple of range names without their prefix (module docstring); :attr:`counts` sums the ops.
     """
 
     KINDS = ("launches", "syncs")
 
     def __init__(self):
-        self.counts: Dict[str, Counter] = {kind: Counter() for kind in self.KINDS}
         self.ops: Dict[str, Counter] = {kind: Counter() for kind in self.KINDS}
         self._stack: List[str] = []
         self._modes = (_HostReads(self), _Dispatch(self))
@@ -161,9 +159,16 @@ class DispatchCounter:
         return ("backward",) if torch._C._current_autograd_node() is not None else ("other",)
 
     def _count(self, kind: str, func) -> None:
-        path = self.path()
-        self.counts[kind][path] += 1
-        self.ops[kind][(path, getattr(func, "__name__", str(func)))] += 1
+        self.ops[kind][(self.path(), getattr(func, "__name__", str(func)))] += 1
+
+    @property
+    def counts(self) -> Dict[str, Counter]:
+        """``{kind: Counter({path: n})}``: :attr:`ops` summed over the operations."""
+        out: Dict[str, Counter] = {kind: Counter() for kind in self.KINDS}
+        for kind, ops in self.ops.items():
+            for (path, _), n in ops.items():
+                out[kind][path] += n
+        return out
 
     def total(self, kind: str, inside: Optional[str] = None, innermost: Optional[str] = None) -> int:
         """Count of ``kind``: everywhere, or where the range ``inside`` is open, or where ``innermost``
