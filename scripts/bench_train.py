@@ -12,8 +12,8 @@ ones, with the ``soft_beam_search`` criterion as
 * ``beam_soft_fixed``: as ``beam_soft_pool`` with ``--topk-fixed-iterations --topk-max-iter
   --fixed-iter`` (no host synchronisation in the search: the GPU path),
 * ``beam_soft_compiled``: as ``beam_soft_fixed`` with ``--topk-compile default`` (the solve under
-  ``torch.compile``; compiled in the warm-up update, which must exist; not in the default
-  ``--configs``: on a CPU inductor needs a C++ compiler and a minute or two to compile),
+  ``torch.compile``; compiled in an untimed forward and backward before the timed updates; not in
+  the default ``--configs``: on a CPU inductor needs a C++ compiler and a minute or two to compile),
 
 and prints target tokens/s, ms per update, peak memory, the share of the update spent in the
 sorted soft top-k operator and the time per update relative to ``beam_hard``.
@@ -51,7 +51,7 @@ How things are measured:
   counts the kernel launches the CUDA runtime saw (``CUDA launches/step``, optimizer step included).
   ``beam_soft_compiled``: under the counter the compiled solve runs eagerly, so its ``solve`` and
   ``solve bwd`` columns are instead the kernels that inductor generated for the solve's forward and
-  backward graphs, read from the code it wrote in the warm-up update (on a CPU, C++ kernels;
+  backward graphs, read from the code it wrote in that untimed compiling pass (on a CPU, C++ kernels;
   on CUDA, Triton ones; library calls such as ``bmm`` included).
 * ``--profile CONFIG`` prints ``torch.profiler`` tables instead: self CPU time by region
   (the named ranges, other forward / backward, optimizer)
@@ -231,9 +231,9 @@ def kernel_calls(code: str) -> int:
 
 
 def compile_and_count_kernels(model, criterion, sample: dict) -> Dict[str, float]:
-    """One forward and backward of ``sample`` that compiles the solve of ``beam_soft_compiled`` (its
-    warm-up), returning the kernels inductor generated: ``{"solve": forward, "solve bwd": backward}``
-    (the first and the second graph compiled; each step runs both once)."""
+    """One untimed forward and backward of ``sample`` that compiles the solve of ``beam_soft_compiled``
+    before the timed updates, returning the kernels inductor generated: ``{"solve": forward, "solve bwd":
+    backward}`` (the first and the second graph compiled; each step runs both once)."""
     from torch._inductor.utils import run_and_get_code
 
     def forward_backward():
@@ -267,7 +267,7 @@ def run_config(opts: argparse.Namespace, config: str) -> dict:
     model, criterion, batches = _setup(opts, config)
     initial = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
     compiled = None
-    if config == "beam_soft_compiled":  # compile now, reading the kernels (the timed warm-up then finds it compiled)
+    if config == "beam_soft_compiled":  # compile now, reading the kernels (the timed updates find it compiled)
         compiled = compile_and_count_kernels(model, criterion, batches[0])
     cuda = opts.device.startswith("cuda")
     if cuda:

@@ -78,7 +78,7 @@ def environment() -> Dict[str, str]:
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         info["device"] = f"{props.name} ({props.total_memory / 2**30:.0f} GiB, {torch.cuda.device_count()} visible)"
-        info["driver CUDA"] = _nvidia_smi_field("driver_version") or "n/a"
+        info["NVIDIA driver"] = _nvidia_smi_field("driver_version") or "n/a"
     else:
         info["device"] = f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores (no GPU)"
     try:
