@@ -58,6 +58,9 @@ def _worker(rank, world, port, data_bin, user_dir, mode, out_path):
     loss.backward()
     if rank == 0:
         torch.save(_grads(model), out_path)
+    # both ranks leave together: a rank that tears its group down while the other still finishes the last
+    # gradient exchange closes its sockets under it, and gloo's thread on the other side aborts the process
+    dist.barrier()
     dist.destroy_process_group()
 
 
