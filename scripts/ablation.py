@@ -39,7 +39,7 @@ from typing import Dict, List, Mapping, Optional, Sequence
 from ablation_config import EVAL_KEYS, check_train_flags, flags_to_args, load_config, stage_flags
 from ablation_plot import plot_curves
 from ablation_report import results_markdown, summarise
-from fairseq_commands import fairseq_command, run_logged
+from fairseq_commands import fairseq_command, intra_op_threads, run_logged
 
 logger = logging.getLogger("ablation")
 
@@ -108,6 +108,18 @@ def _write_json_atomic(path: Path, data) -> None:
 def _children_cpu_seconds() -> float:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
+
+
+def _cores() -> int:
+    """CPU cores this process may use."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _threads_per_run(jobs: int) -> int:
+    """Intra-op threads of each fairseq process when ``jobs`` run side by side: the cores shared
+    among them (a user's ``OMP_NUM_THREADS`` wins). Fixed for the whole schedule, so that a
+    run's float arithmetic does not depend on which runs happened to overlap it."""
+    return int(os.environ.get("OMP_NUM_THREADS") or 0) or max(1, _cores() // max(1, jobs))
 
 
 def _has_cuda() -> bool:
@@ -288,32 +300,53 @@ def run_ablation(config: dict, data_bin, work_dir, ref_dir=None, seeds: Sequence
     arms = select_arms(config, arms)
     runs: Dict[str, dict] = {}
     start_ckpt = None
-    if config["stage"] == "finetune":
+    per_seed = config["stage"] == "finetune" and pretrained is None and bool(config.get("pretrain_per_seed"))
+    if config["stage"] == "finetune" and not per_seed:
         if pretrained is not None:
             start_ckpt = Path(pretrained)
             if not start_ckpt.is_file():
                 raise FileNotFoundError(f"pretrained checkpoint not found: {start_ckpt}")
         else:
             pre_dir = work_dir / "pretrain"
-            train = train_run(data_bin, stage_flags(config["pretrain"]), pre_dir, verbose=verbose)
-            runs["pretrained"] = {"0": {"train": {**train, **read_train_stats(pre_dir / "train.log")},
-                                        "eval": evaluate_run(pre_dir, data_bin, ref_dir, eval_cfg, pair)}}
+            with intra_op_threads(_threads_per_run(1)):  # runs alone
+                train = train_run(data_bin, stage_flags(config["pretrain"]), pre_dir, verbose=verbose)
+                runs["pretrained"] = {"0": {"train": {**train, **read_train_stats(pre_dir / "train.log")},
+                                            "eval": evaluate_run(pre_dir, data_bin, ref_dir, eval_cfg, pair)}}
             start_ckpt = pre_dir / "checkpoint_last.pt"
+    threads = _threads_per_run(jobs)
+
+    def pretrain(seed: int) -> dict:
+        pre_dir = work_dir / f"seed{seed}" / "pretrain"
+        with intra_op_threads(threads):
+            train = train_run(data_bin, {**stage_flags(config["pretrain"]), "seed": seed}, pre_dir,
+                              verbose=verbose, alone=jobs <= 1)
+            return {"train": {**train, **read_train_stats(pre_dir / "train.log")},
+                    "eval": evaluate_run(pre_dir, data_bin, ref_dir, eval_cfg, pair)}
+
     def train_and_evaluate(seed: int, arm: str) -> dict:
         run_dir = work_dir / f"seed{seed}" / arm
         flags = {**stage_flags(config, arm), "seed": seed}
-        train = train_run(data_bin, flags, run_dir, finetune_from=start_ckpt, verbose=verbose, alone=jobs <= 1)
-        return {"train": {**train, **read_train_stats(run_dir / "train.log")},
-                "eval": evaluate_run(run_dir, data_bin, ref_dir, eval_cfg, pair)}
+        if per_seed:
+            pretrained_runs[seed].result()  # submitted earlier, so running or done: no deadlock
+        start = work_dir / f"seed{seed}" / "pretrain" / "checkpoint_last.pt" if per_seed else start_ckpt
+        with intra_op_threads(threads):
+            train = train_run(data_bin, flags, run_dir, finetune_from=start, verbose=verbose, alone=jobs <= 1)
+            return {"train": {**train, **read_train_stats(run_dir / "train.log")},
+                    "eval": evaluate_run(run_dir, data_bin, ref_dir, eval_cfg, pair)}
 
     order = [(seed, arm) for seed in seeds for arm in arms]
-    # threads suffice: each run is a fairseq subprocess
+    # threads suffice: each run is a fairseq subprocess. Per-seed pretraining runs go first; a
+    # fine-tuning run waits for its own pretraining only.
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        done = list(pool.map(lambda run: train_and_evaluate(*run), order))
+        pretrained_runs = {seed: pool.submit(pretrain, seed) for seed in seeds} if per_seed else {}
+        finetuned = [pool.submit(train_and_evaluate, *run) for run in order]
+        if per_seed:
+            runs["pretrained"] = {str(seed): future.result() for seed, future in pretrained_runs.items()}
+        done = [future.result() for future in finetuned]
     for (seed, arm), result in zip(order, done):
         runs.setdefault(arm, {})[str(seed)] = result
     results = summarise(config, runs, arms, list(seeds), bootstrap_samples)
-    results.update({"data_bin": str(data_bin), "work_dir": str(work_dir),
+    results.update({"data_bin": str(data_bin), "work_dir": str(work_dir), "pretrain_per_seed": per_seed,
                     "pretrained_checkpoint": str(start_ckpt) if start_ckpt else None})
     results["curves_png"] = plot_curves(work_dir, arms, seeds, work_dir / "curves.png")
     _write_json_atomic(work_dir / "results.json", results)

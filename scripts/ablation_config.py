@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 STAGES = ("pretrain", "finetune", "scratch")
-HEADER_KEYS = ("description", "stage", "data", "pretrain", "baseline", "compare_to", "default_arms", "notes")
+HEADER_KEYS = ("description", "stage", "data", "pretrain", "pretrain_per_seed", "baseline", "compare_to", "default_arms", "notes")
 SECTIONS = ("model", "train", "arms", "eval")
 #: Flags an arm may not change: every arm gets the same update budget, batches and seed.
 BUDGET_FLAGS = ("max-update", "max-epoch", "seed", "max-tokens", "batch-size", "update-freq")
@@ -76,6 +76,10 @@ def validate_config(config: dict, _nested: bool = False) -> None:
         validate_config(config["pretrain"], _nested=True)
     elif not (config.get("model") or {}).get("arch"):
         raise ValueError(f"{where}: a {stage} config needs model.arch")
+    if config.get("pretrain_per_seed") not in (None, True, False):
+        raise ValueError(f"{where}: pretrain_per_seed must be true or false, got {config['pretrain_per_seed']!r}")
+    if config.get("pretrain_per_seed") and stage != "finetune":
+        raise ValueError(f"{where}: pretrain_per_seed needs a finetune config (a {stage} config pretrains nothing)")
     if stage == "pretrain":
         return
     arms = config.get("arms") or {}

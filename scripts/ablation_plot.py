@@ -31,18 +31,21 @@ def plot_curves(work_dir: Path, arms: Sequence[str], seeds: Sequence[int], png: 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    start = read_valid_curve(work_dir / "pretrain" / "train.log")[-1:]
+    shared_start = read_valid_curve(work_dir / "pretrain" / "train.log")[-1:]
     fig, (ax_nll, ax_loss) = plt.subplots(1, 2, figsize=(11, 4))
     for i, arm in enumerate(arms):
         for j, seed in enumerate(seeds):
             points = read_valid_curve(work_dir / f"seed{seed}" / arm / "train.log")
+            # the seed's own pretrained model (pretrain_per_seed), else the shared one
+            start = read_valid_curve(work_dir / f"seed{seed}" / "pretrain" / "train.log")[-1:] or shared_start
             label = f"{arm} (seed {seed})" if len(seeds) > 1 else arm
             style = dict(color=f"C{i}", linestyle=("-", "--", ":", "-.")[j % 4], marker=".")
             nll = [{**start[0], "num_updates": 0}] + points if start else points
             ax_nll.plot([p["num_updates"] for p in nll], [p["nll_loss"] for p in nll], label=label, **style)
             ax_loss.plot([p["num_updates"] for p in points], [p["loss"] for p in points], label=label, **style)
-    xlabel = "fine-tuning updates" if start else "updates"
-    ax_nll.set(xlabel=xlabel + (" (0: pretrained)" if start else ""), ylabel="bits/token",
+    pretrained = bool(shared_start) or any((work_dir / f"seed{seed}" / "pretrain").is_dir() for seed in seeds)
+    xlabel = "fine-tuning updates" if pretrained else "updates"
+    ax_nll.set(xlabel=xlabel + (" (0: pretrained)" if pretrained else ""), ylabel="bits/token",
                title="valid NLL, teacher forced")
     ax_loss.set(xlabel=xlabel, ylabel="bits/token", title="valid loss (each arm's training objective)")
     for ax in (ax_nll, ax_loss):

@@ -11,6 +11,16 @@ from ablation_config import flags_to_args, stage_flags
 TRAIN_STATS = ("wall_seconds", "cpu_seconds", "gnorm_median", "clipped_percent")
 
 
+def display_path(path) -> str:
+    """``path`` relative to the repository when inside it (reports are committed under results/:
+    no machine's absolute paths), else as given."""
+    repo = Path(__file__).resolve().parent.parent
+    try:
+        return str(Path(path).resolve().relative_to(repo))
+    except ValueError:
+        return str(path)
+
+
 def _mean_sd(values: Sequence[float]) -> tuple:
     import statistics
 
@@ -53,7 +63,7 @@ def summarise(config: dict, runs: dict, arms: Sequence[str], seeds: Sequence[int
                                                    "chrf_sd": chrf_sd, "n_seeds": len(per_seed)}
     bootstrap = against.pop(baseline)
     return {
-        "description": " ".join(str(config.get("description", "")).split()), "config": config["path"],
+        "description": " ".join(str(config.get("description", "")).split()), "config": display_path(config["path"]),
         "stage": config["stage"], "baseline": baseline, "arms": list(arms), "seeds": list(seeds),
         "arm_flags": {arm: flags_to_args(config["arms"][arm]) for arm in arms},
         "common_flags": flags_to_args(stage_flags(config)), "eval": config.get("eval") or {},
@@ -88,10 +98,12 @@ def _fmt_delta(arm_boot: Dict[str, dict], subset: str, metric: str) -> tuple:
 def results_markdown(results: dict) -> str:
     """The ``results.md`` report: one table per evaluated subset, then settings and notes."""
     base, multi = results["baseline"], len(results["seeds"]) > 1
+    pretraining = ("Each seed pretrains its own model (seed s: pretraining and fine-tuning with seed s), so the "
+                   "spread covers the pretraining too. " if results.get("pretrain_per_seed") else "")
     lines = [f"# Ablation: {Path(results['config']).stem}", "", results["description"], "",
              f"Seeds: {', '.join(map(str, results['seeds']))}" + (" (mean ± sd over seeds; one p per seed)"
                                                                    if multi else "")
-             + f". Baseline arm: `{base}`. Every arm: checkpoint_last after the same update budget.", ""]
+             + f". {pretraining}Baseline arm: `{base}`. Every arm: checkpoint_last after the same update budget.", ""]
     rows = ["pretrained"] * ("pretrained" in results["summary"]) + results["arms"]
     spread, p = ("(mean ± sd)", "p per seed") if multi else ("[95% CI]", "p")
     subsets = list(results["summary"][results["arms"][0]])
@@ -102,8 +114,9 @@ def results_markdown(results: dict) -> str:
                   f"| grad norm (clipped) | train s (CPU s) |", "|---|---|---|---|---|---|---|---|---|"]
         for arm in rows:
             s = results["summary"][arm][subset]
-            bleu = f"{s['bleu_mean']:.2f}" + (f" ± {s['bleu_sd']:.2f}" if multi and arm != "pretrained" else "")
-            chrf = f"{s['chrf_mean']:.2f}" + (f" ± {s['chrf_sd']:.2f}" if multi and arm != "pretrained" else "")
+            spread_shown = s["n_seeds"] > 1  # one pretrained model for every seed, or one per seed
+            bleu = f"{s['bleu_mean']:.2f}" + (f" ± {s['bleu_sd']:.2f}" if spread_shown else "")
+            chrf = f"{s['chrf_mean']:.2f}" + (f" ± {s['chrf_sd']:.2f}" if spread_shown else "")
             cells = ["", "", "", ""]
             if arm in results["bootstrap"]:
                 cells[0:2], cells[2:4] = _fmt_delta(results["bootstrap"][arm], subset, "bleu"), \

@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from fairseq_commands import fairseq_command
+from fairseq_commands import fairseq_command, subprocess_env
 
 logger = logging.getLogger("evaluate")
 
@@ -66,7 +66,8 @@ def run_fairseq_generate(data_bin: str, checkpoint: str, subset: str = "test", b
         args.append("--cpu")
     if post_process:
         args += ["--post-process", post_process]
-    proc = subprocess.run(fairseq_command("generate", [*args, *extra_args]), capture_output=True, text=True)
+    proc = subprocess.run(fairseq_command("generate", [*args, *extra_args]), capture_output=True, text=True,
+                          env=subprocess_env())
     if proc.returncode != 0:
         refused = refused_checkpoint(proc.stderr)
         if refused:  # alone: the rest of the output is fairseq's config, not the cause

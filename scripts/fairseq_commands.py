@@ -1,9 +1,11 @@
 """Running fairseq's command-line tools from scripts, with this package as ``--user-dir``."""
 
+import contextlib
 import os
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -13,6 +15,29 @@ PACKAGE_DIR = Path(__file__).resolve().parent.parent / "fairseq_softtopk"
 # fairseq subprocesses get as --user-dir.
 if str(PACKAGE_DIR.parent) not in sys.path:
     sys.path.insert(1, str(PACKAGE_DIR.parent))
+
+
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def intra_op_threads(n: int):
+    """Within the block, fairseq processes started from this thread get ``OMP_NUM_THREADS=n``
+    (torch's intra-op threads), so that runs side by side share the cores instead of fighting for them."""
+    before = getattr(_local, "threads", None)
+    _local.threads = int(n)
+    try:
+        yield
+    finally:
+        _local.threads = before
+
+
+def subprocess_env() -> Dict[str, str]:
+    """The environment of a fairseq subprocess: this one's, with :func:`intra_op_threads`' setting."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # progress lines as they happen, not in 8 KB blocks
+    if getattr(_local, "threads", None):
+        env["OMP_NUM_THREADS"] = str(_local.threads)
+    return env
 
 
 def fairseq_command(tool: str, args: Sequence[str], user_dir: bool = True) -> List[str]:
@@ -65,8 +90,8 @@ def run_logged(cmd: Sequence[str], log_path: Optional[Path] = None, echo: bool =
     lines: List[str] = []
     log = open(log_path, "a", encoding="utf-8", buffering=1) if log_path else None  # line-buffered: tail -f works
     try:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # progress lines as they happen, not in 8 KB blocks
-        with subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
+        with subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=subprocess_env()) as proc:
             for line in proc.stdout:
                 lines.append(line)
                 if log:
