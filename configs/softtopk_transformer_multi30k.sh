@@ -22,7 +22,7 @@ if [[ -z "${DEVICE+set}" ]]; then  # not set: the GPU where torch finds one
 fi
 device="${DEVICE}"
 self_attention=()
-if [[ "${SELF_ATTENTION:-0}" == 1 ]]; then self_attention=(--topk-self-attention); fi
+if [[ "${SELF_ATTENTION:-0}" == 1 ]]; then self_attention=(--attention-normalize-self-attention); fi
 
 # shellcheck disable=SC2086  # ${device} is empty or one flag
 "${python}" -m fairseq_cli.train "${data_bin}" \

@@ -32,7 +32,7 @@ normalizer="${NORMALIZER:-soft_topk}"
 save_dir="${2:-checkpoints/softtopk_transformer_wmt16_${normalizer}}"
 python="${PYTHON:-python}"
 self_attention=()
-if [[ "${SELF_ATTENTION:-0}" == 1 ]]; then self_attention=(--topk-self-attention); fi
+if [[ "${SELF_ATTENTION:-0}" == 1 ]]; then self_attention=(--attention-normalize-self-attention); fi
 
 "${python}" -m fairseq_cli.train "${data_bin}" \
     --user-dir "${repo}/fairseq_softtopk" --fp16 \

@@ -2,11 +2,12 @@
 
 Compares, subset by subset, every arm's mean BLEU and every paired BLEU difference (each arm
 against the baseline and against the ``compare_to`` arms) of two ``results.json`` files. A row
-agrees when a two-sample t-test cannot tell the two means apart: ``|a - b| <= t * sqrt(sd_a^2 /
-n_a + sd_b^2 / n_b)``, the sds over seeds, ``t`` Student's quantile at ``n_a + n_b - 2`` degrees
-of freedom for a two-sided level of 5% divided by the number of rows (Bonferroni: a run that
-repeats the published one is called different in at most 5% of cases, however many rows). Runs
-of one seed have no spread: their rows are shown and not judged.
+agrees when Student's two-sample t-test (pooled variance over the seeds of both runs) cannot
+tell the two means apart at a two-sided level of 5% divided by the number of rows (Bonferroni: a
+run that repeats the published one is called different in at most 5% of cases, however many
+rows): ``|a - b| <= t * s_pooled * sqrt(1/n_a + 1/n_b)``, ``t`` Student's quantile at
+``n_a + n_b - 2`` degrees of freedom. Runs of one seed have no spread: their rows are shown and
+not judged.
 """
 
 import math
@@ -53,7 +54,8 @@ def compare(published: dict, ours: dict) -> List[Row]:
     for name, subset, (ma, sa, na), (mb, sb, nb) in pairs:
         tolerance: Optional[float] = None
         if na > 1 and nb > 1:
-            tolerance = _student_t(FAMILY_LEVEL / judged, na + nb - 2) * math.sqrt(sa ** 2 / na + sb ** 2 / nb)
+            pooled = math.sqrt(((na - 1) * sa ** 2 + (nb - 1) * sb ** 2) / (na + nb - 2))
+            tolerance = _student_t(FAMILY_LEVEL / judged, na + nb - 2) * pooled * math.sqrt(1 / na + 1 / nb)
         rows.append({"name": name, "subset": subset, "published": (ma, sa, na), "ours": (mb, sb, nb),
                      "tolerance": tolerance, "agrees": None if tolerance is None else abs(ma - mb) <= tolerance})
     return rows

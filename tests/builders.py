@@ -32,7 +32,7 @@ def build_model(dictionary, scale: float = 1.0, dtype: torch.dtype = torch.float
 
 def build_transformer(dictionary, dtype: torch.dtype = torch.float64, **options):
     """A tiny ``softtopk_transformer`` (``softtopk_transformer_tiny``) without dropout, in training mode;
-    ``options`` as parsed args (e.g. ``attention_normalizer="soft_topk"``, ``topk_self_attention=True``)."""
+    ``options`` as parsed args (e.g. ``attention_normalizer="soft_topk"``, ``attention_normalize_self_attention=True``)."""
     task = SimpleNamespace(source_dictionary=dictionary, target_dictionary=dictionary)
     args = argparse.Namespace(arch="softtopk_transformer_tiny", dropout=0.0, **options)
     stt.softtopk_transformer_tiny(args)
@@ -43,8 +43,8 @@ def build_transformer(dictionary, dtype: torch.dtype = torch.float64, **options)
 #: The criterion's options in the tests unless overridden (a tight tolerance: gradients are compared).
 CRITERION_DEFAULTS = dict(train_beam=3, topk_epsilon=0.1, topk_epsilon_start=0.0, topk_epsilon_anneal_updates=0,
                           topk_epsilon_relative=0.0, topk_cost="linear", topk_tol=1e-8, topk_max_iter=50,
-                          teacher_forcing_ratio=0.8, topk_mode="soft", candidate_pool=0, topk_fixed_iterations=False,
-                          selection_grad="capped", selection_grad_cap=1.0, label_smoothing=0.1, sentence_avg=False,
+                          teacher_forcing_ratio=0.8, topk_mode="soft", topk_candidate_pool=0, topk_fixed_iterations=False,
+                          topk_grad="capped", topk_grad_cap=1.0, label_smoothing=0.1, sentence_avg=False,
                           topk_compile="none")
 
 
@@ -60,9 +60,9 @@ CRITERION_MODES = {
     "soft_sqeuclidean": {"topk_cost": "sqeuclidean"},
     "soft_paper": {"topk_cost": "paper"},
     "hard": {"topk_mode": "hard"},
-    "pool": {"candidate_pool": 12},
+    "pool": {"topk_candidate_pool": 12},
     "fixed_iterations": {"topk_fixed_iterations": True, "topk_max_iter": 12},
-    "fixed_iterations_pool": {"topk_fixed_iterations": True, "topk_max_iter": 12, "candidate_pool": 12},
+    "fixed_iterations_pool": {"topk_fixed_iterations": True, "topk_max_iter": 12, "topk_candidate_pool": 12},
     "relative_epsilon": {"topk_epsilon_relative": 0.5},
     "epsilon_schedule": {"topk_epsilon_start": 0.4, "topk_epsilon_anneal_updates": 10},
 }

@@ -30,7 +30,7 @@ def test_markdown_lists_every_field_with_its_default_and_help(capsys, component,
         assert default == ({True: "on", False: "off"}[value] if isinstance(value, bool) else str(value))
         assert f.metadata["help"].replace("|", "/") in meaning
     if component == "soft_beam_search":
-        assert "{capped, full, none}" in rows["--selection-grad"][1]  # the choices of an enum option
+        assert "{capped, full, none}" in rows["--topk-grad"][1]  # the choices of an enum option
     if component == "softtopk_lstm":
         assert "softtopk_lstm_multi30k" in out and "softtopk_lstm_tiny" in out  # the named architectures
 

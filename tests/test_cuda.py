@@ -86,7 +86,7 @@ def test_criterion_forward_and_backward_give_the_cpu_loss_and_gradients(dictiona
         model = build_model(dictionary, scale=3.0).to(device)
         model.eval()  # no dropout: both devices see the same network
         model.set_num_updates(4)
-        criterion = build_criterion(dictionary, selection_grad=selection_grad, **CRITERION_MODES[mode])
+        criterion = build_criterion(dictionary, topk_grad=selection_grad, **CRITERION_MODES[mode])
         loss, _, log = criterion(model, sample_to(sample, device))
         loss.backward()
         results.append((loss.detach().cpu(), {n: p.grad.cpu() for n, p in model.named_parameters()
@@ -106,7 +106,7 @@ def test_the_sync_free_search_never_synchronises_with_the_host(dictionary, rng, 
     model = build_model(dictionary, scale=3.0).to(CUDA)
     model.eval()
     sample = sample_to(make_sample(dictionary, rng, [5, 3, 4]), CUDA)
-    criterion = build_criterion(dictionary, topk_fixed_iterations=True, topk_max_iter=12, candidate_pool=pool,
+    criterion = build_criterion(dictionary, topk_fixed_iterations=True, topk_max_iter=12, topk_candidate_pool=pool,
                                 teacher_forcing_ratio=0.0)
     encoder_out = model.encoder(sample["net_input"]["src_tokens"], src_lengths=sample["net_input"]["src_lengths"])
 
@@ -139,7 +139,7 @@ def test_attention_normalizers_give_the_cpu_output_and_gradients(dictionary, rng
         model = (build_model(dictionary, scale=3.0, attention_normalizer=normalizer, attention_topk=2)
                  if architecture == "lstm" else
                  build_transformer(dictionary, attention_normalizer=normalizer, attention_topk=2,
-                                   topk_self_attention=True)).to(device)
+                                   attention_normalize_self_attention=True)).to(device)
         net_input = sample_to(sample, device)["net_input"]
         out = model(**net_input)[0]
         out.float().logsumexp(-1).sum().backward()
@@ -160,11 +160,11 @@ MODES = {
              "--teacher-forcing-ratio", "0.5"],
     "soft_fixed": ["--arch", "softtopk_lstm_tiny", "--criterion", "soft_beam_search", "--train-beam", "3",
                    "--teacher-forcing-ratio", "0.5", "--topk-fixed-iterations", "--topk-max-iter", "15",
-                   "--candidate-pool", "20"],
+                   "--topk-candidate-pool", "20"],
     "hard": ["--arch", "softtopk_lstm_tiny", "--criterion", "soft_beam_search", "--train-beam", "3",
              "--teacher-forcing-ratio", "0.5", "--topk-mode", "hard"],
     "topk_attention": ["--arch", "softtopk_transformer_tiny", "--attention-normalizer", "soft_topk",
-                       "--attention-topk", "2", "--topk-self-attention", "--criterion", "label_smoothed_cross_entropy",
+                       "--attention-topk", "2", "--attention-normalize-self-attention", "--criterion", "label_smoothed_cross_entropy",
                        "--label-smoothing", "0.1"],
 }
 

@@ -105,9 +105,9 @@ def test_lstm_attention_normalizers(dictionary, rng, normalizer):
 
 
 @pytest.mark.parametrize("normalizer", ATTENTION_NORMALIZERS)
-def test_transformer_attention_normalizers_with_topk_self_attention(dictionary, rng, normalizer):
+def test_transformer_attention_normalizers_also_in_self_attention(dictionary, rng, normalizer):
     """fairseq's own transformer code creates tensors without a device: the check covers ours only."""
-    model = build_transformer(dictionary, attention_normalizer=normalizer, attention_topk=2, topk_self_attention=True)
+    model = build_transformer(dictionary, attention_normalizer=normalizer, attention_topk=2, attention_normalize_self_attention=True)
     sample = make_sample(dictionary, rng, [5, 3, 4], src_len=7)
     with package_device_check():
         out = model(**sample["net_input"])
@@ -122,7 +122,7 @@ def test_criterion_forward_and_backward_in_every_mode(dictionary, rng, mode, sel
         pytest.skip("hard mode has no selection gradient")
     model = build_model(dictionary, scale=3.0)
     model.set_num_updates(4)
-    criterion = build_criterion(dictionary, selection_grad=selection_grad, **CRITERION_MODES[mode])
+    criterion = build_criterion(dictionary, topk_grad=selection_grad, **CRITERION_MODES[mode])
     sample = make_sample(dictionary, rng, [5, 3, 4])
     with package_device_check() as check:
         loss, _, _ = criterion(model, sample)
@@ -135,7 +135,7 @@ def test_criterion_forward_and_backward_in_every_mode(dictionary, rng, mode, sel
 def test_sequence_generation(dictionary, rng, architecture):
     model = (build_model(dictionary, scale=3.0, attention_normalizer="soft_topk", attention_topk=2)
              if architecture == "lstm" else
-             build_transformer(dictionary, attention_normalizer="soft_topk", attention_topk=2, topk_self_attention=True))
+             build_transformer(dictionary, attention_normalizer="soft_topk", attention_topk=2, attention_normalize_self_attention=True))
     model.eval()
     sample = make_sample(dictionary, rng, [5, 3, 4], src_len=7)
     generator = SequenceGenerator([model], dictionary, beam_size=3, max_len_b=6)

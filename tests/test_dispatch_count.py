@@ -78,7 +78,7 @@ def test_the_sync_free_beam_unroll_has_no_host_synchronisation_forward_or_backwa
     sample = make_sample(dictionary, rng, [5, 3, 4])
     syncs = {}
     for fixed in (False, True):
-        criterion = build_criterion(dictionary, topk_fixed_iterations=fixed, topk_max_iter=12, candidate_pool=pool,
+        criterion = build_criterion(dictionary, topk_fixed_iterations=fixed, topk_max_iter=12, topk_candidate_pool=pool,
                                     teacher_forcing_ratio=0.0)
         encoder_out = model.encoder(sample["net_input"]["src_tokens"], src_lengths=sample["net_input"]["src_lengths"])
         with DispatchCounter() as counter:

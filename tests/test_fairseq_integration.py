@@ -140,7 +140,7 @@ def test_beam_search_training_lowers_the_loss_and_decodes(toy_data_bin, tmp_path
     # drifts back up after ~120 updates, by how much depending on last-bit rounding (8.23 -> 6.66
     # at one commit, -> 7.30 at another with the same seed).
     proc = _train(data_bin, save, user_dir, "--criterion", "soft_beam_search", "--train-beam", "3",
-                  "--topk-mode", mode, "--teacher-forcing-ratio", "0.5", "--candidate-pool", "30",
+                  "--topk-mode", mode, "--teacher-forcing-ratio", "0.5", "--topk-candidate-pool", "30",
                   "--clip-norm", "1.0", "--max-update", "200", "--log-interval", "20", "--disable-validation",
                   "--no-epoch-checkpoints")
     log = proc.stdout + proc.stderr

@@ -3,7 +3,7 @@
 fairseq's ``--fp16`` and ``--amp`` optimisers multiply the loss by a dynamic scale (128 at the start,
 up to 2^15 and more) before ``backward`` and divide the gradients afterwards. Scaling the loss by
 ``2^k`` must therefore scale every parameter gradient by exactly ``2^k``: true of any linear
-backward pass, and made true of the capped selection gradient (``--selection-grad capped``, the
+backward pass, and made true of the capped selection gradient (``--topk-grad capped``, the
 default) by its scale probe (:mod:`fairseq_softtopk.ops.gradient_cap`). Before the probe the cap
 acted on the scaled gradient, so that after unscaling the selection gradient shrank with the scale;
 the control test below shows that difference.
@@ -57,15 +57,15 @@ def assert_gradients_scale_exactly(model, criterion, sample):
 def _sharp_case(dictionary, rng, **options):
     """A model, criterion and batch where the selection gradient is large (peaked scores, small epsilon)."""
     model = build_model(dictionary, scale=6.0)
-    criterion = build_criterion(dictionary, topk_epsilon=0.01, selection_grad_cap=0.3, **options)
+    criterion = build_criterion(dictionary, topk_epsilon=0.01, topk_grad_cap=0.3, **options)
     return model, criterion, make_sample(dictionary, rng, [9, 7, 8])
 
 
 @pytest.mark.parametrize("mode", [{}, {"topk_fixed_iterations": True, "topk_max_iter": 30},
-                                  {"candidate_pool": 12}], ids=["default", "fixed_iterations", "pool"])
+                                  {"topk_candidate_pool": 12}], ids=["default", "fixed_iterations", "pool"])
 @pytest.mark.parametrize("selection_grad", ["capped", "full", "none"])
 def test_soft_beam_search_gradients_scale_exactly_with_the_loss(dictionary, rng, selection_grad, mode):
-    model, criterion, sample = _sharp_case(dictionary, rng, selection_grad=selection_grad, **mode)
+    model, criterion, sample = _sharp_case(dictionary, rng, topk_grad=selection_grad, **mode)
     log = assert_gradients_scale_exactly(model, criterion, sample)
     if selection_grad == "capped":  # the cap is active: the invariance is not that of a linear pass
         assert float(log["selgrad_capped"]) > 0
@@ -105,7 +105,7 @@ def test_topk_attention_gradients_scale_exactly_with_the_loss(dictionary, rng, n
     tf = build_criterion(dictionary, teacher_forcing_ratio=1.0)
     for model in (build_model(dictionary, scale=3.0, attention_normalizer=normalizer, attention_topk=2),
                   build_transformer(dictionary, attention_normalizer=normalizer, attention_topk=2,
-                                    topk_self_attention=True)):
+                                    attention_normalize_self_attention=True)):
         assert_gradients_scale_exactly(model, tf, sample)
     model = build_model(dictionary, scale=3.0, attention_normalizer=normalizer, attention_topk=2)
     assert_gradients_scale_exactly(model, build_criterion(dictionary), sample)

@@ -32,4 +32,14 @@ def test_main_job_is_quiet_and_ends_with_the_table(tmp_path, repo_root):
     assert out.rstrip().splitlines()[-1].startswith("main job: ")
     results = json.loads((work / "results.json").read_text())
     assert sorted(results["scores"]["soft"]) == ["1", "2"]
+    # each seed pretrained its own model (with its seed), and its arms started from it
+    assert results["pretrain_per_seed"] and sorted(results["scores"]["pretrained"]) == ["1", "2"]
+    for seed in (1, 2):
+        pretrain_args = json.loads((work / f"seed{seed}" / "pretrain" / "run.json").read_text())["args"]
+        assert pretrain_args[pretrain_args.index("--seed") + 1] == str(seed)
+        soft_args = json.loads((work / f"seed{seed}" / "soft" / "run.json").read_text())["args"]
+        assert soft_args[soft_args.index("--finetune-from-model") + 1] == str(
+            work / f"seed{seed}" / "pretrain" / "checkpoint_last.pt")
+    assert not (work / "pretrain").exists()
+    assert "Not compared with README's table" in out  # shrunken settings: no comparison
     assert len((work / "raw" / "train.src").read_text().splitlines()) == 200

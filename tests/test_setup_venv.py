@@ -38,6 +38,9 @@ def test_a_torch_already_in_the_virtualenv_is_kept(tmp_path, repo_root):
     stderr, installs = _run_setup(tmp_path, repo_root, "2.9.1+cu128")
     assert "keeping the virtualenv's torch 2.9.1+cu128" in stderr
     assert installs and not any("torch" in args for args in installs)
+    # entmax declares torch: installed without dependencies, so that pip does not fetch the pinned torch
+    assert [args for args in installs if "entmax" in args] and all(
+        "--no-deps" in args for args in installs if "entmax" in args)
 
 
 def test_without_torch_the_pinned_one_is_installed(tmp_path, repo_root):

@@ -76,7 +76,7 @@ def test_sentence_avg_counts_sentences_and_p_one_skips_the_search(dictionary, rn
     assert "topk_sharpness_sum" not in log and float(log["beam_loss"]) == 0.0
 
 
-@pytest.mark.parametrize("bad, message", [({"selection_grad_cap": 0.0}, "selection-grad-cap"),
+@pytest.mark.parametrize("bad, message", [({"topk_grad_cap": 0.0}, "topk-grad-cap"),
                                           ({"teacher_forcing_ratio": 1.5}, "teacher-forcing-ratio"),
                                           ({"topk_epsilon_start": 0.3}, "needs both"),
                                           ({"topk_epsilon_anneal_updates": 100}, "needs both"),
@@ -133,9 +133,9 @@ def test_capped_selection_gradient_stays_bounded_where_the_exact_one_explodes(di
     sample = make_sample(dictionary, rng, [14, 12, 14])
     common = dict(topk_epsilon=0.003, teacher_forcing_ratio=0.8)
     norms = {}
-    for name, flags in {"hard": dict(topk_mode="hard"), "full": dict(selection_grad="full"),
-                        "capped": dict(selection_grad="capped", selection_grad_cap=1.0),
-                        "none": dict(selection_grad="none")}.items():
+    for name, flags in {"hard": dict(topk_mode="hard"), "full": dict(topk_grad="full"),
+                        "capped": dict(topk_grad="capped", topk_grad_cap=1.0),
+                        "none": dict(topk_grad="none")}.items():
         torch.manual_seed(0)
         criterion = build_criterion(dictionary, **common, **flags)
         criterion.record_selection_grads = [] if name != "hard" else None

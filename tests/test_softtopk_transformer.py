@@ -85,13 +85,13 @@ def test_architecture_sizes(arch_fn, sizes):
             args.encoder_attention_heads, args.dropout) == sizes
     assert (args.decoder_embed_dim, args.decoder_layers, args.decoder_attention_heads) == (sizes[0], sizes[2], sizes[3])
     assert (args.attention_normalizer, args.attention_topk, args.attention_topk_epsilon,
-            args.topk_self_attention) == ("softmax", 5, 0.1, False)
+            args.attention_normalize_self_attention, args.topk_self_attention) == ("softmax", 5, 0.1, False, None)
     assert args.attention_dropout == (0.1 if arch_fn is stt.softtopk_transformer_wmt16 else 0.0)
 
 
 @pytest.mark.parametrize("self_attention", [False, True])
 def test_normalised_attention_is_where_asked_for(self_attention):
-    model, _ = build_model(attention_normalizer="soft_topk", attention_topk=2, topk_self_attention=self_attention)
+    model, _ = build_model(attention_normalizer="soft_topk", attention_topk=2, attention_normalize_self_attention=self_attention)
     for layer in model.decoder.layers:
         assert isinstance(layer.encoder_attn, TopKMultiheadAttention)
         assert isinstance(layer.self_attn, TopKMultiheadAttention) == self_attention
@@ -101,7 +101,7 @@ def test_normalised_attention_is_where_asked_for(self_attention):
 
 
 def test_state_dict_is_that_of_fairseq_transformer():
-    model, args = build_model(attention_normalizer="soft_topk", attention_topk=2, topk_self_attention=True)
+    model, args = build_model(attention_normalizer="soft_topk", attention_topk=2, attention_normalize_self_attention=True)
     dictionary = model.encoder.dictionary
     plain = TransformerModel.build_model(copy.deepcopy(args), SimpleNamespace(
         source_dictionary=dictionary, target_dictionary=dictionary))
@@ -111,7 +111,7 @@ def test_state_dict_is_that_of_fairseq_transformer():
 @pytest.mark.parametrize("self_attention, expected_calls", [(False, 2), (True, 2 + 2 + 2)])
 def test_normalizer_is_not_bypassed_in_training(rng, self_attention, expected_calls):
     """fairseq's MultiheadAttention would take its fused path here (training, no incremental state)."""
-    model, _ = build_model(attention_normalizer="soft_topk", attention_topk=2, topk_self_attention=self_attention)
+    model, _ = build_model(attention_normalizer="soft_topk", attention_topk=2, attention_normalize_self_attention=self_attention)
     calls = []
     for module in model.modules():
         if isinstance(module, AttentionNormalizer):
@@ -180,7 +180,7 @@ def test_beam_shortcut_of_encoder_decoder_attention_gives_the_same_output(rng):
 @pytest.mark.parametrize("normalizer", ["soft_topk", "hard_topk", "entmax15"])
 def test_incremental_decoding_matches_teacher_forcing(rng, normalizer):
     model, _ = build_model(attention_normalizer=normalizer, attention_topk=2, attention_topk_epsilon=0.2,
-                           topk_self_attention=True)
+                           attention_normalize_self_attention=True)
     model.eval()
     src, src_lengths, prev = _batch(rng)
     prev = prev[:2]  # no target padding: incremental decoding has none

@@ -23,6 +23,8 @@ class Option(NamedTuple):
     flag: str
     default: str
     help: str
+    #: "main", "advanced" (experiments and tuning) or "deprecated" (an old name of another option)
+    kind: str = "main"
 
 
 def _default_text(field: dataclasses.Field) -> str:
@@ -60,8 +62,12 @@ def options_of(config_class) -> List[Option]:
         choices = _choices(field)
         if choices:
             help_text = f"{{{', '.join(choices)}}} {help_text}".strip()
-        out.append(Option("--" + field.name.replace("_", "-"), default, help_text))
-    return out
+        kind = "deprecated" if field.metadata.get("deprecated") else \
+            "advanced" if field.metadata.get("advanced") else "main"
+        out.append(Option("--" + field.name.replace("_", "-"), "" if kind == "deprecated" else default,
+                          help_text, kind))
+    order = {"main": 0, "advanced": 1, "deprecated": 2}
+    return sorted(out, key=lambda option: order[option.kind])  # stable: field order within a kind
 
 
 def components() -> Dict[str, dict]:
@@ -90,18 +96,28 @@ def components() -> Dict[str, dict]:
 
 
 def render(found: Dict[str, dict], fmt: str) -> str:
+    headings = {"main": "", "advanced": "advanced (experiments and tuning)",
+                "deprecated": "deprecated names (still accepted, with a warning)"}
     lines = []
     for comp in found.values():
         if fmt == "markdown":
             lines += [f"### {comp['title']}", ""] + ([comp["notes"], ""] if comp["notes"] else [])
-            lines += ["| option | default | meaning |", "|---|---|---|"]
-            lines += [f"| `{o.flag}` | {o.default} | {o.help.replace('|', '/')} |" for o in comp["options"]]
         else:
             lines += [comp["title"]] + ([f"  {comp['notes']}"] if comp["notes"] else [])
-            for o in comp["options"]:
-                lines.append(f"  {o.flag} (default: {o.default})")
-                if o.help:
-                    lines.append(f"      {o.help}")
+        for kind, heading in headings.items():
+            options = [o for o in comp["options"] if o.kind == kind]
+            if not options:
+                continue
+            if fmt == "markdown":
+                lines += ([f"{heading[0].upper()}{heading[1:]}:", ""] if heading else [])
+                lines += ["| option | default | meaning |", "|---|---|---|"]
+                lines += [f"| `{o.flag}` | {o.default} | {o.help.replace('|', '/')} |" for o in options] + [""]
+            else:
+                lines += [f"  {heading}:"] if heading else []
+                for o in options:
+                    lines.append(f"  {o.flag}" + (f" (default: {o.default})" if kind != "deprecated" else ""))
+                    if o.help:
+                        lines.append(f"      {o.help}")
         lines.append("")
     return "\n".join(lines).rstrip() + "\n"
 

@@ -10,7 +10,7 @@ the paper's ablation: the same unrolling with the exact top-k.
 from a larger start to ``--topk-epsilon`` (the model must record fairseq's update number, as
 ``softtopk_lstm`` does).
 
-In soft mode, ``--selection-grad`` decides what flows back through the selection: the exact
+In soft mode, ``--topk-grad`` decides what flows back through the selection: the exact
 gradient (``full``, the paper's), the same capped per sentence and step (``capped``), or
 nothing (``none``: soft forward pass, gradient only through the mixed embeddings and states).
 Logged besides the losses: ``topk_sharpness``, ``topk_near_tie`` (share of steps where two of
@@ -35,62 +35,64 @@ from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from omegaconf import II
 
 from ..modules.beam_search import BeamSearchConfig, unroll_beam_search
+from ..renamed_options import alias_metadata, use_renamed
 
 #: logged per sentence and step from the backward pass (see SelectionGradientStats)
 SELGRAD_KEYS = ("selgrad_count", "selgrad_log10_sum", "selgrad_capped", "selgrad_over100")
 
 
+#: the choices of --topk-grad
+TOPK_GRAD_CHOICES = ["capped", "full", "none"]
+
+
+def _advanced(help_text: str) -> dict:
+    """Metadata of an option for experiments and tuning, listed apart (README, fairseq-softtopk-options)."""
+    return {"help": help_text, "advanced": True}
+
+
 @dataclass
 class SoftBeamSearchConfig(FairseqDataclass):
-    train_beam: int = field(default=5, metadata={"help": "beam size k of the unrolled search"})
-    topk_epsilon: float = field(default=0.03, metadata={
-        "help": "entropic regularisation of the sorted SOFT top-k; with --topk-cost linear it is in nats "
-                "of cumulative log-likelihood (0.03: candidates 0.03 nats apart split about 73/27; on Multi30k "
-                "the selection's largest weight averages 0.87 at 0.03, 0.69 at 0.1)"})
-    topk_epsilon_start: float = field(default=0.0, metadata={
-        "help": "epsilon schedule: start at this epsilon and anneal geometrically to --topk-epsilon over "
-                "--topk-epsilon-anneal-updates updates (soft and wide first, sharp at the end, where the "
-                "selection is what inference does); 0 = no schedule"})
-    topk_epsilon_anneal_updates: int = field(default=0, metadata={
-        "help": "with --topk-epsilon-start: the number of updates over which epsilon goes from the start "
-                "value to --topk-epsilon (constant after)"})
-    topk_epsilon_relative: float = field(default=0.0, metadata={
-        "help": "epsilon relative to the local score gaps: per sentence and step, epsilon = max(--topk-epsilon, "
-                "this * the mean gap between consecutive scores of the k + 1 best candidates), so that steps whose "
-                "candidates are far apart keep a soft selection (and a selection gradient); needs --topk-cost "
-                "linear; 0 = a fixed epsilon"})
-    topk_cost: ChoiceEnum(["linear", "sqeuclidean", "paper"]) = field(default="linear", metadata={
-        "help": "cost scaling: linear (epsilon in nats, the same at any vocabulary size) or paper (squared "
-                "distance / its max: epsilon 0.1 selects nothing once there are thousands of candidates)"})
-    topk_tol: float = field(default=1e-4, metadata={"help": "marginal tolerance of the top-k solver"})
-    topk_max_iter: int = field(default=50, metadata={"help": "Newton iterations at most per top-k solve"})
+    """The criterion's options. Every option of the selection starts with ``--topk-``; what the
+    numbers mean in practice (and their measurements) is in docs/beam_search_training.md."""
+
+    train_beam: int = field(default=5, metadata={"help": "beam size k of the search unrolled in training"})
     teacher_forcing_ratio: float = field(default=0.8, metadata={
-        "help": "p in loss = p * L_tf + (1 - p) * L_beam (paper: 0.8)"})
+        "help": "the weight p of the teacher-forcing loss, loss = p * L_tf + (1 - p) * L_beam (the paper's name; "
+                "not scheduled sampling); 1.0 = teacher forcing only"})
     topk_mode: ChoiceEnum(["soft", "hard"]) = field(default="soft", metadata={
-        "help": "soft: sorted SOFT top-k (gradient through the selection); hard: exact top-k (ablation)"})
-    candidate_pool: int = field(default=0, metadata={
-        "help": "keep only the m best of the k*V candidates (hard selection) before the soft top-k; 0 = all "
-                "(solved on the window that carries all but tol/100 of every rank, with --topk-cost linear)"})
-    topk_fixed_iterations: bool = field(default=False, metadata={
-        "help": "soft mode: decode without host synchronisation (for GPUs, CUDA graphs, torch.compile): every "
-                "step's solve runs exactly --topk-max-iter iterations (10-20 suit k <= 10) with on-device "
-                "convergence masks, on the --candidate-pool best candidates or, with 0, on all k*V (no window: "
-                "its width depends on the data); the same beams as the default where the solves converge"})
-    topk_compile: ChoiceEnum(["none", "default", "reduce-overhead", "max-autotune"]) = field(default="none", metadata={
-        "help": "with --topk-fixed-iterations: run each step's solve (forward and backward) under torch.compile in "
-                "this mode, so that its iterations are fused into few kernels on a GPU (compiled at the first "
-                "batch); none: eager"})
-    selection_grad: ChoiceEnum(["capped", "full", "none"]) = field(default="capped", metadata={
-        "help": "soft mode, gradient through the selection: capped (default: the exact gradient with its norm "
-                "capped per sentence and step by --selection-grad-cap, so that it cannot compound over the steps), "
-                "full (the paper's exact gradient; explodes at near ties) or none (soft forward pass, no gradient "
-                "through the selection)"})
-    selection_grad_cap: float = field(default=0.3, metadata={
-        "help": "with --selection-grad capped: the largest norm of the gradient reaching one step's selection "
-                "for one sentence, in units of one gold token's gradient in the beam term, i.e. (1 - p), times the "
-                "gradient of the loss itself (the loss scale of --fp16/--amp, else 1): the update does not depend "
-                "on loss scaling"})
+        "help": "soft: the sorted SOFT top-k (differentiable); hard: the exact top-k (the ablation)"})
+    topk_epsilon: float = field(default=0.03, metadata={
+        "help": "entropic regularisation of the soft top-k (in nats of log-likelihood with --topk-cost linear)"})
+    topk_grad: ChoiceEnum(TOPK_GRAD_CHOICES) = field(default="capped", metadata={
+        "help": "gradient through the selection: capped (the exact one, capped per sentence and step), "
+                "full (the paper's) or none"})
     label_smoothing: float = field(default=0.0, metadata={"help": "label smoothing of both loss terms"})
+    topk_cost: ChoiceEnum(["linear", "sqeuclidean", "paper"]) = field(default="linear", metadata=_advanced(
+        "cost of the transport problem: linear (epsilon in score units), sqeuclidean or paper (the paper's "
+        "normalised cost)"))
+    topk_tol: float = field(default=1e-4, metadata=_advanced("marginal tolerance of the solver"))
+    topk_max_iter: int = field(default=50, metadata=_advanced(
+        "Newton iterations at most per solve (exactly this many with --topk-fixed-iterations)"))
+    topk_candidate_pool: int = field(default=0, metadata=_advanced(
+        "solve on the m best of the k*V candidates only; 0 = all"))
+    topk_fixed_iterations: bool = field(default=False, metadata=_advanced(
+        "a search without host synchronisation, for GPUs: every solve runs --topk-max-iter iterations"))
+    topk_compile: ChoiceEnum(["none", "default", "reduce-overhead", "max-autotune"]) = field(
+        default="none", metadata=_advanced("with --topk-fixed-iterations: each solve under torch.compile in this "
+                                           "mode; none = eager"))
+    topk_grad_cap: float = field(default=0.3, metadata=_advanced(
+        "with --topk-grad capped: the cap per sentence and step, in gold-token gradients of the beam term "
+        "(follows fp16/amp loss scaling)"))
+    topk_epsilon_start: float = field(default=0.0, metadata=_advanced(
+        "an epsilon schedule: start here, anneal geometrically to --topk-epsilon; 0 = no schedule"))
+    topk_epsilon_anneal_updates: int = field(default=0, metadata=_advanced(
+        "the schedule's length in updates (constant --topk-epsilon after)"))
+    topk_epsilon_relative: float = field(default=0.0, metadata=_advanced(
+        "per step, epsilon at least this times the mean gap of the k+1 best scores (--topk-cost linear); 0 = off"))
+    # deprecated aliases (renamed_options): None = not given
+    candidate_pool: Optional[int] = field(default=None, metadata=alias_metadata("candidate_pool"))
+    selection_grad: Optional[str] = field(default=None, metadata=alias_metadata("selection_grad"))
+    selection_grad_cap: Optional[float] = field(default=None, metadata=alias_metadata("selection_grad_cap"))
     sentence_avg: bool = II("optimization.sentence_avg")
 
 
@@ -154,19 +156,24 @@ def smoothed_nll(gold_lprobs: torch.Tensor, sum_lprobs: torch.Tensor, mask: torc
 
 @register_criterion("soft_beam_search", dataclass=SoftBeamSearchConfig)
 class SoftBeamSearchCriterion(FairseqCriterion):
-    def __init__(self, task, train_beam, topk_epsilon, topk_epsilon_start, topk_epsilon_anneal_updates,
-                 topk_epsilon_relative, topk_cost, topk_tol, topk_max_iter, teacher_forcing_ratio, topk_mode,
-                 candidate_pool, topk_fixed_iterations, topk_compile, selection_grad, selection_grad_cap,
-                 label_smoothing, sentence_avg):
+    def __init__(self, task, train_beam=5, teacher_forcing_ratio=0.8, topk_mode="soft", topk_epsilon=0.03,
+                 topk_grad="capped", label_smoothing=0.0, topk_cost="linear", topk_tol=1e-4, topk_max_iter=50,
+                 topk_candidate_pool=0, topk_fixed_iterations=False, topk_compile="none", topk_grad_cap=0.3,
+                 topk_epsilon_start=0.0, topk_epsilon_anneal_updates=0, topk_epsilon_relative=0.0,
+                 candidate_pool=None, selection_grad=None, selection_grad_cap=None, sentence_avg=False):
         super().__init__(task)
+        # the deprecated names (renamed_options), then the checks under the new names
+        candidate_pool = use_renamed("candidate_pool", candidate_pool, topk_candidate_pool, 0)
+        selection_grad = use_renamed("selection_grad", selection_grad, str(topk_grad), "capped", TOPK_GRAD_CHOICES)
+        selection_grad_cap = use_renamed("selection_grad_cap", selection_grad_cap, topk_grad_cap, 0.3)
         if not 0.0 <= teacher_forcing_ratio <= 1.0:
             raise ValueError(f"--teacher-forcing-ratio must be in [0, 1], got {teacher_forcing_ratio}")
         if train_beam < 1:
             raise ValueError(f"--train-beam must be >= 1, got {train_beam}")
         if candidate_pool and candidate_pool < train_beam:
-            raise ValueError(f"--candidate-pool ({candidate_pool}) must be 0 or >= --train-beam ({train_beam})")
+            raise ValueError(f"--topk-candidate-pool ({candidate_pool}) must be 0 or >= --train-beam ({train_beam})")
         if not selection_grad_cap > 0:
-            raise ValueError(f"--selection-grad-cap must be > 0, got {selection_grad_cap}")
+            raise ValueError(f"--topk-grad-cap must be > 0, got {selection_grad_cap}")
         if topk_epsilon_start < 0 or topk_epsilon_anneal_updates < 0:
             raise ValueError("--topk-epsilon-start and --topk-epsilon-anneal-updates must be >= 0, got "
                              f"{topk_epsilon_start} and {topk_epsilon_anneal_updates}")

@@ -13,10 +13,8 @@ class AttentionNormalizerConfig(FairseqDataclass):
 
     attention_normalizer: ChoiceEnum(ATTENTION_NORMALIZERS) = field(default="softmax", metadata={
         "help": "how attention scores become weights: softmax, soft_topk (softmax(scores + log A), A the SOFT "
-                "top-k of the scores), hard_topk, sparsemax or entmax15 (transformer: in the encoder-decoder "
-                "attention, and the self-attention with --topk-self-attention)"})
+                "top-k of the scores), hard_topk, sparsemax or entmax15"})
     attention_topk: int = field(default=5, metadata={
-        "help": "k of the soft_topk/hard_topk normalisers (rows with <= k keys get softmax; not used by softmax)"})
+        "help": "k of soft_topk and hard_topk (rows with at most k keys get softmax)"})
     attention_topk_epsilon: float = field(default=0.1, metadata={
-        "help": "entropic regularisation of soft_topk, in units of the attention scores (the transformer's "
-                "are scaled by 1/sqrt(head size))"})
+        "help": "epsilon of soft_topk, in units of the attention scores"})

@@ -3,7 +3,7 @@
 Registered with fairseq as model ``softtopk_transformer`` and architectures
 ``softtopk_transformer_tiny`` (tests), ``softtopk_transformer_multi30k`` (CPU-sized) and
 ``softtopk_transformer_wmt16`` (Transformer base). Every encoder-decoder attention, and with
-``--topk-self-attention`` every self-attention too, is a
+``--attention-normalize-self-attention`` every self-attention too, is a
 :class:`~fairseq_softtopk.modules.topk_multihead_attention.TopKMultiheadAttention` whose
 weights come from ``--attention-normalizer`` (``soft_topk``: Xie et al. 2020, appendix C.3).
 The parameters, and so the checkpoints, are exactly those of fairseq's ``transformer``.
@@ -20,6 +20,7 @@ is the WMT'16 *multimodal* task (Multi30k) with OpenNMT-py's default 2-layer LST
 """
 
 from dataclasses import dataclass, field, fields
+from typing import Optional
 
 from fairseq.dataclass.utils import gen_parser_from_dataclass
 from fairseq.distributed import fsdp_wrap
@@ -33,6 +34,7 @@ from fairseq.utils import safe_getattr
 from fairseq_softtopk.models._attention_config import AttentionNormalizerConfig
 from fairseq_softtopk.modules.attention_normalizer import AttentionNormalizer
 from fairseq_softtopk.modules.topk_multihead_attention import TopKMultiheadAttention
+from fairseq_softtopk.renamed_options import alias_metadata, use_renamed
 
 __all__ = [
     "SoftTopKAttentionConfig",
@@ -48,8 +50,10 @@ __all__ = [
 class SoftTopKAttentionConfig(AttentionNormalizerConfig):
     """The options ``softtopk_transformer`` adds to fairseq's Transformer options."""
 
-    topk_self_attention: bool = field(default=False, metadata={
+    attention_normalize_self_attention: bool = field(default=False, metadata={
         "help": "also normalise encoder and decoder self-attention with --attention-normalizer"})
+    # deprecated alias (renamed_options): None = not given
+    topk_self_attention: Optional[bool] = field(default=None, metadata=alias_metadata("topk_self_attention"))
 
 
 def build_attention_normalizer(cfg) -> AttentionNormalizer:
@@ -58,10 +62,10 @@ def build_attention_normalizer(cfg) -> AttentionNormalizer:
 
 
 class SoftTopKTransformerEncoderLayer(TransformerEncoderLayerBase):
-    """Encoder layer whose self-attention uses the normaliser if ``cfg.topk_self_attention``."""
+    """Encoder layer whose self-attention uses the normaliser if ``cfg.attention_normalize_self_attention``."""
 
     def build_self_attention(self, embed_dim, cfg):
-        if not cfg.topk_self_attention:
+        if not cfg.attention_normalize_self_attention:
             return super().build_self_attention(embed_dim, cfg)
         return TopKMultiheadAttention(embed_dim, cfg.encoder.attention_heads, build_attention_normalizer(cfg),
                                       dropout=cfg.attention_dropout, self_attention=True,
@@ -72,7 +76,7 @@ class SoftTopKTransformerDecoderLayer(TransformerDecoderLayerBase):
     """Decoder layer with normalised encoder-decoder attention (and self-attention if asked)."""
 
     def build_self_attention(self, embed_dim, cfg, add_bias_kv=False, add_zero_attn=False):
-        if not cfg.topk_self_attention:
+        if not cfg.attention_normalize_self_attention:
             return super().build_self_attention(embed_dim, cfg, add_bias_kv, add_zero_attn)
         return TopKMultiheadAttention(embed_dim, cfg.decoder.attention_heads, build_attention_normalizer(cfg),
                                       dropout=cfg.attention_dropout, add_bias_kv=add_bias_kv,
@@ -113,7 +117,7 @@ class SoftTopKTransformerModel(TransformerModel):
     """Transformer (Vaswani et al., 2017) with top-k attention (Xie et al., NeurIPS 2020, C.3).
 
     The encoder-decoder attention of every decoder layer (and the self-attention with
-    ``--topk-self-attention``) computes its weights with ``--attention-normalizer``:
+    ``--attention-normalize-self-attention``) computes its weights with ``--attention-normalizer``:
     ``softmax`` (fairseq's attention, unfused), ``soft_topk`` (``softmax(s + log A)``,
     ``A = soft_topk(s, k, epsilon)``), ``hard_topk`` (softmax over the exact top-k),
     ``sparsemax`` or ``entmax15``. ``fairseq-generate --print-alignment`` reads the last
@@ -156,6 +160,12 @@ def softtopk_defaults(args) -> None:
     for name in (f.name for f in fields(SoftTopKAttentionConfig) if not f.name.startswith("_")):
         if safe_getattr(args, name, None) is None:
             setattr(args, name, getattr(defaults, name))
+    # the deprecated name, from a command or from the saved arguments of an older checkpoint; a
+    # checkpoint saved before the rename holds False when the option was not given: not a use
+    old = safe_getattr(args, "topk_self_attention", None)
+    args.attention_normalize_self_attention = use_renamed(
+        "topk_self_attention", old or None, bool(args.attention_normalize_self_attention), False)
+    args.topk_self_attention = None
     base_architecture(args)
 
 
