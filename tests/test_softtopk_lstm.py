@@ -14,7 +14,7 @@ from fairseq import options
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from fairseq.sequence_generator import SequenceGenerator
 
-from conftest import word_dictionary
+from conftest import script_module, word_dictionary
 
 import fairseq_softtopk.models.softtopk_lstm as softtopk_lstm
 import fairseq_softtopk.modules.additive_attention as additive_attention
@@ -375,12 +375,10 @@ def test_train_and_generate_end_to_end(tmp_path):
 
 
 def test_plot_attention_reads_the_lstms_attention_and_draws_panels_side_by_side(dictionary, rng, tmp_path):
-    """scripts/plot_attention.py on the attentional LSTM: the teacher-forced attention of one pair,
+    """scripts/diagnostics/plot_attention.py on the attentional LSTM: the teacher-forced attention of one pair,
     row t the weights used while predicting target token t, equal to what incremental decoding
     (fairseq-generate's path) uses; several models give panels side by side."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    import plot_attention
-
+    plot_attention = script_module("diagnostics/plot_attention.py")
     model = sharpened(build_model(dictionary, attention_normalizer="soft_topk", attention_topk=2))
     task = SimpleNamespace(source_dictionary=dictionary, target_dictionary=dictionary)
     source = torch.cat([random_tokens(dictionary, rng, 1, 6)[0], torch.tensor([dictionary.eos()])])
@@ -409,13 +407,12 @@ def test_plot_attention_reads_the_lstms_attention_and_draws_panels_side_by_side(
 
 
 def test_attention_sparsity_statistics_match_one_sentence_at_a_time(dictionary, rng):
-    """scripts/attention_sparsity.py on a padded batch == the same numbers from each sentence's
+    """scripts/diagnostics/attention_sparsity.py on a padded batch == the same numbers from each sentence's
     own attention matrix (plot_attention, unpadded), for softmax and hard top-k attention."""
     import numpy as np
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    import attention_sparsity
-    import plot_attention
+    plot_attention = script_module("diagnostics/plot_attention.py")  # attention_sparsity imports it
+    attention_sparsity = script_module("diagnostics/attention_sparsity.py")
 
     src_tokens, src_lengths = source_batch(dictionary, rng, [7, 4, 6])
     pad, eos = dictionary.pad(), dictionary.eos()

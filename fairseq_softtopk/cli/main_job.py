@@ -1,10 +1,11 @@
-#!/usr/bin/env python
-"""The main job: the beam-search training ablation on the embedded demo language pair (no download, no GPU).
+"""The main job: the beam-search training ablation on the embedded demo language pair (no download, no GPU):
+``fairseq-softtopk-main-job`` (what ``make demo`` runs).
 
 1. Generates the demo language pair (:mod:`fairseq_softtopk.data.demo_language_pair`: 8,000
    training, 400 valid and 500 test sentences of 15-40 tokens) into ``WORK/raw`` and
    binarises it into ``WORK/bin`` (separate source and target dictionaries).
-2. Runs ``configs/demo_finetune.yaml`` with :mod:`ablation`: for each of three seeds, pretrains
+2. Runs ``configs/demo_finetune.yaml`` with the ablation runner
+   (:mod:`fairseq_softtopk.experiments.ablation_runner`): for each of three seeds, pretrains
    ``softtopk_lstm`` with teacher forcing (``configs/demo_pretrain.yaml``), fine-tunes the arms
    ``tf`` (baseline), ``hard`` and ``soft`` from that seed's checkpoint with equal update budgets
    (two runs side by side, the cores shared among them), evaluates every model on the test set
@@ -14,13 +15,16 @@
 3. Prints one line per stage and validation (fairseq's logs go to each run's ``train.log``;
    ``--verbose`` prints them), then the results table (``WORK/results.md``; also
    ``results.json`` and ``curves.png``), then whether the run agrees with README's table
-   (``WORK/agreement.md``; :mod:`reference_comparison`).
+   (``WORK/agreement.md``; :mod:`fairseq_softtopk.experiments.reference_comparison`).
 
 Re-running reuses the data and every finished stage; ``--fresh`` trains again (the data are
 kept). The pair is generated, so the table shows what the pipeline measures, not the paper's
 claim about real translation (see the notes in results.md).
 
-    python scripts/run_main_job.py [--work-dir runs/main_job] [--seeds 1 2 3] [--set train.max-update=200]
+    fairseq-softtopk-main-job [--work-dir runs/main_job] [--seeds 1 2 3] [--set train.max-update=200]
+
+(or ``python -m fairseq_softtopk.cli.main_job``). It reads ``configs/`` and ``results/`` of the
+repository, so it runs from a clone of it (an editable install), not from an installed wheel.
 """
 
 import argparse
@@ -31,15 +35,15 @@ import sys
 import time
 from pathlib import Path
 
-from ablation import run_ablation
-from ablation_config import load_config
-from ablation_report import results_markdown
-from fairseq_commands import binarize_generated_corpus
-from reference_comparison import compare, comparison_markdown
-
 from fairseq_softtopk.data.demo_language_pair import DEMO_SPLITS
+from fairseq_softtopk.experiments.ablation_config import load_config
+from fairseq_softtopk.experiments.ablation_report import results_markdown
+from fairseq_softtopk.experiments.ablation_runner import run_ablation
+from fairseq_softtopk.experiments.fairseq_commands import binarize_generated_corpus
+from fairseq_softtopk.experiments.reference_comparison import compare, comparison_markdown
 
-REPO = Path(__file__).resolve().parent.parent
+#: The repository: the parent of the fairseq_softtopk directory (a clone; an installed wheel has no configs/).
+REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "demo_finetune.yaml"
 #: The run README's table shows (its results.json), and its seeds.
 PUBLISHED = REPO / "results" / "main_job_demo" / "results.json"
@@ -62,6 +66,10 @@ def main(argv=None) -> int:
                         help="sentence pairs per split (default: 8000 400 500; smaller for smoke tests)")
     parser.add_argument("--fresh", action="store_true", help="discard earlier checkpoints and results")
     args = parser.parse_args(argv)
+    if not CONFIG.parent.is_dir():  # a non-editable install: the package without the repository around it
+        parser.exit(2, f"{parser.prog}: error: no configs/ next to {REPO / 'fairseq_softtopk'}: the main job runs "
+                       f"from a clone of the repository (it reads configs/demo_finetune.yaml and results/), "
+                       f"e.g. `make demo` there, not from an installed package\n")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s | %(message)s" if not args.verbose else
                         "%(asctime)s | %(levelname)s | %(name)s | %(message)s", datefmt="%H:%M:%S")
     if not args.verbose:  # fairseq's info lines (the runner's flag check) and sacrebleu's advice on
@@ -72,7 +80,7 @@ def main(argv=None) -> int:
     try:
         config = load_config(CONFIG, args.set)
     except (FileNotFoundError, ValueError) as error:
-        parser.exit(2, f"run_main_job.py: error: {error}\n")
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
     if args.fresh:
         for path in [work / "pretrain", *work.glob("seed*")]:
             shutil.rmtree(path)

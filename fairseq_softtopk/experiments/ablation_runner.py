@@ -1,45 +1,22 @@
-#!/usr/bin/env python
-"""Beam-search training ablation: one teacher-forcing checkpoint, several fine-tuning arms.
+"""The beam-search training ablation runner behind ``fairseq-softtopk-ablation``
+(:mod:`fairseq_softtopk.cli.ablation`, whose docstring describes a run): the data checks, training
+(or resuming, or skipping) every stage, arm and seed with fairseq-train, scoring each run
+(:mod:`.scoring`) and writing the report (:mod:`.ablation_report`, :mod:`.ablation_plot`)."""
 
-A ``finetune`` config (``configs/*_finetune.yaml``) names its ``pretrain`` config. The
-pretrained checkpoint is trained first if it is missing (or given with ``--pretrained``);
-every arm (teacher forcing continued = the baseline, beam ``hard``, beam ``soft``, ...) is
-then fine-tuned from it with ``--finetune-from-model``, the same update budget, batch size
-and seed, and its ``checkpoint_last.pt`` is translated with ``scripts/evaluate.py``. A
-``scratch`` config (attention normalisers) trains every arm from scratch instead.
-The runner writes ``results.md``, ``results.json`` (BLEU, chrF, sacrebleu signatures,
-paired bootstrap against the baseline, mean and spread over ``--seeds``) and ``curves.png``.
-
-Re-running skips finished arms (``done.json``, written atomically after training); a
-half-finished arm resumes from its ``checkpoint_last.pt``. A work directory refuses to
-continue a run whose fairseq-train arguments have changed (naming each flag, earlier and new
-value). Before anything runs, every flag of every stage and arm is checked against
-fairseq-train's parser (with this package as ``--user-dir``): an unknown flag is named with
-the config section that sets it.
-
-Example (``DIR`` as written by ``data_prep/prepare_multi30k.sh --out DIR``: ``DIR/bin``
-and ``DIR/raw``)::
-
-    python scripts/ablation.py configs/multi30k_en_de_finetune.yaml --data-dir DIR \\
-        --work-dir runs/multi30k_ablation --seeds 1 2 3 --set train.max-update=3000
-"""
-
-import argparse
 import json
 import logging
 import os
 import re
 import resource
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence
 
-from ablation_config import EVAL_KEYS, check_train_flags, flags_to_args, load_config, stage_flags
-from ablation_plot import plot_curves
-from ablation_report import results_markdown, summarise
-from fairseq_commands import fairseq_command, intra_op_threads, run_logged
+from .ablation_config import EVAL_KEYS, check_train_flags, flags_to_args, stage_flags
+from .ablation_plot import plot_curves
+from .ablation_report import results_markdown, summarise
+from .fairseq_commands import fairseq_command, intra_op_threads, run_logged
 
 logger = logging.getLogger("ablation")
 
@@ -63,14 +40,14 @@ def language_pair(data_bin: Path, flags: Mapping[str, object]) -> tuple:
 def check_data_bin(data_bin: Path) -> None:
     if not data_bin.is_dir():
         raise FileNotFoundError(f"data directory not found: {data_bin} (fairseq-preprocess output; see the "
-                                f"data_prep/prepare_*.sh scripts or scripts/run_main_job.py)")
+                                f"data_prep/prepare_*.sh scripts or fairseq-softtopk-main-job)")
     if not list(data_bin.glob("dict.*.txt")) or not list(data_bin.glob("train.*.idx")):
         raise FileNotFoundError(f"{data_bin} holds no fairseq-preprocess output (dict.*.txt, train.*.idx)")
 
 
 def subset_size(data_bin: Path, subset: str, src: str, tgt: str) -> int:
-    """Sentences of the binarised ``subset`` (:func:`evaluate.binarised_subset_size`), which must exist."""
-    from evaluate import binarised_subset_size
+    """Sentences of the binarised ``subset`` (:func:`.scoring.binarised_subset_size`), which must exist."""
+    from .scoring import binarised_subset_size
 
     size = binarised_subset_size(str(data_bin), subset, src, tgt)
     if size is None:
@@ -212,7 +189,7 @@ def train_run(data_bin: Path, flags: Mapping[str, object], save_dir: Path,
         run_logged(fairseq_command("train", [*args, *device]), log_path=save_dir / "train.log", echo=verbose,
                    progress=f"{save_dir.parent.name}/{save_dir.name}")
     except RuntimeError as error:
-        from evaluate import refused_checkpoint
+        from .scoring import refused_checkpoint
 
         refused = refused_checkpoint(str(error))
         if refused:  # alone: the rest of the output is fairseq's config, not the cause
@@ -228,7 +205,7 @@ def train_run(data_bin: Path, flags: Mapping[str, object], save_dir: Path,
 
 def evaluate_run(run_dir: Path, data_bin: Path, ref_dir: Optional[Path], eval_cfg: Mapping, pair: tuple) -> dict:
     """Scores ``run_dir/checkpoint_last.pt`` on every eval subset; cached in ``eval.json``."""
-    from evaluate import evaluate_checkpoint
+    from .scoring import evaluate_checkpoint
 
     settings = {key: eval_cfg.get(key) for key in EVAL_KEYS}
     cache = run_dir / EVAL
@@ -276,7 +253,7 @@ def run_ablation(config: dict, data_bin, work_dir, ref_dir=None, seeds: Sequence
     """Pretrains (if needed), trains and evaluates every arm and seed, writes the report.
 
     Args:
-        config: from :func:`ablation_config.load_config`, stage ``finetune`` or ``scratch``.
+        config: from :func:`.ablation_config.load_config`, stage ``finetune`` or ``scratch``.
         data_bin: fairseq-preprocess output directory.
         work_dir: where checkpoints, logs and the report go.
         ref_dir: directory of raw references ``{subset}.{target language}`` (None: score
@@ -353,44 +330,3 @@ def run_ablation(config: dict, data_bin, work_dir, ref_dir=None, seeds: Sequence
     (work_dir / "results.md").write_text(results_markdown(results), encoding="utf-8")
     logger.info("wrote %s, %s and %s", work_dir / "results.md", work_dir / "results.json", work_dir / "curves.png")
     return results
-
-
-# ----------------------------------------------------------------------------- CLI
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("config", help="a finetune (or scratch) stage config, e.g. configs/toy_finetune.yaml")
-    parser.add_argument("--data-dir", help="prepared data: DIR/bin (fairseq-preprocess) and DIR/raw (references)")
-    parser.add_argument("--data-bin", help="fairseq-preprocess directory (default: DATA_DIR/bin)")
-    parser.add_argument("--ref-dir", help="raw references {subset}.{tgt} (default: DATA_DIR/raw; "
-                                          "none: score against the binarised target)")
-    parser.add_argument("--work-dir", required=True, help="checkpoints, logs, results.{md,json}, curves.png")
-    parser.add_argument("--pretrained", help="teacher-forcing checkpoint to fine-tune (default: train the "
-                                             "config's pretrain stage into WORK_DIR/pretrain if missing)")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[1], help="fine-tuning seeds (default: 1)")
-    parser.add_argument("--arms", nargs="+", help="arms to run (default: the config's default_arms)")
-    parser.add_argument("--set", action="append", default=[], metavar="SECTION.FLAG=VALUE",
-                        help="override a config value, e.g. train.max-update=300 or pretrain.train.max-epoch=2")
-    parser.add_argument("--bootstrap-samples", type=int, default=1000)
-    parser.add_argument("--jobs", type=int, default=1,
-                        help="fine-tuning runs at the same time (e.g. one per core with OMP_NUM_THREADS=1)")
-    parser.add_argument("--quiet", action="store_true",
-                        help="print one line per validation instead of fairseq's logs (kept in each train.log)")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s | %(levelname)s | %(name)s | %(message)s")
-    try:
-        config = load_config(args.config, args.set)
-        if not (args.data_dir or args.data_bin):
-            raise ValueError(f"pass --data-dir or --data-bin ({args.config} expects: {config.get('data')})")
-        data_bin = Path(args.data_bin or Path(args.data_dir) / "bin")
-        ref_dir = args.ref_dir or (Path(args.data_dir) / "raw" if args.data_dir else None)
-        results = run_ablation(config, data_bin, args.work_dir, ref_dir, args.seeds, args.arms, args.pretrained,
-                               args.bootstrap_samples, verbose=not args.quiet, jobs=args.jobs)
-    except (FileNotFoundError, ValueError, RuntimeError) as error:
-        parser.exit(1 if isinstance(error, RuntimeError) else 2, f"ablation.py: error: {error}\n")
-    print(results_markdown(results))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

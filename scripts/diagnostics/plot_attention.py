@@ -12,8 +12,8 @@ subset by index.
 
 Example::
 
-    python scripts/plot_attention.py softmax/checkpoint_last.pt soft_topk/checkpoint_last.pt data-bin/toy \\
-        --subset test --index 3 --output attention.png
+    python scripts/diagnostics/plot_attention.py softmax/checkpoint_last.pt soft_topk/checkpoint_last.pt \\
+        data-bin/toy --subset test --index 3 --output attention.png
 """
 
 import argparse
@@ -28,6 +28,7 @@ import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's package (a pinned worktree's too)
 import fairseq_softtopk  # noqa: E402
 
 

@@ -14,7 +14,7 @@ summarised by:
 
 averaged over target tokens (padding excluded). Prints a Markdown table; ``--json`` writes it too.
 
-    python scripts/attention_sparsity.py RUN/seed1/softmax/checkpoint_last.pt \\
+    python scripts/diagnostics/attention_sparsity.py RUN/seed1/softmax/checkpoint_last.pt \\
         RUN/seed1/soft_topk/checkpoint_last.pt DATA/bin --subset test --k 5
 """
 
