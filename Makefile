@@ -9,18 +9,18 @@ setup:
 	@bash scripts/setup_venv.sh
 
 demo: setup
-	$(PY) scripts/run_main_job.py
+	$(PY) -m fairseq_softtopk.cli.main_job
 
 test: setup
 	$(PY) -m pytest -q tests
 
 bench: setup
-	$(PY) scripts/bench_ops.py
+	$(PY) scripts/bench/bench_ops.py
 
 # On a GPU machine, after `make setup`: the cuda tests and both benchmarks, one report under
-# results/gpu_check/ (scripts/gpu_check.py; meant to take under 10 minutes). The dry run: the same steps on the CPU.
+# results/gpu_check/ (scripts/bench/gpu_check.py; meant to take under 10 minutes). The dry run: the same steps on the CPU.
 gpu-check: setup
-	$(PY) scripts/gpu_check.py
+	$(PY) scripts/bench/gpu_check.py
 
 gpu-check-dry-run: setup
-	$(PY) scripts/gpu_check.py --dry-run
+	$(PY) scripts/bench/gpu_check.py --dry-run

@@ -8,7 +8,24 @@ import torch
 from fairseq_softtopk.checkpoint_safety import torch_release
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))  # scripts/ hold importable helpers (evaluate, ...)
+
+
+def script_module(path: str):
+    """The module of a script under ``scripts/`` (``path`` relative to it, e.g. ``"bench/bench_train.py"``),
+    loaded from its file once and kept in ``sys.modules`` under its file name: the scripts are not a package,
+    and their directories are not on ``sys.path``."""
+    import importlib.util
+
+    file = REPO / "scripts" / path
+    name = file.stem
+    module = sys.modules.get(name)
+    if module is not None and Path(getattr(module, "__file__", "")).resolve() == file.resolve():
+        return module
+    spec = importlib.util.spec_from_file_location(name, file)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def cuda_unavailable_reason():
@@ -98,7 +115,7 @@ def run_fairseq(tool: str, args, cwd=None, check=True):
     returns the process."""
     import subprocess
 
-    from fairseq_commands import fairseq_command
+    from fairseq_softtopk.experiments.fairseq_commands import fairseq_command
 
     cmd = fairseq_command(tool, args, user_dir=False)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=clean_env(), cwd=cwd)
@@ -110,7 +127,7 @@ def run_fairseq(tool: str, args, cwd=None, check=True):
 @pytest.fixture(scope="session")
 def toy_data_bin(tmp_path_factory):
     """A small toy corpus, binarised with a joined dictionary: ``(raw_dir, data_bin)``."""
-    from fairseq_commands import binarize_generated_corpus
+    from fairseq_softtopk.experiments.fairseq_commands import binarize_generated_corpus
 
     root = tmp_path_factory.mktemp("toy")
     data_bin = binarize_generated_corpus(root, splits={"train": (400, 11), "valid": (40, 12), "test": (40, 13)},

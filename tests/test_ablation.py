@@ -1,5 +1,6 @@
-"""Tests of scripts/ablation.py and its modules ablation_config, ablation_report and ablation_plot
-(configs, reports, end to end) and of the paired bootstrap in evaluate.py."""
+"""Tests of the ablation (fairseq-softtopk-ablation: fairseq_softtopk.cli.ablation, and the runner's modules
+ablation_runner, ablation_config, ablation_report and ablation_plot in fairseq_softtopk.experiments: configs,
+reports, end to end) and of the scoring and paired bootstrap (experiments.scoring, fairseq-softtopk-bleu)."""
 
 import json
 import logging
@@ -8,15 +9,16 @@ from pathlib import Path
 
 import pytest
 
-import ablation
-import ablation_report
-from ablation import run_ablation
-from ablation_config import apply_override, config_train_args, flags_to_args, load_config, stage_flags
-from ablation_plot import read_valid_curve
-from evaluate import paired_bootstrap
-from fairseq_commands import PACKAGE_DIR, fairseq_command, run_logged
-
+from fairseq_softtopk.cli import ablation as ablation_cli
+from fairseq_softtopk.cli import bleu
 from fairseq_softtopk.data.toy_language_pair import write_toy_corpus
+from fairseq_softtopk.experiments import ablation_report, ablation_runner, scoring
+from fairseq_softtopk.experiments.ablation_config import (apply_override, config_train_args, flags_to_args, load_config,
+                                                          stage_flags)
+from fairseq_softtopk.experiments.ablation_plot import read_valid_curve
+from fairseq_softtopk.experiments.ablation_runner import run_ablation
+from fairseq_softtopk.experiments.fairseq_commands import PACKAGE_DIR, fairseq_command, run_logged
+from fairseq_softtopk.experiments.scoring import paired_bootstrap
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
@@ -89,7 +91,7 @@ def test_missing_config_and_missing_pretrain_config(tmp_path):
 
 def test_cli_reports_missing_config_clearly(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        ablation.main([str(tmp_path / "nope.yaml"), "--work-dir", str(tmp_path)])
+        ablation_cli.main([str(tmp_path / "nope.yaml"), "--work-dir", str(tmp_path)])
     assert exit_info.value.code == 2
     assert "config not found" in capsys.readouterr().err
 
@@ -117,7 +119,7 @@ def test_every_shipped_config_and_arm_parses_with_fairseq_train():
 
 
 def _fake_data_bin(path: Path) -> Path:
-    """A directory that passes ablation.check_data_bin (empty files): nothing can train on it."""
+    """A directory that passes ablation_runner.check_data_bin (empty files): nothing can train on it."""
     path.mkdir(parents=True)
     for name in ("dict.src.txt", "dict.tgt.txt", "train.src-tgt.src.idx", "train.src-tgt.tgt.idx"):
         (path / name).write_text("")
@@ -139,7 +141,7 @@ def test_misspelt_config_flags_are_named_with_their_section_before_any_run(tmp_p
         assert flag in str(error.value) and f"(set in {section}" in str(error.value), str(error.value)
         assert not work.exists()  # nothing ran, nothing was written
     with pytest.raises(SystemExit) as exit_info:
-        ablation.main([str(config_path), "--data-bin", str(data_bin), "--work-dir", str(work),
+        ablation_cli.main([str(config_path), "--data-bin", str(data_bin), "--work-dir", str(work),
                        "--set", "arms.hard.topk-modee=hard"])
     assert exit_info.value.code == 2
     assert "--topk-modee (set in" in capsys.readouterr().err and not work.exists()
@@ -156,7 +158,7 @@ def test_a_work_directory_with_other_flags_names_each_flag_with_both_values(tmp_
     (save_dir / "run.json").write_text(json.dumps({"args": earlier}))
     changed = {**flags, "lr": 0.1, "no-epoch-checkpoints": False, "clip-norm": 1.0}
     with pytest.raises(ValueError) as error:
-        ablation.train_run(tmp_path / "other_data", changed, save_dir)
+        ablation_runner.train_run(tmp_path / "other_data", changed, save_dir)
     message = str(error.value)
     assert "--lr: 0.005 -> 0.1" in message
     assert "--no-epoch-checkpoints: (set) -> (not set)" in message
@@ -185,7 +187,7 @@ def test_resample_statistics_reproduce_sacrebleu_corpus_scores(synthetic_corpus)
     import numpy as np
     import sacrebleu
 
-    from evaluate import BOOTSTRAP_METRICS
+    from fairseq_softtopk.experiments.scoring import BOOTSTRAP_METRICS
 
     refs, base, _, _ = synthetic_corpus
     refs = refs[:40] + ["Ein Mann.", "Zwei Hunde spielen im Schnee, nicht im Wasser!", "ja"]
@@ -238,7 +240,7 @@ def test_bootstrap_rejects_mismatched_lengths(synthetic_corpus):
 
 
 def test_parse_targets_in_corpus_order_and_gaps_are_errors():
-    from evaluate import parse_targets
+    from fairseq_softtopk.experiments.scoring import parse_targets
 
     stdout = "S-1\tb\nT-1\tB b\nH-1\t-0.1\tx\nT-0\tA a\nD-0\t-0.2\ty\n"
     assert parse_targets(stdout) == ["A a", "B b"]
@@ -250,8 +252,6 @@ def test_evaluate_refuses_a_reference_of_another_length_before_translating(toy_d
                                                                           capsys):
     """A reference file shorter than the subset: the error names the file and both counts, and comes before
     fairseq-generate (it came after generation, and blamed fairseq for dropping inputs)."""
-    import evaluate
-
     raw, data_bin = toy_data_bin
     lines = (raw / "test.tgt").read_text(encoding="utf-8").splitlines()
     short = tmp_path / "short.tgt"
@@ -262,35 +262,33 @@ def test_evaluate_refuses_a_reference_of_another_length_before_translating(toy_d
     def generate(*args, **kwargs):
         raise AssertionError("fairseq-generate ran")
 
-    monkeypatch.setattr(evaluate, "run_fairseq_generate", generate)
+    monkeypatch.setattr(scoring, "run_fairseq_generate", generate)
     with pytest.raises(ValueError) as error:
-        evaluate.evaluate_checkpoint(str(data_bin), str(checkpoint), str(short), subset="test")
+        scoring.evaluate_checkpoint(str(data_bin), str(checkpoint), str(short), subset="test")
     message = str(error.value)
     assert str(short) in message and f"{len(lines) - 3} lines" in message and f"{len(lines)} sentences" in message
     with pytest.raises(SystemExit) as exit_info:
-        evaluate.main([str(data_bin), str(checkpoint), "--ref", str(short)])
+        bleu.main([str(data_bin), str(checkpoint), "--ref", str(short)])
     assert exit_info.value.code == 2 and str(short) in capsys.readouterr().err
     with pytest.raises(AssertionError, match="fairseq-generate ran"):  # the right reference passes the check
-        evaluate.evaluate_checkpoint(str(data_bin), str(checkpoint), str(raw / "test.tgt"), subset="test")
+        scoring.evaluate_checkpoint(str(data_bin), str(checkpoint), str(raw / "test.tgt"), subset="test")
 
 
 def test_evaluate_names_the_reference_when_every_sentence_was_translated(tmp_path, monkeypatch):
     """Where the subset's size cannot be read beforehand, a complete translation of another number of
     sentences than the reference has lines is the reference's fault, and the error says so."""
-    import evaluate
-
     ref = tmp_path / "ref.txt"
     ref.write_text("a\nb\nc\n", encoding="utf-8")
     checkpoint = tmp_path / "checkpoint.pt"
     checkpoint.write_bytes(b"")
-    monkeypatch.setattr(evaluate, "run_fairseq_generate",
+    monkeypatch.setattr(scoring, "run_fairseq_generate",
                         lambda *args, **kwargs: "D-1\t-0.1\tb\nD-0\t-0.2\ta\n")
     with pytest.raises(ValueError, match=rf"reference file {ref} has 3 lines but fairseq-generate translated all 2"):
-        evaluate.evaluate_checkpoint(str(tmp_path / "no_such_bin"), str(checkpoint), str(ref))
+        scoring.evaluate_checkpoint(str(tmp_path / "no_such_bin"), str(checkpoint), str(ref))
 
 
 def _fake_eval(hypotheses, references):
-    from evaluate import score
+    from fairseq_softtopk.experiments.scoring import score
 
     return {**score(hypotheses, references), "reference": "refs.txt", "hypotheses": hypotheses,
             "references": references}
@@ -301,18 +299,16 @@ def test_generation_batch_defaults_to_the_device(monkeypatch, cuda, expected):
     """fairseq-generate gets 64 sentences a batch on a CPU and 256 on a GPU unless told."""
     import subprocess
 
-    import evaluate
-
     calls = []
 
     def fake_run(command, **kwargs):
         calls.append([str(arg) for arg in command])
         return subprocess.CompletedProcess(command, 0, stdout="", stderr="")
 
-    monkeypatch.setattr(evaluate, "_has_cuda", lambda: cuda)
-    monkeypatch.setattr(evaluate.subprocess, "run", fake_run)
-    evaluate.run_fairseq_generate("bin", "ckpt.pt")
-    evaluate.run_fairseq_generate("bin", "ckpt.pt", batch_size=8)
+    monkeypatch.setattr(scoring, "_has_cuda", lambda: cuda)
+    monkeypatch.setattr(scoring.subprocess, "run", fake_run)
+    scoring.run_fairseq_generate("bin", "ckpt.pt")
+    scoring.run_fairseq_generate("bin", "ckpt.pt", batch_size=8)
     first, second = calls
     at = first.index("--batch-size")
     assert first[at:at + 2] == expected[:2] and ("--cpu" in first) == (not cuda)

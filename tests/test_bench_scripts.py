@@ -5,8 +5,9 @@ import re
 import pytest
 import torch
 
-import bench_train  # scripts/ is on sys.path (conftest)
-from conftest import compiles_fixed_solve
+from conftest import compiles_fixed_solve, script_module
+
+bench_train = script_module("bench/bench_train.py")
 
 
 def test_criterion_args_per_config():
@@ -75,9 +76,9 @@ def test_range_seconds_reads_the_named_ranges_of_a_profile():
     """The package's ranges, as torch.profiler records them, timed against a known sleep."""
     import time
 
-    from bench_harness import range_seconds
     from torch.profiler import ProfilerActivity, profile
 
+    from fairseq_softtopk.experiments.bench_harness import range_seconds
     from fairseq_softtopk.ops import sorted_soft_topk
 
     x = torch.randn(3, 50, dtype=torch.float64, requires_grad=True)
@@ -167,7 +168,7 @@ def test_bench_train_prints_a_row_per_config(toy_data_bin, capsys):
 
 
 def test_bench_ops_prints_every_method_with_our_solver_converged(capsys):
-    import bench_ops
+    bench_ops = script_module("bench/bench_ops.py")
 
     assert bench_ops.main(["--n", "300", "--k", "3", "--eps", "0.1", "--repeats", "2", "--threads", "1"]) == 0
     rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| topk n=")
@@ -190,7 +191,7 @@ def test_bench_ops_prints_every_method_with_our_solver_converged(capsys):
 
 def test_bench_ops_warms_up_every_method_before_the_first_timed_case(monkeypatch, capsys):
     """On a GPU the first call initialises CUDA (seconds), which the first timed case measured."""
-    import bench_ops
+    bench_ops = script_module("bench/bench_ops.py")
 
     calls = []
     real = bench_ops.bench_case
@@ -210,7 +211,7 @@ def test_bench_ops_times_the_fixed_iteration_solve_plain_and_compiled(monkeypatc
     """--fixed-iterations adds the sync-free solve; --compile the same call under
     torch.compile(fullgraph=True) (here the aot_eager backend: inductor's C++ build takes a minute
     per case), which must give the fixed solve's output."""
-    import bench_ops
+    bench_ops = script_module("bench/bench_ops.py")
 
     compiled = []
     real_compile = torch.compile
@@ -236,7 +237,7 @@ def test_bench_ops_times_the_fixed_iteration_solve_plain_and_compiled(monkeypatc
 
 
 def test_bench_ops_refuses_compile_without_a_fixed_iteration_budget(capsys):
-    import bench_ops
+    bench_ops = script_module("bench/bench_ops.py")
 
     with pytest.raises(SystemExit):
         bench_ops.main(["--n", "300", "--compile", "default"])
@@ -244,7 +245,7 @@ def test_bench_ops_refuses_compile_without_a_fixed_iteration_budget(capsys):
 
 
 def test_bench_ops_times_batches_of_the_linear_cost_without_the_paper_baselines(capsys):
-    import bench_ops
+    bench_ops = script_module("bench/bench_ops.py")
 
     assert bench_ops.main(["--ops", "sorted_soft_topk", "--n", "200", "--k", "20", "--eps", "0.1", "--cost", "linear",
                            "--batch", "3", "--tol", "1e-5", "--repeats", "2", "--threads", "1"]) == 0

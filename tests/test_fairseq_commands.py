@@ -1,9 +1,10 @@
-"""scripts/fairseq_commands.py: running fairseq's tools with logs kept and a quiet progress mode."""
+"""fairseq_softtopk.experiments.fairseq_commands: running fairseq's tools with logs kept and a quiet progress mode."""
 
 import sys
 
 import pytest
-from fairseq_commands import progress_line, run_logged
+
+from fairseq_softtopk.experiments.fairseq_commands import progress_line, run_logged
 
 VALID = ("2026-11-23 11:42:55 | INFO | valid | epoch 003 | valid on 'valid' subset | loss 4.849 | nll_loss 2.494 "
          "| ppl 5.63 | wps 1000 | wpb 900 | bsz 50 | num_updates 300 | best_loss 4.8")

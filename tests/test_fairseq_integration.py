@@ -93,11 +93,10 @@ print("namespace-ok:", torch.load(path)["args"].a == 1)
 
 
 def test_a_checkpoint_with_code_is_refused_in_plain_words(toy_data_bin, tmp_path, repo_root):
-    """A checkpoint that pickles a call of posix.system: fairseq-generate (with the plugin), evaluate.py and
+    """A checkpoint that pickles a call of posix.system: fairseq-generate (with the plugin), the scoring and
     the ablation runner say that the file contains code outside the allowlist and was not loaded (torch's
     refusal came after a config dump, next to its advice to retry with weights_only=False); nothing runs."""
-    import ablation
-    import evaluate
+    from fairseq_softtopk.experiments import ablation_runner, scoring
 
     raw, data_bin = toy_data_bin
     marker, evil = tmp_path / "code_ran", tmp_path / "evil.pt"
@@ -117,14 +116,14 @@ torch.save({{"args": argparse.Namespace(arch="lstm"), "model": {{}}, "extra": Ca
     assert f"{evil} was not loaded" in last and "(posix.system)" in last and "outside the allowlist" in last
     assert "weights_only` set to `False`" not in gen.stderr  # torch's advice is not repeated
     with pytest.raises(RuntimeError) as error:
-        evaluate.evaluate_checkpoint(str(data_bin), str(evil), None, subset="test")
+        scoring.evaluate_checkpoint(str(data_bin), str(evil), None, subset="test")
     message = str(error.value)
     assert message.startswith("fairseq-generate refused the checkpoint: ") and f"{evil} was not loaded" in message
     assert "\n" not in message and "Namespace(" not in message  # the cause alone, no config dump
     flags = {"arch": "softtopk_lstm_tiny", "optimizer": "adam", "lr": 0.01, "max-tokens": 1000, "max-update": 2,
              "num-workers": 0, "disable-validation": True, "no-progress-bar": True}
     with pytest.raises(RuntimeError) as error:
-        ablation.train_run(data_bin, flags, tmp_path / "finetune", finetune_from=evil)
+        ablation_runner.train_run(data_bin, flags, tmp_path / "finetune", finetune_from=evil)
     assert "refused a checkpoint: " in str(error.value) and f"{evil} was not loaded" in str(error.value)
     assert "\n" not in str(error.value)
     assert not marker.exists()

@@ -1,4 +1,4 @@
-"""scripts/gpu_check.py (make gpu-check): its CPU dry run, as CI runs it, so that the GPU command cannot rot."""
+"""scripts/bench/gpu_check.py (make gpu-check): its CPU dry run, as CI runs it, so that the GPU command cannot rot."""
 
 import re
 import subprocess
@@ -8,14 +8,16 @@ import tempfile
 import pytest
 import torch
 
-import gpu_check  # scripts/ is on sys.path (conftest)
+from conftest import script_module
+
+gpu_check = script_module("bench/gpu_check.py")
 
 
 @pytest.mark.slow
 def test_dry_run_runs_every_step_and_writes_one_report(tmp_path, repo_root):
     report = tmp_path / "report.md"
-    proc = subprocess.run([sys.executable, "scripts/gpu_check.py", "--dry-run", "--out", str(report)], cwd=repo_root,
-                          capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "scripts/bench/gpu_check.py", "--dry-run", "--out", str(report)],
+                          cwd=repo_root, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     text = report.read_text()
     for key in ("device", "torch", "CUDA (torch build)", "fairseq", "commit"):

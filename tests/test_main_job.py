@@ -1,4 +1,5 @@
-"""The main job (scripts/run_main_job.py, what `make demo` runs), on a shrunken demo corpus."""
+"""The main job (fairseq-softtopk-main-job: python -m fairseq_softtopk.cli.main_job, what `make demo` runs), on a
+shrunken demo corpus."""
 
 import json
 import subprocess
@@ -12,7 +13,7 @@ from conftest import clean_env
 @pytest.mark.slow
 def test_main_job_is_quiet_and_ends_with_the_table(tmp_path, repo_root):
     work = tmp_path / "main_job"
-    cmd = [sys.executable, str(repo_root / "scripts" / "run_main_job.py"), "--work-dir", str(work),
+    cmd = [sys.executable, "-m", "fairseq_softtopk.cli.main_job", "--work-dir", str(work),
            "--sizes", "200", "20", "30", "--seeds", "1", "2",
            "--set", "pretrain.train.max-epoch=1", "--set", "train.max-update=2",
            "--set", "train.validate-interval-updates=2", "--set", "train.save-interval-updates=2"]

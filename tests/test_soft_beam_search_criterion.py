@@ -8,7 +8,7 @@ from fairseq.criterions.label_smoothed_cross_entropy import label_smoothed_nll_l
 from fairseq.tasks import FairseqTask
 
 from builders import build_criterion, build_model, make_sample
-from conftest import compiles_fixed_solve, recorded_solves, word_dictionary
+from conftest import compiles_fixed_solve, recorded_solves, script_module, word_dictionary
 
 from fairseq_softtopk.criterions.soft_beam_search import annealed_epsilon
 from fairseq_softtopk.modules import beam_selection
@@ -152,9 +152,10 @@ def test_capped_selection_gradient_stays_bounded_where_the_exact_one_explodes(di
 
 
 def test_diagnose_script_reports_each_sentences_gradient_norm(dictionary, rng):
-    """scripts/diagnose_beam_gradients.py: per-sentence norms as a direct backward computes them,
+    """scripts/diagnostics/diagnose_beam_gradients.py: per-sentence norms as a direct backward computes them,
     nearest-rank quantiles, and the selection-gradient norms of every live step."""
-    from diagnose_beam_gradients import diagnose_variant, quantiles
+    diagnose = script_module("diagnostics/diagnose_beam_gradients.py")
+    diagnose_variant, quantiles = diagnose.diagnose_variant, diagnose.quantiles
 
     model = build_model(dictionary, scale=3.0)
     batches = [make_sample(dictionary, rng, [n]) for n in (5, 7, 4)]

@@ -14,7 +14,7 @@ from fairseq import options
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from fairseq.sequence_generator import SequenceGenerator
 
-from conftest import word_dictionary
+from conftest import script_module, word_dictionary
 
 import fairseq_softtopk.models.softtopk_lstm as softtopk_lstm
 import fairseq_softtopk.modules.additive_attention as additive_attention
@@ -375,17 +375,17 @@ def test_train_and_generate_end_to_end(tmp_path):
 
 
 def test_plot_attention_reads_the_lstms_attention_and_draws_panels_side_by_side(dictionary, rng, tmp_path):
-    """scripts/plot_attention.py on the attentional LSTM: the teacher-forced attention of one pair,
-    row t the weights used while predicting target token t, equal to what incremental decoding
-    (fairseq-generate's path) uses; several models give panels side by side."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    import plot_attention
+    """scripts/diagnostics/plot_attention.py (experiments.attention_maps) on the attentional LSTM: the
+    teacher-forced attention of one pair, row t the weights used while predicting target token t, equal to
+    what incremental decoding (fairseq-generate's path) uses; several models give panels side by side."""
+    from fairseq_softtopk.experiments.attention_maps import attention_matrix, panel_title
 
+    plot_attention = script_module("diagnostics/plot_attention.py")
     model = sharpened(build_model(dictionary, attention_normalizer="soft_topk", attention_topk=2))
     task = SimpleNamespace(source_dictionary=dictionary, target_dictionary=dictionary)
     source = torch.cat([random_tokens(dictionary, rng, 1, 6)[0], torch.tensor([dictionary.eos()])])
     target = torch.cat([random_tokens(dictionary, rng, 1, 4)[0], torch.tensor([dictionary.eos()])])
-    weights, src_tokens, tgt_tokens = plot_attention.attention_matrix(model, task, source, target)
+    weights, src_tokens, tgt_tokens = attention_matrix(model, task, source, target)
     assert weights.shape == (5, 7) and len(src_tokens) == 7 and tgt_tokens[-1] == dictionary[dictionary.eos()]
     encoder_out = model.encoder(source.unsqueeze(0), torch.tensor([7]))
     prev = torch.cat([torch.tensor([dictionary.eos()]), target[:-1]]).unsqueeze(0)
@@ -397,8 +397,8 @@ def test_plot_attention_reads_the_lstms_attention_and_draws_panels_side_by_side(
     torch.testing.assert_close(torch.from_numpy(weights), torch.stack(rows).float())
     assert abs(weights.sum(-1) - 1).max() < 1e-5 and (weights > 0.05).sum(-1).min() <= 3  # soft top-2: sparse rows
     with pytest.raises(ValueError, match="transformer"):
-        plot_attention.attention_matrix(model, task, source, target, layer=0)
-    assert plot_attention.panel_title(model, None, None) == "soft_topk k=2 eps=0.1"
+        attention_matrix(model, task, source, target, layer=0)
+    assert panel_title(model, None, None) == "soft_topk k=2 eps=0.1"
     one, three = tmp_path / "one.png", tmp_path / "three.png"
     plot_attention.plot_heatmaps([(weights, "a")], src_tokens, tgt_tokens, one)
     plot_attention.plot_heatmaps([(weights, "a"), (weights, "b"), (weights, "c")], src_tokens, tgt_tokens, three)
@@ -409,13 +409,13 @@ def test_plot_attention_reads_the_lstms_attention_and_draws_panels_side_by_side(
 
 
 def test_attention_sparsity_statistics_match_one_sentence_at_a_time(dictionary, rng):
-    """scripts/attention_sparsity.py on a padded batch == the same numbers from each sentence's
-    own attention matrix (plot_attention, unpadded), for softmax and hard top-k attention."""
+    """scripts/diagnostics/attention_sparsity.py on a padded batch == the same numbers from each sentence's
+    own attention matrix (experiments.attention_maps, unpadded), for softmax and hard top-k attention."""
     import numpy as np
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    import attention_sparsity
-    import plot_attention
+    from fairseq_softtopk.experiments.attention_maps import attention_matrix
+
+    attention_sparsity = script_module("diagnostics/attention_sparsity.py")
 
     src_tokens, src_lengths = source_batch(dictionary, rng, [7, 4, 6])
     pad, eos = dictionary.pad(), dictionary.eos()
@@ -444,7 +444,7 @@ def test_attention_sparsity_statistics_match_one_sentence_at_a_time(dictionary, 
         outside, above, nonzero = [], [], []
         for row, (n_src, n_tgt) in enumerate(zip([7, 4, 6], [5, 3, 4])):
             source = src_tokens[row, src_tokens.size(1) - n_src:]  # left-padded source
-            weights, _, _ = plot_attention.attention_matrix(model, OneBatchTask(), source, target[row, :n_tgt])
+            weights, _, _ = attention_matrix(model, OneBatchTask(), source, target[row, :n_tgt])
             top2 = np.sort(weights, axis=-1)[:, -2:].sum(-1)
             outside += list(1 - top2)
             above += list((weights > 0.01).sum(-1))

@@ -250,7 +250,7 @@ def test_train_generate_and_plot_end_to_end(tmp_path):
     alignments = re.findall(r"^A-\d+\t(.*)$", out, flags=re.M)
     assert len(alignments) == 30 and all(re.fullmatch(r"(\d+-\d+ ?)+", a) for a in alignments)
     png = tmp_path / "attention.png"
-    _run([REPO / "scripts" / "plot_attention.py", ckpt / "checkpoint_last.pt", data_bin, "--index", "3",
+    _run([REPO / "scripts" / "diagnostics" / "plot_attention.py", ckpt / "checkpoint_last.pt", data_bin, "--index", "3",
           "--output", png])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     import matplotlib.image

@@ -1,10 +1,10 @@
 """The ablation's ``curves.png``: validation curves per arm and seed, read from the
-fairseq-train logs and drawn with matplotlib (used by ``scripts/ablation.py``)."""
+fairseq-train logs and drawn with matplotlib (used by :mod:`.ablation_runner`)."""
 
 from pathlib import Path
 from typing import List, Sequence
 
-from fairseq_commands import parse_valid_line
+from .fairseq_commands import parse_valid_line
 
 
 def read_valid_curve(log_path: Path, subset: str = "valid") -> List[dict]:

@@ -11,7 +11,7 @@ variant's median; the norms of the gradient reaching each step's selection (per 
 step, before any cap, in units of one gold token's beam-term gradient ``1 - p``); the share of
 steps with a near tie at a rank boundary; and the selection's sharpness. Minutes on a CPU::
 
-    python scripts/diagnose_beam_gradients.py CHECKPOINT DATA_BIN --sentences 200
+    python scripts/diagnostics/diagnose_beam_gradients.py CHECKPOINT DATA_BIN --sentences 200
 
 Built-in variants (``--variants``; default: all): ``hard``; ``soft_full`` (the paper's exact
 gradient, linear cost); ``soft`` (the criterion's default); ``soft_none`` (no gradient through
@@ -34,10 +34,10 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 import torch
-from fairseq_commands import PACKAGE_DIR
 
-sys.path.insert(0, str(PACKAGE_DIR.parent))  # this checkout's package (also from a git worktree), as --user-dir
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's package (a pinned worktree's too)
 import fairseq_softtopk  # noqa: E402
+from fairseq_softtopk.experiments.fairseq_commands import PACKAGE_DIR  # noqa: E402  (the --user-dir: the same copy)
 
 VARIANTS = {
     "hard": "--topk-mode hard",

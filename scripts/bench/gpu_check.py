@@ -6,9 +6,9 @@ its own process with its output kept:
 
 1. ``pytest -m cuda tests``: the operators and the criterion on CUDA against the CPU, the sync-free
    search under CUDA's sync debug mode, and fairseq-train / fairseq-generate with --fp16, --bf16, --amp;
-2. ``scripts/bench_ops.py``: the operators' forward + backward against ``torch.topk`` (the target case and
+2. ``scripts/bench/bench_ops.py``: the operators' forward + backward against ``torch.topk`` (the target case and
    the beam-search shape; plain, sync-free and in CUDA graphs);
-3. ``scripts/bench_train.py``: updates per second of teacher forcing, hard and soft beam search (default,
+3. ``scripts/bench/bench_train.py``: updates per second of teacher forcing, hard and soft beam search (default,
    candidate pool, fixed iterations, compiled), with the launch and sync counts per decoding step,
 
 and writes one markdown report (``--out``, default ``results/gpu_check/<device>.md``): the device, torch,
@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, NamedTuple, Optional, Sequence
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]  # the checkout (scripts/bench/ is two levels down)
 
 #: the benchmarks' arguments on a GPU: the Multi30k-sized model on the toy corpus, the beam-search shape
 GPU_STEPS = {
@@ -110,9 +110,9 @@ def plan(dry_run: bool) -> List[tuple]:
     test_env = {"SOFTTOPK_CUDA_TESTS_DEVICE": "cpu"} if dry_run else {}
     return [
         ("cuda_tests", [python, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "tests"], test_env),
-        ("bench_ops", [python, "scripts/bench_ops.py", *steps["bench_ops"]], {}),
-        ("bench_ops_beam_shape", [python, "scripts/bench_ops.py", *steps["bench_ops_beam_shape"]], {}),
-        ("bench_train", [python, "scripts/bench_train.py", *steps["bench_train"]], {}),
+        ("bench_ops", [python, "scripts/bench/bench_ops.py", *steps["bench_ops"]], {}),
+        ("bench_ops_beam_shape", [python, "scripts/bench/bench_ops.py", *steps["bench_ops_beam_shape"]], {}),
+        ("bench_train", [python, "scripts/bench/bench_train.py", *steps["bench_train"]], {}),
     ]
 
 
@@ -168,7 +168,7 @@ def write_report(path: Path, info: Dict[str, str], results: Sequence[StepResult]
                  argv: Sequence[str]) -> None:
     mode = "CPU dry run (the GPU's steps on the CPU, small sizes)" if dry_run else "GPU"
     lines = [f"# gpu-check: {info['device']}", "",
-             f"Written by `python scripts/gpu_check.py {portable(shlex.join(argv))}` ({mode}).", "",
+             f"Written by `python scripts/bench/gpu_check.py {portable(shlex.join(argv))}` ({mode}).", "",
              "| | |", "|---|---|"]
     lines += [f"| {key} | {value} |" for key, value in info.items()]
     lines += ["", "| step | status | seconds | result | command |", "|---|---|---:|---|---|"]

@@ -14,7 +14,7 @@ summarised by:
 
 averaged over target tokens (padding excluded). Prints a Markdown table; ``--json`` writes it too.
 
-    python scripts/attention_sparsity.py RUN/seed1/softmax/checkpoint_last.pt \\
+    python scripts/diagnostics/attention_sparsity.py RUN/seed1/softmax/checkpoint_last.pt \\
         RUN/seed1/soft_topk/checkpoint_last.pt DATA/bin --subset test --k 5
 """
 
@@ -26,7 +26,8 @@ from typing import Dict, List, Sequence
 
 import torch
 
-from plot_attention import load_checkpoint, panel_title
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's package (a pinned worktree's too)
+from fairseq_softtopk.experiments.attention_maps import load_checkpoint, panel_title  # noqa: E402
 
 
 @torch.no_grad()

@@ -8,7 +8,7 @@ the scores) still selects. Writes a PNG.
 
 Usage::
 
-    python scripts/plot_soft_topk.py --out figures/soft_topk_vs_epsilon.png
+    python scripts/diagnostics/plot_soft_topk.py --out figures/soft_topk_vs_epsilon.png
 """
 
 import argparse
@@ -21,6 +21,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's package (a pinned worktree's too)
 from fairseq_softtopk.ops import soft_topk  # noqa: E402
 
 EPSILONS = (1.0, 0.1, 0.01, 0.001)

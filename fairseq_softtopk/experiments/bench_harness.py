@@ -1,4 +1,4 @@
-"""What the training benchmarks (``bench_train.py``, ``bench_attention.py``) share.
+"""What the training benchmarks (``scripts/bench/bench_train.py``, ``scripts/bench/bench_attention.py``) share.
 
 Building a fairseq task, model and criterion from command-line flags, drawing the same
 training batches for every configuration, timing updates, and reading the package's named
@@ -9,9 +9,10 @@ import time
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence
 
 import torch
-from fairseq_commands import PACKAGE_DIR
 
 import fairseq_softtopk
+
+from .fairseq_commands import PACKAGE_DIR
 
 #: The named ranges of the package (``torch.profiler.record_function``) and where they are.
 RANGES = {

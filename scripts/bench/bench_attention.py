@@ -12,7 +12,7 @@ Both make the ratios robust to other load on a shared machine.
 
 Example::
 
-    python scripts/bench_attention.py --arch softtopk_transformer_tiny --updates 30 --repeats 3
+    python scripts/bench/bench_attention.py --arch softtopk_transformer_tiny --updates 30 --repeats 3
 """
 
 import argparse
@@ -24,8 +24,11 @@ from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
 import torch
-from bench_harness import build_training_parts, timed_updates, training_batches
-from fairseq_commands import binarize_generated_corpus
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's package (a pinned worktree's too)
+from fairseq_softtopk.experiments.bench_harness import (build_training_parts, timed_updates,  # noqa: E402
+                                                        training_batches)
+from fairseq_softtopk.experiments.fairseq_commands import binarize_generated_corpus  # noqa: E402
 
 NORMALIZERS = ("fairseq", "softmax", "soft_topk", "hard_topk", "sparsemax", "entmax15")
 #: What ``fairseq`` means in the table: fairseq's transformer with its fused attention.

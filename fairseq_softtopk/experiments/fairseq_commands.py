@@ -1,4 +1,4 @@
-"""Running fairseq's command-line tools from scripts, with this package as ``--user-dir``."""
+"""Running fairseq's command-line tools from the experiments, with this package as ``--user-dir``."""
 
 import contextlib
 import os
@@ -9,12 +9,10 @@ import threading
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-PACKAGE_DIR = Path(__file__).resolve().parent.parent / "fairseq_softtopk"
-# Scripts import the package of their own checkout (a git worktree pinned for an experiment
-# included), not whichever copy an editable install points to: the same copy that their
-# fairseq subprocesses get as --user-dir.
-if str(PACKAGE_DIR.parent) not in sys.path:
-    sys.path.insert(1, str(PACKAGE_DIR.parent))
+#: The directory of the imported copy of this package (this module is part of it): the ``--user-dir``
+#: of the fairseq subprocesses, so that they load the same checkout (a pinned git worktree included)
+#: as the process that starts them.
+PACKAGE_DIR = Path(__file__).resolve().parent.parent
 
 
 _local = threading.local()

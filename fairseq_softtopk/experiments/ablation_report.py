@@ -1,12 +1,12 @@
 """The ablation report: ``results.json`` (scores per arm and seed, mean ± sd over seeds, paired
 bootstrap against the baseline and the ``compare_to`` arms) and its ``results.md`` tables
-(used by ``scripts/ablation.py``)."""
+(used by :mod:`.ablation_runner`)."""
 
 import json
 from pathlib import Path
 from typing import Dict, Optional, Sequence
 
-from ablation_config import flags_to_args, stage_flags
+from .ablation_config import flags_to_args, stage_flags
 
 TRAIN_STATS = ("wall_seconds", "cpu_seconds", "gnorm_median", "clipped_percent")
 
@@ -14,7 +14,7 @@ TRAIN_STATS = ("wall_seconds", "cpu_seconds", "gnorm_median", "clipped_percent")
 def display_path(path) -> str:
     """``path`` relative to the repository when inside it (reports are committed under results/:
     no machine's absolute paths), else as given."""
-    repo = Path(__file__).resolve().parent.parent
+    repo = Path(__file__).resolve().parents[2]  # the checkout: the parent of the fairseq_softtopk directory
     try:
         return str(Path(path).resolve().relative_to(repo))
     except ValueError:
@@ -31,7 +31,7 @@ def summarise(config: dict, runs: dict, arms: Sequence[str], seeds: Sequence[int
     """Scores per arm/seed/subset, mean and spread over seeds, and paired bootstrap of every
     arm against the baseline of the same seed (``bootstrap``) and against each of the config's
     ``compare_to`` arms (``bootstrap_vs``)."""
-    from evaluate import paired_bootstrap
+    from .scoring import paired_bootstrap
 
     baseline = config["baseline"]
     # paired bootstrap against the baseline, and against each compare_to arm that ran
@@ -70,7 +70,8 @@ def summarise(config: dict, runs: dict, arms: Sequence[str], seeds: Sequence[int
         "signatures": signatures, "scores": scores, "summary": summary, "bootstrap": bootstrap,
         "bootstrap_vs": against, "train": train,
         "bootstrap_method": f"paired bootstrap resampling, {bootstrap_samples} resamples, numpy seed 12345, "
-                            f"two-sided p, percentile 95% CI of the difference (scripts/evaluate.py)",
+                            f"two-sided p, percentile 95% CI of the difference "
+                            f"(fairseq_softtopk/experiments/scoring.py)",
         "notes": [" ".join(str(n).split()) for n in config.get("notes") or []],
     }
 

@@ -24,10 +24,11 @@ output (what training keeps alive per call); on CUDA the peak allocation is prin
 
 Usage::
 
-    python scripts/bench_ops.py --threads 1          # the full grid (about 20 min here)
-    python scripts/bench_ops.py --n 100000 --k 5 --eps 0.01
-    python scripts/bench_ops.py --ops sorted_soft_topk --n 1000 --k 100 --eps 0.1 --cost linear --batch 100 --tol 1e-5
-    python scripts/bench_ops.py --n 100000 --k 5 --eps 0.01 --fixed-iterations 15 --compile reduce-overhead
+    python scripts/bench/bench_ops.py --threads 1          # the full grid (about 20 min here)
+    python scripts/bench/bench_ops.py --n 100000 --k 5 --eps 0.01
+    python scripts/bench/bench_ops.py --ops sorted_soft_topk --n 1000 --k 100 --eps 0.1 --cost linear --batch 100 \\
+        --tol 1e-5
+    python scripts/bench/bench_ops.py --n 100000 --k 5 --eps 0.01 --fixed-iterations 15 --compile reduce-overhead
 """
 
 import argparse
@@ -35,12 +36,14 @@ import platform
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
 import torch
 
-from fairseq_softtopk.ops import soft_topk, sorted_soft_topk
-from fairseq_softtopk.ops.paper_algorithm import paper_marginal_error, paper_soft_topk
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's package (a pinned worktree's too)
+from fairseq_softtopk.ops import soft_topk, sorted_soft_topk  # noqa: E402
+from fairseq_softtopk.ops.paper_algorithm import paper_marginal_error, paper_soft_topk  # noqa: E402
 
 UNROLLED_MAX_ELEMENTS = 2e6  # n * (k+1) above which 200 unrolled iterations need > ~3 GB: skipped
 MIN_TIMED_SECONDS = 0.5  # fast methods are repeated until this much has been timed ...

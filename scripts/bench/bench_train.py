@@ -65,10 +65,10 @@ How things are measured:
 
 Example::
 
-    python scripts/bench_train.py --updates 5 --warmup 1                      # toy corpus
-    python scripts/bench_train.py --data multi30k/bin --arch softtopk_lstm_multi30k --max-tokens 2000 \
+    python scripts/bench/bench_train.py --updates 5 --warmup 1                      # toy corpus
+    python scripts/bench/bench_train.py --data multi30k/bin --arch softtopk_lstm_multi30k --max-tokens 2000 \
         --pretrain-updates 300 --threads 1
-    python scripts/bench_train.py --data multi30k/bin --profile beam_soft --updates 3
+    python scripts/bench/bench_train.py --data multi30k/bin --profile beam_soft --updates 3
 """
 
 import argparse
@@ -86,10 +86,12 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 import torch
-from bench_harness import build_training_parts, range_seconds, timed_updates, training_batches
-from fairseq_commands import binarize_generated_corpus
 
-from fairseq_softtopk.dispatch_count import DispatchCounter
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's package (a pinned worktree's too)
+from fairseq_softtopk.dispatch_count import DispatchCounter  # noqa: E402
+from fairseq_softtopk.experiments.bench_harness import (build_training_parts, range_seconds,  # noqa: E402
+                                                        timed_updates, training_batches)
+from fairseq_softtopk.experiments.fairseq_commands import binarize_generated_corpus  # noqa: E402
 
 #: beam_soft_fixed: the sync-free search (--topk-fixed-iterations) on the pool of beam_soft_pool;
 #: beam_soft_compiled: that search with its solve under torch.compile (--topk-compile default)
@@ -110,7 +112,7 @@ CUDA_LAUNCH_EVENTS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel
 BASELINE = "beam_hard"
 TARGET_RATIO = 1.25  # issue 4: soft <= 1.25x the time of hard at k=5 on the Multi30k-sized model
 _RESULT_TAG = "BENCH_RESULT "
-#: The toy corpus used without --data: 3000 training pairs (as scripts/bench_attention.py).
+#: The toy corpus used without --data: 3000 training pairs (as bench_attention.py).
 TOY_SPLITS = {"train": (3000, 11), "valid": (100, 12)}
 
 

@@ -1,5 +1,5 @@
 """The ablation runner's stage configs (``configs/*.yaml``): loading, ``--set`` overrides,
-validation, and the fairseq-train flags of a stage and arm (used by ``scripts/ablation.py``),
+validation, and the fairseq-train flags of a stage and arm (used by :mod:`.ablation_runner`),
 checked against fairseq-train's own parser before anything runs (:func:`check_train_flags`)."""
 
 import contextlib

@@ -1,0 +1,76 @@
+"""Beam-search training ablation: one teacher-forcing checkpoint, several fine-tuning arms:
+``fairseq-softtopk-ablation``.
+
+A ``finetune`` config (``configs/*_finetune.yaml``) names its ``pretrain`` config. The
+pretrained checkpoint is trained first if it is missing (or given with ``--pretrained``);
+every arm (teacher forcing continued = the baseline, beam ``hard``, beam ``soft``, ...) is
+then fine-tuned from it with ``--finetune-from-model``, the same update budget, batch size
+and seed, and its ``checkpoint_last.pt`` is translated and scored as by ``fairseq-softtopk-bleu``. A
+``scratch`` config (attention normalisers) trains every arm from scratch instead.
+The runner writes ``results.md``, ``results.json`` (BLEU, chrF, sacrebleu signatures,
+paired bootstrap against the baseline, mean and spread over ``--seeds``) and ``curves.png``.
+
+Re-running skips finished arms (``done.json``, written atomically after training); a
+half-finished arm resumes from its ``checkpoint_last.pt``. A work directory refuses to
+continue a run whose fairseq-train arguments have changed (naming each flag, earlier and new
+value). Before anything runs, every flag of every stage and arm is checked against
+fairseq-train's parser (with this package as ``--user-dir``): an unknown flag is named with
+the config section that sets it.
+
+Example (``DIR`` as written by ``data_prep/prepare_multi30k.sh --out DIR``: ``DIR/bin``
+and ``DIR/raw``)::
+
+    fairseq-softtopk-ablation configs/multi30k_en_de_finetune.yaml --data-dir DIR \\
+        --work-dir runs/multi30k_ablation --seeds 1 2 3 --set train.max-update=3000
+
+(or ``python -m fairseq_softtopk.cli.ablation ...``; the runner is
+:mod:`fairseq_softtopk.experiments.ablation_runner`).
+"""
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from fairseq_softtopk.experiments.ablation_config import load_config
+from fairseq_softtopk.experiments.ablation_report import results_markdown
+from fairseq_softtopk.experiments.ablation_runner import run_ablation
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("config", help="a finetune (or scratch) stage config, e.g. configs/toy_finetune.yaml")
+    parser.add_argument("--data-dir", help="prepared data: DIR/bin (fairseq-preprocess) and DIR/raw (references)")
+    parser.add_argument("--data-bin", help="fairseq-preprocess directory (default: DATA_DIR/bin)")
+    parser.add_argument("--ref-dir", help="raw references {subset}.{tgt} (default: DATA_DIR/raw; "
+                                          "none: score against the binarised target)")
+    parser.add_argument("--work-dir", required=True, help="checkpoints, logs, results.{md,json}, curves.png")
+    parser.add_argument("--pretrained", help="teacher-forcing checkpoint to fine-tune (default: train the "
+                                             "config's pretrain stage into WORK_DIR/pretrain if missing)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1], help="fine-tuning seeds (default: 1)")
+    parser.add_argument("--arms", nargs="+", help="arms to run (default: the config's default_arms)")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.FLAG=VALUE",
+                        help="override a config value, e.g. train.max-update=300 or pretrain.train.max-epoch=2")
+    parser.add_argument("--bootstrap-samples", type=int, default=1000)
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="fine-tuning runs at the same time (e.g. one per core with OMP_NUM_THREADS=1)")
+    parser.add_argument("--quiet", action="store_true",
+                        help="print one line per validation instead of fairseq's logs (kept in each train.log)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s | %(levelname)s | %(name)s | %(message)s")
+    try:
+        config = load_config(args.config, args.set)
+        if not (args.data_dir or args.data_bin):
+            raise ValueError(f"pass --data-dir or --data-bin ({args.config} expects: {config.get('data')})")
+        data_bin = Path(args.data_bin or Path(args.data_dir) / "bin")
+        ref_dir = args.ref_dir or (Path(args.data_dir) / "raw" if args.data_dir else None)
+        results = run_ablation(config, data_bin, args.work_dir, ref_dir, args.seeds, args.arms, args.pretrained,
+                               args.bootstrap_samples, verbose=not args.quiet, jobs=args.jobs)
+    except (FileNotFoundError, ValueError, RuntimeError) as error:
+        parser.exit(1 if isinstance(error, RuntimeError) else 2, f"{parser.prog}: error: {error}\n")
+    print(results_markdown(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

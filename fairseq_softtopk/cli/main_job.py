@@ -1,0 +1,117 @@
+"""The main job: the beam-search training ablation on the embedded demo language pair (no download, no GPU):
+``fairseq-softtopk-main-job`` (what ``make demo`` runs).
+
+1. Generates the demo language pair (:mod:`fairseq_softtopk.data.demo_language_pair`: 8,000
+   training, 400 valid and 500 test sentences of 15-40 tokens) into ``WORK/raw`` and
+   binarises it into ``WORK/bin`` (separate source and target dictionaries).
+2. Runs ``configs/demo_finetune.yaml`` with the ablation runner
+   (:mod:`fairseq_softtopk.experiments.ablation_runner`): for each of three seeds, pretrains
+   ``softtopk_lstm`` with teacher forcing (``configs/demo_pretrain.yaml``), fine-tunes the arms
+   ``tf`` (baseline), ``hard`` and ``soft`` from that seed's checkpoint with equal update budgets
+   (two runs side by side, the cores shared among them), evaluates every model on the test set
+   with sacrebleu and paired bootstrap. Pretraining per seed makes the spread cover what moves
+   between machines: the pretrained model's loss crosses a sharp transition whose timing, and so
+   the model reached after a fixed number of epochs, changes with the float arithmetic.
+3. Prints one line per stage and validation (fairseq's logs go to each run's ``train.log``;
+   ``--verbose`` prints them), then the results table (``WORK/results.md``; also
+   ``results.json`` and ``curves.png``), then whether the run agrees with README's table
+   (``WORK/agreement.md``; :mod:`fairseq_softtopk.experiments.reference_comparison`).
+
+Re-running reuses the data and every finished stage; ``--fresh`` trains again (the data are
+kept). The pair is generated, so the table shows what the pipeline measures, not the paper's
+claim about real translation (see the notes in results.md).
+
+    fairseq-softtopk-main-job [--work-dir runs/main_job] [--seeds 1 2 3] [--set train.max-update=200]
+
+(or ``python -m fairseq_softtopk.cli.main_job``). It reads ``configs/`` and ``results/`` of the
+repository, so it runs from a clone of it (an editable install), not from an installed wheel.
+"""
+
+import argparse
+import json
+import logging
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from fairseq_softtopk.data.demo_language_pair import DEMO_SPLITS
+from fairseq_softtopk.experiments.ablation_config import load_config
+from fairseq_softtopk.experiments.ablation_report import results_markdown
+from fairseq_softtopk.experiments.ablation_runner import run_ablation
+from fairseq_softtopk.experiments.fairseq_commands import binarize_generated_corpus
+from fairseq_softtopk.experiments.reference_comparison import compare, comparison_markdown
+
+#: The repository: the parent of the fairseq_softtopk directory (a clone; an installed wheel has no configs/).
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = REPO / "configs" / "demo_finetune.yaml"
+#: The run README's table shows (its results.json), and its seeds.
+PUBLISHED = REPO / "results" / "main_job_demo" / "results.json"
+PUBLISHED_SEEDS = [1, 2, 3]
+logger = logging.getLogger("main_job")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--work-dir", default="runs/main_job", help="data, checkpoints and results")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3],
+                        help="seeds; each pretrains its own model and fine-tunes every arm from it (default: 1 2 3)")
+    parser.add_argument("--arms", nargs="+", help="arms of configs/demo_finetune.yaml (default: tf hard soft)")
+    parser.add_argument("--jobs", type=int, default=2,
+                        help="training runs side by side (default: 2); the cores are shared among them")
+    parser.add_argument("--verbose", action="store_true", help="print fairseq's logs (default: one line per validation)")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.FLAG=VALUE",
+                        help="override the config, e.g. train.max-update=200 or pretrain.train.max-epoch=4")
+    parser.add_argument("--sizes", type=int, nargs=3, metavar=("TRAIN", "VALID", "TEST"),
+                        help="sentence pairs per split (default: 8000 400 500; smaller for smoke tests)")
+    parser.add_argument("--fresh", action="store_true", help="discard earlier checkpoints and results")
+    args = parser.parse_args(argv)
+    if not CONFIG.parent.is_dir():  # a non-editable install: the package without the repository around it
+        parser.exit(2, f"{parser.prog}: error: no configs/ next to {REPO / 'fairseq_softtopk'}: the main job runs "
+                       f"from a clone of the repository (it reads configs/demo_finetune.yaml and results/), "
+                       f"e.g. `make demo` there, not from an installed package\n")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s | %(message)s" if not args.verbose else
+                        "%(asctime)s | %(levelname)s | %(name)s | %(message)s", datefmt="%H:%M:%S")
+    if not args.verbose:  # fairseq's info lines (the runner's flag check) and sacrebleu's advice on
+        # tokenised references (the generated pair is tokenised by construction) are noise here
+        logging.getLogger("fairseq").setLevel(logging.WARNING)
+        logging.getLogger("sacrebleu").setLevel(logging.ERROR)
+    work = Path(args.work_dir)
+    try:
+        config = load_config(CONFIG, args.set)
+    except (FileNotFoundError, ValueError) as error:
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
+    if args.fresh:
+        for path in [work / "pretrain", *work.glob("seed*")]:
+            shutil.rmtree(path)
+    start = time.time()
+    print(f"main job: generating and binarising the demo language pair into {work}", flush=True)
+    splits = None
+    if args.sizes:
+        splits = {split: (n, seed) for (split, (_, seed)), n in zip(DEMO_SPLITS.items(), args.sizes)}
+    data_bin = binarize_generated_corpus(work, splits=splits, corpus="demo")
+    results = run_ablation(config, data_bin, work, ref_dir=work / "raw", seeds=args.seeds, arms=args.arms,
+                           verbose=args.verbose, jobs=args.jobs)
+    print()
+    print(results_markdown(results))
+    print(agreement_with_published(results, args, work))
+    print(f"main job: {time.time() - start:.0f} s this call; results in {work / 'results.md'}, "
+          f"{work / 'results.json'} and {work / 'curves.png'}")
+    return 0
+
+
+def agreement_with_published(results: dict, args, work: Path) -> str:
+    """The comparison with README's table (:data:`PUBLISHED`), also written to WORK/agreement.md;
+    a run with other settings than the published one is not compared."""
+    if args.set or args.sizes or args.arms or sorted(args.seeds) != PUBLISHED_SEEDS or not PUBLISHED.is_file():
+        return ("Not compared with README's table: this run's settings (--set, --sizes, --arms or --seeds) "
+                "differ from the published run's.")
+    published = json.loads(PUBLISHED.read_text(encoding="utf-8"))
+    table, _ = comparison_markdown(compare(published, results), "README's table")
+    text = f"## Agreement with README's table ({PUBLISHED.parent.name})\n\n{table}\n"
+    (work / "agreement.md").write_text(text, encoding="utf-8")
+    return text
+
+
+if __name__ == "__main__":
+    sys.exit(main())
