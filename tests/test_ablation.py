@@ -519,3 +519,13 @@ def test_runs_side_by_side_and_quiet_give_the_same_table(micro, tmp_path, capsys
     for arm in ARMS:
         assert f"seed1/{arm}: epoch 1, update 8: valid loss" in printed
         assert "train_inner" in (tmp_path / "work" / "seed1" / arm / "train.log").read_text()
+
+
+def test_a_run_started_with_an_old_option_name_is_the_same_run():
+    """run.json of a run begun before an option was renamed names the old flag; the same setting
+    under the new name is not a change (and a changed value still is)."""
+    earlier = ["BIN", "--topk-mode", "soft", "--selection-grad", "full", "--save-dir", "a"]
+    assert ablation_runner.differing_flags(earlier, ["BIN", "--topk-mode", "soft", "--topk-grad", "full",
+                                                     "--save-dir", "b"]) == []
+    assert ablation_runner.differing_flags(earlier, ["BIN", "--topk-mode", "soft", "--topk-grad", "none",
+                                                     "--save-dir", "a"]) == ["--topk-grad: full -> none"]

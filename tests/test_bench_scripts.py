@@ -14,7 +14,7 @@ def test_criterion_args_per_config():
     assert bench_train.criterion_args("teacher_forcing", 5, 0.1, 50, 0.8)[-2:] == ["--teacher-forcing-ratio", "1.0"]
     assert "hard" in bench_train.criterion_args("beam_hard", 5, 0.1, 50, 0.8)
     pool = bench_train.criterion_args("beam_soft_pool", 5, 0.1, 50, 0.8)
-    assert pool[pool.index("--candidate-pool") + 1] == "50"
+    assert pool[pool.index("--topk-candidate-pool") + 1] == "50"
     with pytest.raises(ValueError, match="beam_medium"):
         bench_train.criterion_args("beam_medium", 5, 0.1, 50, 0.8)
 

@@ -159,7 +159,7 @@ def test_diagnose_script_reports_each_sentences_gradient_norm(dictionary, rng):
 
     model = build_model(dictionary, scale=3.0)
     batches = [make_sample(dictionary, rng, [n]) for n in (5, 7, 4)]
-    criterion = build_criterion(dictionary, topk_epsilon=0.05, selection_grad_cap=0.01)
+    criterion = build_criterion(dictionary, topk_epsilon=0.05, topk_grad_cap=0.01)
     report = diagnose_variant(model, criterion, batches, seed=3)
     expected = []
     for i, sample in enumerate(batches):

@@ -107,9 +107,14 @@ def _has_cuda() -> bool:
 
 def _run_flags(args: Sequence[str]) -> List[str]:
     """fairseq-train arguments without the paths (data, save dir, pretrained checkpoint), so that a
-    run directory moved or copied elsewhere (results/ in git) is recognised as the same run."""
+    run directory moved or copied elsewhere (results/ in git) is recognised as the same run; a
+    renamed option's old name (:mod:`fairseq_softtopk.renamed_options`) is read as its new one, so
+    that a run started before the rename is the same run."""
+    from fairseq_softtopk.renamed_options import RENAMED_OPTIONS, flag
+
+    renamed = {flag(old): flag(new) for old, new in RENAMED_OPTIONS.items()}
     paths = {"--save-dir", "--finetune-from-model"}
-    return [arg for i, arg in enumerate(args[1:], 1) if args[i - 1] not in paths]
+    return [renamed.get(arg, arg) for i, arg in enumerate(args[1:], 1) if args[i - 1] not in paths]
 
 
 def _flag_values(args: Sequence[str]) -> Dict[str, str]:

@@ -8,7 +8,7 @@ ones, with the ``soft_beam_search`` criterion as
 * ``teacher_forcing``: ``--teacher-forcing-ratio 1.0`` (the beam search is skipped),
 * ``beam_hard``: ``--topk-mode hard`` (exact top-k, the paper's ablation),
 * ``beam_soft``: ``--topk-mode soft`` over all ``k * V`` candidates,
-* ``beam_soft_pool``: ``--topk-mode soft --candidate-pool m`` (the m best candidates only),
+* ``beam_soft_pool``: ``--topk-mode soft --topk-candidate-pool m`` (the m best candidates only),
 * ``beam_soft_fixed``: as ``beam_soft_pool`` with ``--topk-fixed-iterations --topk-max-iter
   --fixed-iter`` (no host synchronisation in the search: the GPU path),
 * ``beam_soft_compiled``: as ``beam_soft_fixed`` with ``--topk-compile default`` (the solve under
@@ -125,10 +125,12 @@ def criterion_args(config: str, beam: int, epsilon: Optional[float], pool: int, 
     flags = {
         "teacher_forcing": ["--teacher-forcing-ratio", "1.0"],
         "beam_hard": ["--teacher-forcing-ratio", str(ratio), "--topk-mode", "hard"],
-        "beam_soft": ["--teacher-forcing-ratio", str(ratio), "--topk-mode", "soft", "--candidate-pool", "0"],
-        "beam_soft_pool": ["--teacher-forcing-ratio", str(ratio), "--topk-mode", "soft", "--candidate-pool", str(pool)],
-        "beam_soft_fixed": ["--teacher-forcing-ratio", str(ratio), "--topk-mode", "soft", "--candidate-pool", str(pool),
-                            "--topk-fixed-iterations", "--topk-max-iter", str(fixed_iter)],
+        "beam_soft": ["--teacher-forcing-ratio", str(ratio), "--topk-mode", "soft", "--topk-candidate-pool", "0"],
+        "beam_soft_pool": ["--teacher-forcing-ratio", str(ratio), "--topk-mode", "soft",
+                           "--topk-candidate-pool", str(pool)],
+        "beam_soft_fixed": ["--teacher-forcing-ratio", str(ratio), "--topk-mode", "soft",
+                            "--topk-candidate-pool", str(pool), "--topk-fixed-iterations",
+                            "--topk-max-iter", str(fixed_iter)],
     }
     flags["beam_soft_compiled"] = flags["beam_soft_fixed"] + ["--topk-compile", "default"]
     if config not in flags:

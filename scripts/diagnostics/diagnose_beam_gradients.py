@@ -16,7 +16,7 @@ steps with a near tie at a rank boundary; and the selection's sharpness. Minutes
 Built-in variants (``--variants``; default: all): ``hard``; ``soft_full`` (the paper's exact
 gradient, linear cost); ``soft`` (the criterion's default); ``soft_none`` (no gradient through
 the selection); ``soft_paper`` (the paper's cost and epsilon 0.1). ``--variant NAME="FLAGS"``
-adds one, e.g. ``--variant eps03="--topk-epsilon 0.03 --selection-grad-cap 0.5"``; every
+adds one, e.g. ``--variant eps03="--topk-epsilon 0.03 --topk-grad-cap 0.5"``; every
 variant also gets ``--common`` (default: ``--train-beam 5 --teacher-forcing-ratio 0.8
 --label-smoothing 0.1``, the fine-tuning configs' settings).
 """
@@ -41,10 +41,10 @@ from fairseq_softtopk.experiments.fairseq_commands import PACKAGE_DIR  # noqa: E
 
 VARIANTS = {
     "hard": "--topk-mode hard",
-    "soft_full": "--topk-mode soft --selection-grad full",
+    "soft_full": "--topk-mode soft --topk-grad full",
     "soft": "--topk-mode soft",
-    "soft_none": "--topk-mode soft --selection-grad none",
-    "soft_paper": "--topk-mode soft --selection-grad full --topk-cost paper --topk-epsilon 0.1",
+    "soft_none": "--topk-mode soft --topk-grad none",
+    "soft_paper": "--topk-mode soft --topk-grad full --topk-cost paper --topk-epsilon 0.1",
 }
 COMMON = "--train-beam 5 --teacher-forcing-ratio 0.8 --label-smoothing 0.1"
 

@@ -1,0 +1,137 @@
+"""Publishing a run directory under ``results/``: its summaries, without the machine it ran on.
+
+``results/`` in git holds what a reader needs to check a table (``results.md``, ``results.json``,
+figures, each run's fairseq-train arguments and timings, its training log compressed), not what
+re-running the command produces again (checkpoints, hypotheses, ``eval.json`` with every
+hypothesis). Absolute paths are cut to the part a reader can resolve (from ``runs/``, ``data/``,
+``configs/``, ...), so that nothing names the machine that wrote them.
+
+    python -m fairseq_softtopk.experiments.publish RUN_DIR results/NAME     # copy a finished run
+    python -m fairseq_softtopk.experiments.publish --in-place results/NAME  # tidy a published one
+"""
+
+import argparse
+import gzip
+import re
+import shutil
+import sys
+from pathlib import Path
+from typing import Iterable, List
+
+#: path components from which a path is kept (the first one found, with what follows it)
+ANCHORS = ("runs", "data", "results", "configs", "fairseq_softtopk", "scripts", "shared", "site-packages")
+#: what results/ keeps at a run directory's top level and in each run below it
+TOP_LEVEL = ("*.md", "*.json", "*.png")
+PER_RUN = ("run.json", "done.json", "train.log")
+#: what it never keeps: re-running the command produces them
+DROPPED = ("*.pt", "*.hyp", "eval.json")
+
+# an absolute path: a slash not preceded by a word character, a dot, a colon or a slash (so not
+# a URL, a fraction or a relative path), then one or more components
+_ABSOLUTE = re.compile(r"(?<![\w.:/~-])/(?:[\w.+-]+/)*[\w.+-]+")
+
+
+def _relative(match: re.Match) -> str:
+    parts = match.group(0).strip("/").split("/")
+    for i, part in enumerate(parts):
+        if part in ANCHORS:
+            return "/".join(parts[i:])
+    return ".../" + parts[-1] if len(parts) > 1 else match.group(0)
+
+
+def strip_absolute_paths(text: str) -> str:
+    """``text`` with every absolute path of two or more components cut to its part from the first
+    :data:`ANCHORS` component (``/work/exp/runs/x/bin`` -> ``runs/x/bin``), else to ``.../name``."""
+    return _ABSOLUTE.sub(_relative, text)
+
+
+def absolute_paths(text: str) -> List[str]:
+    """The absolute paths (two or more components) that ``text`` still names."""
+    return [m.group(0) for m in _ABSOLUTE.finditer(text) if m.group(0).count("/") >= 2]
+
+
+def _write_text(path: Path, text: str) -> None:
+    if path.suffix == ".gz":
+        with gzip.open(path, "wt", encoding="utf-8") as f:
+            f.write(text)
+    else:
+        path.write_text(text, encoding="utf-8")
+
+
+def _copy_clean(source: Path, dest: Path) -> None:
+    """Copies ``source`` to ``dest`` with paths stripped (text) or as is (PNG); ``train.log`` is gzipped."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    if source.suffix == ".png":
+        if source.resolve() != dest.resolve():
+            shutil.copyfile(source, dest)
+        return
+    text = (gzip.open(source, "rt", encoding="utf-8").read() if source.suffix == ".gz"
+            else source.read_text(encoding="utf-8", errors="replace"))
+    if source.name == "train.log":
+        dest = dest.with_name("train.log.gz")
+    _write_text(dest, strip_absolute_paths(text))
+
+
+def _files(run_dir: Path) -> Iterable[Path]:
+    for pattern in TOP_LEVEL:
+        yield from sorted(run_dir.glob(pattern))
+    for name in PER_RUN + ("train.log.gz",):
+        yield from sorted(p for p in run_dir.rglob(name) if p.parent != run_dir)
+
+
+def publish(run_dir, dest) -> List[Path]:
+    """Copies the summaries of ``run_dir`` (an ablation's work directory) to ``dest``.
+
+    Raises:
+        FileNotFoundError: ``run_dir`` has no ``results.md``.
+        FileExistsError: ``dest`` exists (nothing is overwritten; remove it first).
+    """
+    run_dir, dest = Path(run_dir), Path(dest)
+    if not (run_dir / "results.md").is_file():
+        raise FileNotFoundError(f"{run_dir} has no results.md: not a finished ablation run")
+    if dest.exists():
+        raise FileExistsError(f"{dest} exists; remove it to publish {run_dir} there again")
+    written = []
+    for source in _files(run_dir):
+        target = dest / source.relative_to(run_dir)
+        _copy_clean(source, target)
+        written.append(target.with_name("train.log.gz") if source.name == "train.log" else target)
+    return written
+
+
+def tidy_in_place(published) -> None:
+    """Brings a directory already under ``results/`` to the same form: drops :data:`DROPPED`,
+    gzips the training logs, strips absolute paths from every text file."""
+    published = Path(published)
+    for pattern in DROPPED:
+        for path in published.rglob(pattern):
+            path.unlink()
+    for path in sorted(published.rglob("*")):
+        if not path.is_file() or path.suffix == ".png":
+            continue
+        _copy_clean(path, path)
+        if path.name == "train.log":
+            path.unlink()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("source", help="a finished ablation work directory (or, with --in-place, results/NAME)")
+    parser.add_argument("dest", nargs="?", help="where to publish it, e.g. results/NAME (must not exist)")
+    parser.add_argument("--in-place", action="store_true", help="tidy a directory already under results/")
+    args = parser.parse_args(argv)
+    try:
+        if args.in_place:
+            tidy_in_place(args.source)
+        else:
+            if not args.dest:
+                parser.error("give DEST, or --in-place")
+            for path in publish(args.source, args.dest):
+                print(path)
+    except (FileNotFoundError, FileExistsError) as error:
+        parser.exit(2, f"publish: error: {error}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""The main job's agreement check (reference_comparison), against scipy's two-sample t-test."""
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from fairseq_softtopk.experiments.reference_comparison import compare, comparison_markdown
+
+
+def results(bleu: dict, seeds=(1, 2, 3)) -> dict:
+    """A results.json with the fields the comparison reads: ``bleu`` = {arm: per-seed BLEU}; the
+    paired differences are the per-seed BLEU differences (as a bootstrap's ``delta`` is)."""
+    seeds = [str(s) for s in seeds]
+    scores = {arm: {s: {"test": {"bleu": v}} for s, v in zip(seeds, values)} for arm, values in bleu.items()}
+
+    def delta(arm, ref):
+        return {s: {"test": {"bleu": {"delta": scores[arm][s]["test"]["bleu"] - scores[ref][s]["test"]["bleu"]}}}
+                for s in seeds}
+
+    return {"baseline": "tf", "summary": {"tf": {"test": {}}}, "scores": scores,
+            "bootstrap": {"hard": delta("hard", "tf"), "soft": delta("soft", "tf")},
+            "bootstrap_vs": {"hard": {"soft": delta("soft", "hard")}}}
+
+
+def per_seed(run: dict, name: str) -> list:
+    arm, _, ref = name.replace(" BLEU", "").partition(" - ")
+    values = [run["scores"][arm][s]["test"]["bleu"] for s in run["scores"][arm]]
+    if ref:
+        values = [v - run["scores"][ref][s]["test"]["bleu"] for v, s in zip(values, run["scores"][ref])]
+    return values
+
+
+@pytest.mark.parametrize("shift", [0.0, 0.8, 3.0, 12.0])
+def test_each_row_agrees_exactly_when_students_t_test_does_not_reject(shift):
+    rng = np.random.default_rng(int(shift * 10))
+    published = results({arm: list(50 + rng.normal(0, 1.5, 3)) for arm in ("tf", "hard", "soft")})
+    ours = results({"tf": list(50 + rng.normal(0, 1.5, 3)), "hard": list(50 + rng.normal(0, 1.5, 3)),
+                    "soft": list(50 + shift + rng.normal(0, 1.5, 3))})
+    rows = compare(published, ours)
+    assert {row["name"] for row in rows} == {"tf BLEU", "hard BLEU", "soft BLEU", "hard - tf BLEU",
+                                             "soft - tf BLEU", "soft - hard BLEU"}
+    for row in rows:
+        p = stats.ttest_ind(per_seed(published, row["name"]), per_seed(ours, row["name"]), equal_var=True).pvalue
+        assert row["agrees"] == (p >= 0.05 / len(rows)), (row["name"], p)
+
+
+def test_a_run_agrees_with_itself_and_a_shifted_one_is_named():
+    published = results({"tf": [50.0, 51.0, 52.5], "hard": [52.0, 53.5, 53.0], "soft": [52.5, 52.0, 54.0]})
+    _, same = comparison_markdown(compare(published, published), "README's table")
+    assert same is True
+    shifted = results({"tf": [50.0, 51.0, 52.5], "hard": [52.0, 53.5, 53.0], "soft": [62.5, 62.0, 64.0]})
+    text, agrees = comparison_markdown(compare(published, shifted), "README's table")
+    assert agrees is False
+    assert "soft BLEU" in text.splitlines()[-1] and "soft - hard BLEU" in text.splitlines()[-1]
+    assert "hard - tf BLEU" not in text.splitlines()[-1]
+
+
+def test_a_single_seed_is_shown_and_not_judged():
+    published = results({"tf": [50.0, 51.0, 52.5], "hard": [52.0, 53.5, 53.0], "soft": [52.5, 52.0, 54.0]})
+    one = results({"tf": [50.0], "hard": [52.0], "soft": [52.5]}, seeds=(1,))
+    rows = compare(published, one)
+    assert rows and all(row["agrees"] is None for row in rows)
+    text, verdict = comparison_markdown(rows, "README's table")
+    assert verdict is None and "Not judged" in text

@@ -1,0 +1,76 @@
+"""results/ holds summaries (at most 2 MB, no machine's absolute paths), and the publisher that
+keeps it so (fairseq_softtopk.experiments.publish)."""
+
+import gzip
+import json
+
+import pytest
+
+from fairseq_softtopk.experiments.publish import absolute_paths, publish, strip_absolute_paths, tidy_in_place
+
+
+def _texts(root):
+    for path in sorted(root.rglob("*")):
+        if path.is_file() and path.suffix != ".png":
+            yield path, (gzip.open(path, "rt", encoding="utf-8").read() if path.suffix == ".gz"
+                         else path.read_text(encoding="utf-8"))
+
+
+def test_results_are_small_summaries_without_absolute_paths(repo_root):
+    results = repo_root / "results"
+    files = [p for p in results.rglob("*") if p.is_file()]
+    assert sum(p.stat().st_size for p in files) <= 2 * 1024 * 1024
+    assert not [p for p in files if p.suffix in (".pt", ".hyp") or p.name in ("eval.json", "train.log")]
+    offending = {str(p.relative_to(repo_root)): found[:3] for p, text in _texts(results)
+                 if (found := absolute_paths(text))}
+    assert not offending
+    for experiment in (p for p in results.iterdir() if p.is_dir()):
+        assert (experiment / "results.md").is_file() or (experiment / "README.md").is_file(), experiment
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("--save-dir /work/exp_1/runs/main_job/seed1/tf", "--save-dir runs/main_job/seed1/tf"),
+    ("data: /work/data/multi30k/bin", "data: data/multi30k/bin"),
+    ("user_dir: /home/me/clone/fairseq_softtopk", "user_dir: fairseq_softtopk"),
+    ("/root/.pyenv/versions/3.11.7/lib/python3.11/site-packages/fairseq/x.py:12",
+     "site-packages/fairseq/x.py:12"),
+    ("at /tmp/plasma", "at .../plasma"),
+    ("see https://hydra.cc/docs/1.2/upgrades and 3/4 or runs/a/b", "see https://hydra.cc/docs/1.2/upgrades and 3/4 or runs/a/b"),
+])
+def test_absolute_paths_are_cut_to_what_a_reader_can_resolve(text, expected):
+    assert strip_absolute_paths(text) == expected
+    assert not absolute_paths(strip_absolute_paths(text))
+
+
+def _run_dir(root):
+    (root / "seed1" / "tf").mkdir(parents=True)
+    (root / "results.md").write_text("# table\nconfig `/work/x/configs/demo.yaml`\n")
+    (root / "results.json").write_text(json.dumps({"work_dir": "/work/x/runs/main_job"}))
+    (root / "curves.png").write_bytes(b"\x89PNG fake")
+    (root / "seed1" / "tf" / "run.json").write_text(json.dumps({"args": ["/work/x/runs/main_job/bin"]}))
+    (root / "seed1" / "tf" / "train.log").write_text("save_dir /work/x/runs/main_job/seed1/tf\n" * 100)
+    for name in ("checkpoint_last.pt", "test.hyp", "eval.json"):
+        (root / "seed1" / "tf" / name).write_text("large")
+
+
+def test_publish_keeps_the_summaries_and_refuses_to_overwrite(tmp_path):
+    _run_dir(tmp_path / "run")
+    publish(tmp_path / "run", tmp_path / "published")
+    kept = sorted(str(p.relative_to(tmp_path / "published")) for p in (tmp_path / "published").rglob("*")
+                  if p.is_file())
+    assert kept == ["curves.png", "results.json", "results.md", "seed1/tf/run.json", "seed1/tf/train.log.gz"]
+    texts = dict(_texts(tmp_path / "published"))
+    assert not any(absolute_paths(t) for t in texts.values())
+    assert "runs/main_job/seed1/tf" in texts[tmp_path / "published" / "seed1" / "tf" / "train.log.gz"]
+    with pytest.raises(FileExistsError):
+        publish(tmp_path / "run", tmp_path / "published")
+    with pytest.raises(FileNotFoundError, match="results.md"):
+        publish(tmp_path / "published" / "seed1", tmp_path / "elsewhere")
+
+
+def test_tidy_in_place_gives_the_published_form(tmp_path):
+    _run_dir(tmp_path / "old")
+    tidy_in_place(tmp_path / "old")
+    names = sorted(p.name for p in (tmp_path / "old").rglob("*") if p.is_file())
+    assert names == ["curves.png", "results.json", "results.md", "run.json", "train.log.gz"]
+    assert not any(absolute_paths(t) for _, t in _texts(tmp_path / "old"))
