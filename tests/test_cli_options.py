@@ -23,12 +23,24 @@ def test_markdown_lists_every_field_with_its_default_and_help(capsys, component,
     out = capsys.readouterr().out
     rows = {m.group(1): (m.group(2), m.group(3)) for m in re.finditer(r"^\| `(--[\w-]+)` \| (.*?) \| (.*) \|$", out, re.M)}
     fields = [f for f in dataclasses.fields(config) if not str(f.default).startswith("${") and not f.name.startswith("_")]
-    assert list(rows) == ["--" + f.name.replace("_", "-") for f in fields]  # every option, in field order
+
+    def kind(f):
+        return 2 if f.metadata.get("deprecated") else 1 if f.metadata.get("advanced") else 0
+
+    # every option once: the main ones, then the advanced, then the deprecated names, each in field order
+    assert list(rows) == ["--" + f.name.replace("_", "-") for f in sorted(fields, key=kind)]
     for f in fields:
         default, meaning = rows["--" + f.name.replace("_", "-")]
         value = f.default.value if hasattr(f.default, "value") else f.default
-        assert default == ({True: "on", False: "off"}[value] if isinstance(value, bool) else str(value))
+        if kind(f) == 2:
+            assert default == "" and "deprecated alias of --" in meaning
+        else:
+            assert default == ({True: "on", False: "off"}[value] if isinstance(value, bool) else str(value))
         assert f.metadata["help"].replace("|", "/") in meaning
+    if any(kind(f) == 1 for f in fields):
+        assert "Advanced (experiments and tuning):" in out
+    if any(kind(f) == 2 for f in fields):
+        assert "Deprecated names (still accepted, with a warning):" in out
     if component == "soft_beam_search":
         assert "{capped, full, none}" in rows["--topk-grad"][1]  # the choices of an enum option
     if component == "softtopk_lstm":

@@ -2,6 +2,7 @@
 shrunken demo corpus."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -43,4 +44,8 @@ def test_main_job_is_quiet_and_ends_with_the_table(tmp_path, repo_root):
             work / f"seed{seed}" / "pretrain" / "checkpoint_last.pt")
     assert not (work / "pretrain").exists()
     assert "Not compared with README's table" in out  # shrunken settings: no comparison
+    # provenance: the command as typed and the commit of the code that ran
+    assert results["command"].startswith("fairseq-softtopk-main-job --work-dir ")
+    assert re.fullmatch(r"[0-9a-f]{12}(\+dirty)?", results["commit"])
+    assert f"- command: `{results['command']}` at commit `{results['commit']}`" in table
     assert len((work / "raw" / "train.src").read_text().splitlines()) == 200

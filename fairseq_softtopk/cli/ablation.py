@@ -57,6 +57,7 @@ def main(argv=None) -> int:
     parser.add_argument("--quiet", action="store_true",
                         help="print one line per validation instead of fairseq's logs (kept in each train.log)")
     args = parser.parse_args(argv)
+    command = " ".join(["fairseq-softtopk-ablation", *(sys.argv[1:] if argv is None else argv)])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s | %(levelname)s | %(name)s | %(message)s")
     try:
         config = load_config(args.config, args.set)
@@ -65,7 +66,8 @@ def main(argv=None) -> int:
         data_bin = Path(args.data_bin or Path(args.data_dir) / "bin")
         ref_dir = args.ref_dir or (Path(args.data_dir) / "raw" if args.data_dir else None)
         results = run_ablation(config, data_bin, args.work_dir, ref_dir, args.seeds, args.arms, args.pretrained,
-                               args.bootstrap_samples, verbose=not args.quiet, jobs=args.jobs)
+                               args.bootstrap_samples, verbose=not args.quiet, jobs=args.jobs,
+                               command=command)
     except (FileNotFoundError, ValueError, RuntimeError) as error:
         parser.exit(1 if isinstance(error, RuntimeError) else 2, f"{parser.prog}: error: {error}\n")
     print(results_markdown(results))

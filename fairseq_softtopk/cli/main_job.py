@@ -66,6 +66,7 @@ def main(argv=None) -> int:
                         help="sentence pairs per split (default: 8000 400 500; smaller for smoke tests)")
     parser.add_argument("--fresh", action="store_true", help="discard earlier checkpoints and results")
     args = parser.parse_args(argv)
+    command = " ".join(["fairseq-softtopk-main-job", *(sys.argv[1:] if argv is None else argv)])
     if not CONFIG.parent.is_dir():  # a non-editable install: the package without the repository around it
         parser.exit(2, f"{parser.prog}: error: no configs/ next to {REPO / 'fairseq_softtopk'}: the main job runs "
                        f"from a clone of the repository (it reads configs/demo_finetune.yaml and results/), "
@@ -83,7 +84,8 @@ def main(argv=None) -> int:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
     if args.fresh:
         for path in [work / "pretrain", *work.glob("seed*")]:
-            shutil.rmtree(path)
+            if path.exists():
+                shutil.rmtree(path)
     start = time.time()
     print(f"main job: generating and binarising the demo language pair into {work}", flush=True)
     splits = None
@@ -91,7 +93,7 @@ def main(argv=None) -> int:
         splits = {split: (n, seed) for (split, (_, seed)), n in zip(DEMO_SPLITS.items(), args.sizes)}
     data_bin = binarize_generated_corpus(work, splits=splits, corpus="demo")
     results = run_ablation(config, data_bin, work, ref_dir=work / "raw", seeds=args.seeds, arms=args.arms,
-                           verbose=args.verbose, jobs=args.jobs)
+                           verbose=args.verbose, jobs=args.jobs, command=command)
     print()
     print(results_markdown(results))
     print(agreement_with_published(results, args, work))

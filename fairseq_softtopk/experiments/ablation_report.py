@@ -136,7 +136,11 @@ def results_markdown(results: dict) -> str:
                     lines.append(f"| {arm} | {' | '.join(cells)} |")
         reference = results["scores"][base][str(results["seeds"][0])][subset]["reference"]
         lines += ["", f"Reference: `{reference}`.", ""]
-    lines += ["## Settings", "", f"- config: `{results['config']}`; data: `{results['data_bin']}`",
+    lines += ["## Settings", ""]
+    if results.get("command") or results.get("commit"):
+        lines += [f"- command: `{results.get('command') or '(not recorded)'}` at commit "
+                  f"`{results.get('commit') or '(not a git checkout)'}`"]
+    lines += [f"- config: `{results['config']}`; data: `{results['data_bin']}`",
               f"- common fairseq-train flags: `{' '.join(results['common_flags'])}`"]
     lines += [f"- arm `{arm}`: `{' '.join(flags) or '(none)'}`" for arm, flags in results["arm_flags"].items()]
     lines += [f"- evaluation: {json.dumps(results['eval'])}",

@@ -99,6 +99,22 @@ def _threads_per_run(jobs: int) -> int:
     return int(os.environ.get("OMP_NUM_THREADS") or 0) or max(1, _cores() // max(1, jobs))
 
 
+def source_commit() -> Optional[str]:
+    """The git commit of the checkout this package was imported from (``+dirty`` with uncommitted
+    changes to tracked files), or None outside a git checkout."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    try:
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                                text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return commit + ("+dirty" if dirty else "")
+
+
 def _has_cuda() -> bool:
     import torch
 
@@ -254,7 +270,7 @@ def select_arms(config: dict, arms: Optional[Sequence[str]]) -> List[str]:
 
 def run_ablation(config: dict, data_bin, work_dir, ref_dir=None, seeds: Sequence[int] = (1,),
                  arms: Optional[Sequence[str]] = None, pretrained=None, bootstrap_samples: int = 1000,
-                 verbose: bool = True, jobs: int = 1) -> dict:
+                 verbose: bool = True, jobs: int = 1, command: Optional[str] = None) -> dict:
     """Pretrains (if needed), trains and evaluates every arm and seed, writes the report.
 
     Args:
@@ -328,7 +344,8 @@ def run_ablation(config: dict, data_bin, work_dir, ref_dir=None, seeds: Sequence
     for (seed, arm), result in zip(order, done):
         runs.setdefault(arm, {})[str(seed)] = result
     results = summarise(config, runs, arms, list(seeds), bootstrap_samples)
-    results.update({"data_bin": str(data_bin), "work_dir": str(work_dir), "pretrain_per_seed": per_seed,
+    results.update({"command": command, "commit": source_commit(),
+                    "data_bin": str(data_bin), "work_dir": str(work_dir), "pretrain_per_seed": per_seed,
                     "pretrained_checkpoint": str(start_ckpt) if start_ckpt else None})
     results["curves_png"] = plot_curves(work_dir, arms, seeds, work_dir / "curves.png")
     _write_json_atomic(work_dir / "results.json", results)
