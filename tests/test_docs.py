@@ -87,3 +87,21 @@ def test_readme_option_tables_are_the_dataclass_fields_with_their_defaults(repo_
 def test_the_teacher_forcing_ratio_is_explained_as_a_loss_weight(repo_root, option):
     row = next(line for line in (repo_root / "README.md").read_text().splitlines() if line.startswith(f"| `{option}`"))
     assert "weight p of the teacher-forcing loss" in row and "not scheduled sampling" in row
+
+
+def test_readme_demo_row_is_the_published_main_job_run(repo_root):
+    """README's demo numbers are those of results/main_job_demo/results.json, the run that the main
+    job compares a user's run with."""
+    import json
+    import statistics
+
+    results = json.loads((repo_root / "results" / "main_job_demo" / "results.json").read_text())
+    row = next(line for line in (repo_root / "README.md").read_text().splitlines()
+               if line.startswith("| the demo language pair"))
+    for arm in ("pretrained", "tf", "hard", "soft"):
+        s = results["summary"][arm]["test"]
+        assert f"{arm} {s['bleu_mean']:.2f} ± {s['bleu_sd']:.2f}" in row
+    for label, by_seed in (("hard − tf", results["bootstrap"]["hard"]),
+                           ("soft − hard", results["bootstrap_vs"]["hard"]["soft"])):
+        deltas = [d["test"]["bleu"]["delta"] for d in by_seed.values()]
+        assert f"{label} {statistics.fmean(deltas):+.2f} ± {statistics.stdev(deltas):.2f}".replace("-", "−") in row

@@ -38,6 +38,8 @@ def _quantities(results: dict, subset: str) -> Dict[str, List[float]]:
     against = {results["baseline"]: results.get("bootstrap") or {}, **(results.get("bootstrap_vs") or {})}
     for ref, arms in against.items():
         for arm, by_seed in arms.items():
+            if f"{ref} - {arm} BLEU" in rows:  # the same difference, mirrored (tf against hard, hard against tf)
+                continue
             rows[f"{arm} - {ref} BLEU"] = [d[subset]["bleu"]["delta"] for d in by_seed.values() if subset in d]
     return {name: values for name, values in rows.items() if values}
 
