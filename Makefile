@@ -1,6 +1,6 @@
 # Two entry points; both create or reuse .venv/ (scripts/setup_venv.sh) first.
 #   make demo   the main job: the beam-search training ablation on the embedded generated demo pair
-#               (no download, no GPU; about 15 minutes on 2 idle cores; prints the results table
+#               (no download, no GPU; about 20 minutes on 2 idle cores; prints the results table
 #               and whether it agrees with README's)
 #   make test   the whole test suite
 PY := .venv/bin/python

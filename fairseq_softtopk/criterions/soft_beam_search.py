@@ -208,7 +208,7 @@ class SoftBeamSearchCriterion(FairseqCriterion):
                                        compile="" if str(topk_compile) == "none" else str(topk_compile))
         self.p = teacher_forcing_ratio
         self.label_smoothing = label_smoothing
-        #: set to a list to collect every selection-gradient norm (scripts/diagnose_beam_gradients.py)
+        #: set to a list to collect every selection-gradient norm (scripts/diagnostics/diagnose_beam_gradients.py)
         self.record_selection_grads: Optional[List[float]] = None
         self.sentence_avg = sentence_avg
 

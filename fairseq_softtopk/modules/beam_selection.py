@@ -194,6 +194,6 @@ def compiled_fixed_solve(mode: str) -> Callable[..., Tuple[Tensor, Tensor]]:
 
     Every iteration of the solve is a few small operations, so on a GPU the eager solve is bound
     by kernel launches (about 65 per iteration); compiled, the iterations' elementwise work is
-    fused into a few kernels each (``scripts/bench_train.py`` counts them).
+    fused into a few kernels each (``scripts/bench/bench_train.py`` counts them).
     """
     return torch.compile(fixed_solve, fullgraph=True, dynamic=True, mode=mode)

@@ -4,7 +4,7 @@ Follows the paper's Algorithm 1 and appendix B as published: squared-distance co
 by its maximum over the whole batch (detached), a fixed number of Sinkhorn iterations (200
 by default; the kernel form above epsilon = 1e-2, falling back to the log-domain form on
 NaN, the log-domain form below), and the closed-form backward of appendix B with an explicit
-``k x k`` inverse. Tests compare our solvers with it at convergence; ``scripts/bench_ops.py``
+``k x k`` inverse. Tests compare our solvers with it at convergence; ``scripts/bench/bench_ops.py``
 times it as published.
 """
 

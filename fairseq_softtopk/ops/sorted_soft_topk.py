@@ -135,7 +135,7 @@ def sorted_soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = T
         all the same. Python's default filter shows it once per call site.
     """
     check_inputs(scores, k, epsilon, mask, cost, tol, max_iter, dim)
-    # a named range for torch.profiler (scripts/bench_train.py reads it)
+    # a named range for torch.profiler (scripts/bench/bench_train.py reads it)
     with torch.profiler.record_function("softtopk::sorted_soft_topk"):
         prep = prepare_scores(scores, k, dim, largest, epsilon, mask, cost, n_anchor_steps=k,
                               checks=not fixed_iterations)
