@@ -309,3 +309,21 @@ def test_epsilon_schedule_needs_a_model_that_counts_updates(dictionary, rng):
     model = build_model(dictionary)
     with pytest.raises(ValueError, match="records its update number"):
         criterion(model, make_sample(dictionary, rng, [3]))
+
+
+def test_a_model_that_cannot_unroll_the_search_is_named_and_teacher_forcing_still_works(dictionary, rng):
+    """The Transformer has no step interface: the beam term names what is missing and the models that
+    have it (instead of a TypeError from deep inside forward); p = 1 is plain teacher forcing for any model."""
+    from builders import build_transformer
+    from fairseq_softtopk.criterions.soft_beam_search import unroll_interface_missing
+
+    transformer = build_transformer(dictionary)
+    sample = make_sample(dictionary, rng, [4, 2])
+    with pytest.raises(ValueError, match=r"SoftTopKTransformerModel cannot do \(missing: forward\(\.\.\., "
+                                         r"beam_search=\), decoder\.initial_state.*decoder\.step\).*softtopk_lstm"):
+        build_criterion(dictionary, teacher_forcing_ratio=0.8)(transformer, sample)
+    loss, _, log = build_criterion(dictionary, teacher_forcing_ratio=1.0)(transformer, sample)
+    assert torch.isfinite(loss) and float(log["beam_loss"]) == 0.0
+    lstm = build_model(dictionary)
+    assert unroll_interface_missing(lstm) == []
+    assert unroll_interface_missing(SimpleNamespace(module=lstm)) == []  # through a DDP-style wrapper

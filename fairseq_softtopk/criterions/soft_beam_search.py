@@ -125,6 +125,24 @@ class SelectionGradientStats:
         return {key: self.sums[i] for i, key in enumerate(SELGRAD_KEYS)}
 
 
+#: what the unrolled search needs of a model (softtopk_lstm has it)
+UNROLL_INTERFACE = ("initial_state", "embed", "embedding_matrix", "step")
+
+
+def unroll_interface_missing(model) -> List[str]:
+    """What ``model`` (or the module a DistributedDataParallel wrapper holds) lacks for the unrolled
+    beam search: ``forward(..., beam_search=)`` and the decoder's step interface; [] if nothing."""
+    import inspect
+
+    inner = getattr(model, "module", model)
+    missing = []
+    if "beam_search" not in inspect.signature(inner.forward).parameters:
+        missing.append("forward(..., beam_search=)")
+    decoder = getattr(inner, "decoder", None)
+    missing += [f"decoder.{name}" for name in UNROLL_INTERFACE if not callable(getattr(decoder, name, None))]
+    return missing
+
+
 def annealed_epsilon(start: float, end: float, update: int, anneal_updates: int) -> float:
     """Epsilon at ``update`` of a geometric schedule from ``start`` (update 0) to ``end``.
 
@@ -211,6 +229,22 @@ class SoftBeamSearchCriterion(FairseqCriterion):
         #: set to a list to collect every selection-gradient norm (scripts/diagnostics/diagnose_beam_gradients.py)
         self.record_selection_grads: Optional[List[float]] = None
         self.sentence_avg = sentence_avg
+        self._unrollable = set()  # model classes that passed _check_unrollable
+
+    def _check_unrollable(self, model) -> None:
+        """Raises ``ValueError`` naming what a model without the unroll interface lacks (checked once per model class)."""
+        kind = type(getattr(model, "module", model))
+        if kind in self._unrollable:
+            return
+        missing = unroll_interface_missing(model)
+        if missing:
+            raise ValueError(
+                f"--criterion soft_beam_search with --teacher-forcing-ratio < 1 trains through a beam search unrolled "
+                f"in the model, which {kind.__name__} cannot do (missing: {', '.join(missing)}). Beam-search "
+                f"training supports the plugin's LSTM (--arch softtopk_lstm, softtopk_lstm_tiny, "
+                f"softtopk_lstm_multi30k, softtopk_lstm_wmt14); Transformers are not supported yet. With "
+                f"--teacher-forcing-ratio 1.0 the criterion is plain teacher forcing and takes any model.")
+        self._unrollable.add(kind)
 
     def search_config(self, model) -> BeamSearchConfig:
         """The search's options at the model's current update (the epsilon schedule, if any)."""
@@ -241,6 +275,7 @@ class SoftBeamSearchCriterion(FairseqCriterion):
                                       bos, search, grad_observer=stats)
 
         if run_beam:
+            self._check_unrollable(model)
             net_output, beam = model(**sample["net_input"], beam_search=beam_search)
         else:
             net_output = model(**sample["net_input"])
