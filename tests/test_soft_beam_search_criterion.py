@@ -326,4 +326,9 @@ def test_a_model_that_cannot_unroll_the_search_is_named_and_teacher_forcing_stil
     assert torch.isfinite(loss) and float(log["beam_loss"]) == 0.0
     lstm = build_model(dictionary)
     assert unroll_interface_missing(lstm) == []
-    assert unroll_interface_missing(SimpleNamespace(module=lstm)) == []  # through a DDP-style wrapper
+    # through wrappers: fairseq's ModuleProxyWrapper around DistributedDataParallel around the model
+    wrapped = torch.nn.Module()
+    wrapped.module = torch.nn.Module()
+    wrapped.module.module = lstm
+    assert unroll_interface_missing(wrapped) == []
+    assert unroll_interface_missing(torch.nn.ModuleDict({"module": transformer}))[:1] == ["forward(..., beam_search=)"]

@@ -129,12 +129,19 @@ class SelectionGradientStats:
 UNROLL_INTERFACE = ("initial_state", "embed", "embedding_matrix", "step")
 
 
+def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The model inside its wrappers (DistributedDataParallel, fairseq's ModuleProxyWrapper around it, ...)."""
+    while isinstance(getattr(model, "module", None), torch.nn.Module):
+        model = model.module
+    return model
+
+
 def unroll_interface_missing(model) -> List[str]:
-    """What ``model`` (or the module a DistributedDataParallel wrapper holds) lacks for the unrolled
+    """What ``model`` (or the module its DistributedDataParallel wrappers hold) lacks for the unrolled
     beam search: ``forward(..., beam_search=)`` and the decoder's step interface; [] if nothing."""
     import inspect
 
-    inner = getattr(model, "module", model)
+    inner = unwrapped(model)
     missing = []
     if "beam_search" not in inspect.signature(inner.forward).parameters:
         missing.append("forward(..., beam_search=)")
@@ -233,7 +240,7 @@ class SoftBeamSearchCriterion(FairseqCriterion):
 
     def _check_unrollable(self, model) -> None:
         """Raises ``ValueError`` naming what a model without the unroll interface lacks (checked once per model class)."""
-        kind = type(getattr(model, "module", model))
+        kind = type(unwrapped(model))
         if kind in self._unrollable:
             return
         missing = unroll_interface_missing(model)
