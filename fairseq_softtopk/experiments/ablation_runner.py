@@ -298,6 +298,15 @@ def run_ablation(config: dict, data_bin, work_dir, ref_dir=None, seeds: Sequence
     arms = select_arms(config, arms)
     runs: Dict[str, dict] = {}
     start_ckpt = None
+
+    def train_and_score(run_dir: Path, flags: dict, finetune_from: Optional[Path], side_by_side: int) -> dict:
+        """Trains one run (the cores shared among ``side_by_side`` runs) and scores it."""
+        with intra_op_threads(_threads_per_run(side_by_side)):
+            train = train_run(data_bin, flags, run_dir, finetune_from=finetune_from, verbose=verbose,
+                              alone=side_by_side <= 1)
+            return {"train": {**train, **read_train_stats(run_dir / "train.log")},
+                    "eval": evaluate_run(run_dir, data_bin, ref_dir, eval_cfg, pair)}
+
     per_seed = config["stage"] == "finetune" and pretrained is None and bool(config.get("pretrain_per_seed"))
     if config["stage"] == "finetune" and not per_seed:
         if pretrained is not None:
@@ -306,31 +315,18 @@ def run_ablation(config: dict, data_bin, work_dir, ref_dir=None, seeds: Sequence
                 raise FileNotFoundError(f"pretrained checkpoint not found: {start_ckpt}")
         else:
             pre_dir = work_dir / "pretrain"
-            with intra_op_threads(_threads_per_run(1)):  # runs alone
-                train = train_run(data_bin, stage_flags(config["pretrain"]), pre_dir, verbose=verbose)
-                runs["pretrained"] = {"0": {"train": {**train, **read_train_stats(pre_dir / "train.log")},
-                                            "eval": evaluate_run(pre_dir, data_bin, ref_dir, eval_cfg, pair)}}
+            runs["pretrained"] = {"0": train_and_score(pre_dir, stage_flags(config["pretrain"]), None, 1)}
             start_ckpt = pre_dir / "checkpoint_last.pt"
-    threads = _threads_per_run(jobs)
 
     def pretrain(seed: int) -> dict:
-        pre_dir = work_dir / f"seed{seed}" / "pretrain"
-        with intra_op_threads(threads):
-            train = train_run(data_bin, {**stage_flags(config["pretrain"]), "seed": seed}, pre_dir,
-                              verbose=verbose, alone=jobs <= 1)
-            return {"train": {**train, **read_train_stats(pre_dir / "train.log")},
-                    "eval": evaluate_run(pre_dir, data_bin, ref_dir, eval_cfg, pair)}
+        return train_and_score(work_dir / f"seed{seed}" / "pretrain",
+                               {**stage_flags(config["pretrain"]), "seed": seed}, None, jobs)
 
     def train_and_evaluate(seed: int, arm: str) -> dict:
-        run_dir = work_dir / f"seed{seed}" / arm
-        flags = {**stage_flags(config, arm), "seed": seed}
         if per_seed:
             pretrained_runs[seed].result()  # submitted earlier, so running or done: no deadlock
         start = work_dir / f"seed{seed}" / "pretrain" / "checkpoint_last.pt" if per_seed else start_ckpt
-        with intra_op_threads(threads):
-            train = train_run(data_bin, flags, run_dir, finetune_from=start, verbose=verbose, alone=jobs <= 1)
-            return {"train": {**train, **read_train_stats(run_dir / "train.log")},
-                    "eval": evaluate_run(run_dir, data_bin, ref_dir, eval_cfg, pair)}
+        return train_and_score(work_dir / f"seed{seed}" / arm, {**stage_flags(config, arm), "seed": seed}, start, jobs)
 
     order = [(seed, arm) for seed in seeds for arm in arms]
     # threads suffice: each run is a fairseq subprocess. Per-seed pretraining runs go first; a
