@@ -39,11 +39,11 @@ from fairseq_softtopk.data.demo_language_pair import DEMO_SPLITS
 from fairseq_softtopk.experiments.ablation_config import load_config
 from fairseq_softtopk.experiments.ablation_report import results_markdown
 from fairseq_softtopk.experiments.ablation_runner import run_ablation
-from fairseq_softtopk.experiments.fairseq_commands import binarize_generated_corpus
+from fairseq_softtopk.experiments.fairseq_commands import PACKAGE_DIR, binarize_generated_corpus
 from fairseq_softtopk.experiments.reference_comparison import compare, comparison_markdown
 
 #: The repository: the parent of the fairseq_softtopk directory (a clone; an installed wheel has no configs/).
-REPO = Path(__file__).resolve().parents[2]
+REPO = PACKAGE_DIR.parent
 CONFIG = REPO / "configs" / "demo_finetune.yaml"
 #: The run README's table shows (its results.json), and its seeds.
 PUBLISHED = REPO / "results" / "main_job_demo" / "results.json"

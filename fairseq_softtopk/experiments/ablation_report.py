@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Dict, Optional, Sequence
 
 from .ablation_config import flags_to_args, stage_flags
+from .fairseq_commands import PACKAGE_DIR
 
 TRAIN_STATS = ("wall_seconds", "cpu_seconds", "gnorm_median", "clipped_percent")
 
@@ -14,9 +15,8 @@ TRAIN_STATS = ("wall_seconds", "cpu_seconds", "gnorm_median", "clipped_percent")
 def display_path(path) -> str:
     """``path`` relative to the repository when inside it (reports are committed under results/:
     no machine's absolute paths), else as given."""
-    repo = Path(__file__).resolve().parents[2]  # the checkout: the parent of the fairseq_softtopk directory
     try:
-        return str(Path(path).resolve().relative_to(repo))
+        return str(Path(path).resolve().relative_to(PACKAGE_DIR.parent))
     except ValueError:
         return str(path)
 

@@ -16,7 +16,7 @@ from typing import Dict, List, Mapping, Optional, Sequence
 from .ablation_config import EVAL_KEYS, check_train_flags, flags_to_args, stage_flags
 from .ablation_plot import plot_curves
 from .ablation_report import results_markdown, summarise
-from .fairseq_commands import fairseq_command, intra_op_threads, run_logged
+from .fairseq_commands import PACKAGE_DIR, fairseq_command, intra_op_threads, run_logged
 
 logger = logging.getLogger("ablation")
 
@@ -104,7 +104,7 @@ def source_commit() -> Optional[str]:
     changes to tracked files), or None outside a git checkout."""
     import subprocess
 
-    root = Path(__file__).resolve().parents[2]
+    root = PACKAGE_DIR.parent
     try:
         commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True,
                                 text=True, check=True).stdout.strip()
