@@ -188,9 +188,13 @@ class SoftBeamSearchCriterion(FairseqCriterion):
                  candidate_pool=None, selection_grad=None, selection_grad_cap=None, sentence_avg=False):
         super().__init__(task)
         # the deprecated names (renamed_options), then the checks under the new names
-        candidate_pool = use_renamed("candidate_pool", candidate_pool, topk_candidate_pool, 0)
-        selection_grad = use_renamed("selection_grad", selection_grad, str(topk_grad), "capped", TOPK_GRAD_CHOICES)
-        selection_grad_cap = use_renamed("selection_grad_cap", selection_grad_cap, topk_grad_cap, 0.3)
+        default = {f.name: f.default for f in dataclasses.fields(SoftBeamSearchConfig)}
+        candidate_pool = use_renamed("candidate_pool", candidate_pool, topk_candidate_pool,
+                                     default["topk_candidate_pool"])
+        selection_grad = use_renamed("selection_grad", selection_grad, str(topk_grad), default["topk_grad"],
+                                     TOPK_GRAD_CHOICES)
+        selection_grad_cap = use_renamed("selection_grad_cap", selection_grad_cap, topk_grad_cap,
+                                         default["topk_grad_cap"])
         if not 0.0 <= teacher_forcing_ratio <= 1.0:
             raise ValueError(f"--teacher-forcing-ratio must be in [0, 1], got {teacher_forcing_ratio}")
         if train_beam < 1:

@@ -164,7 +164,8 @@ def softtopk_defaults(args) -> None:
     # checkpoint saved before the rename holds False when the option was not given: not a use
     old = safe_getattr(args, "topk_self_attention", None)
     args.attention_normalize_self_attention = use_renamed(
-        "topk_self_attention", old or None, bool(args.attention_normalize_self_attention), False)
+        "topk_self_attention", old or None, bool(args.attention_normalize_self_attention),
+        defaults.attention_normalize_self_attention)
     args.topk_self_attention = None
     base_architecture(args)
 
