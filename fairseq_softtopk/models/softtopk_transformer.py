@@ -1,7 +1,8 @@
 """``softtopk_transformer``: fairseq's Transformer with top-k encoder-decoder attention.
 
 Registered with fairseq as model ``softtopk_transformer`` and architectures
-``softtopk_transformer_tiny`` (tests), ``softtopk_transformer_multi30k`` (CPU-sized) and
+``softtopk_transformer_tiny`` (tests), ``softtopk_transformer_multi30k`` (CPU-sized),
+``softtopk_transformer_prenorm_multi30k`` (pre-LN, for beam-search training) and
 ``softtopk_transformer_wmt16`` (Transformer base). Every encoder-decoder attention, and with
 ``--attention-normalize-self-attention`` every self-attention too, is a
 :class:`~fairseq_softtopk.modules.topk_multihead_attention.TopKMultiheadAttention` whose
@@ -194,6 +195,22 @@ def softtopk_transformer_multi30k(args):
         _set_default(args, f"{side}_ffn_embed_dim", 512)
         _set_default(args, f"{side}_layers", 3)
         _set_default(args, f"{side}_attention_heads", 4)
+    _set_default(args, "dropout", 0.3)
+    softtopk_defaults(args)
+
+
+@register_model_architecture("softtopk_transformer", "softtopk_transformer_prenorm_multi30k")
+def softtopk_transformer_prenorm_multi30k(args):
+    """For beam-search training on Multi30k: pre-LN, 3+3 layers of size 256, 4 heads, FFN 1024, all
+    embeddings tied (a joined dictionary), dropout 0.3; 7.6M parameters with an 8k joint BPE, the size
+    of the Transformer in the peer beamgrad's published Multi30k protocol (docs/beam_search_training.md)."""
+    for side in ("encoder", "decoder"):
+        _set_default(args, f"{side}_embed_dim", 256)
+        _set_default(args, f"{side}_ffn_embed_dim", 1024)
+        _set_default(args, f"{side}_layers", 3)
+        _set_default(args, f"{side}_attention_heads", 4)
+        _set_default(args, f"{side}_normalize_before", True)
+    _set_default(args, "share_all_embeddings", True)
     _set_default(args, "dropout", 0.3)
     softtopk_defaults(args)
 
