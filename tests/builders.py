@@ -40,6 +40,31 @@ def build_transformer(dictionary, dtype: torch.dtype = torch.float64, **options)
     return stt.SoftTopKTransformerModel.build_model(args, task).to(dtype).train()
 
 
+def build_stock_transformer(dictionary, dtype: torch.dtype = torch.float64, **options):
+    """fairseq's own ``transformer`` (post-LN, sinusoidal positions), 2+2 layers of size 16, without dropout."""
+    from fairseq.models.transformer import TransformerModel, base_architecture
+
+    task = argparse.Namespace(source_dictionary=dictionary, target_dictionary=dictionary)
+    sizes = dict(encoder_embed_dim=16, decoder_embed_dim=16, encoder_ffn_embed_dim=24, decoder_ffn_embed_dim=24,
+                 encoder_layers=2, decoder_layers=2, encoder_attention_heads=2, decoder_attention_heads=2)
+    args = argparse.Namespace(arch="transformer", dropout=0.0, **{**sizes, **options})
+    base_architecture(args)
+    torch.manual_seed(0)
+    return TransformerModel.build_model(args, task).to(dtype).train()
+
+
+def build_fairseq_lstm(dictionary, dtype: torch.dtype = torch.float64):
+    """fairseq's own ``lstm`` (a decoder that keeps its recurrent state itself): 1 layer of size 8."""
+    from fairseq.models.lstm import LSTMModel, base_architecture
+
+    task = argparse.Namespace(source_dictionary=dictionary, target_dictionary=dictionary)
+    args = argparse.Namespace(arch="lstm", criterion="cross_entropy", dropout=0.0, encoder_embed_dim=8, encoder_hidden_size=8,
+                              decoder_embed_dim=8, decoder_hidden_size=8, decoder_out_embed_dim=8)
+    base_architecture(args)
+    torch.manual_seed(0)
+    return LSTMModel.build_model(args, task).to(dtype).train()
+
+
 #: The criterion's options in the tests unless overridden (a tight tolerance: gradients are compared).
 CRITERION_DEFAULTS = dict(train_beam=3, topk_epsilon=0.1, topk_epsilon_start=0.0, topk_epsilon_anneal_updates=0,
                           topk_epsilon_relative=0.0, topk_cost="linear", topk_tol=1e-8, topk_max_iter=50,

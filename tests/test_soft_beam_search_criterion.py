@@ -312,23 +312,27 @@ def test_epsilon_schedule_needs_a_model_that_counts_updates(dictionary, rng):
 
 
 def test_a_model_that_cannot_unroll_the_search_is_named_and_teacher_forcing_still_works(dictionary, rng):
-    """The Transformer has no step interface: the beam term names what is missing and the models that
-    have it (instead of a TypeError from deep inside forward); p = 1 is plain teacher forcing for any model."""
-    from builders import build_transformer
-    from fairseq_softtopk.criterions.soft_beam_search import unroll_interface_missing
+    """fairseq's own LSTM keeps its recurrent state itself (neither the plugin's step interface nor attention
+    caches): the beam term names what is missing and the models that have it (instead of a TypeError from deep
+    inside forward); p = 1 is plain teacher forcing for any model."""
+    from builders import build_fairseq_lstm, build_transformer
+    from fairseq_softtopk.criterions.soft_beam_search import unroll_interface_missing, unroll_kind
 
-    transformer = build_transformer(dictionary)
+    fairseq_lstm = build_fairseq_lstm(dictionary)
     sample = make_sample(dictionary, rng, [4, 2])
-    with pytest.raises(ValueError, match=r"SoftTopKTransformerModel cannot do \(missing: forward\(\.\.\., "
-                                         r"beam_search=\), decoder\.initial_state.*decoder\.step\).*softtopk_lstm"):
-        build_criterion(dictionary, teacher_forcing_ratio=0.8)(transformer, sample)
-    loss, _, log = build_criterion(dictionary, teacher_forcing_ratio=1.0)(transformer, sample)
+    with pytest.raises(ValueError, match=r"LSTMModel cannot do: it lacks forward\(\.\.\., beam_search=\), "
+                                         r"decoder\.initial_state.*LSTMDecoder keeps a state of its own.*"
+                                         r"softtopk_lstm.*softtopk_transformer.*transformer family"):
+        build_criterion(dictionary, teacher_forcing_ratio=0.8)(fairseq_lstm, sample)
+    loss, _, log = build_criterion(dictionary, teacher_forcing_ratio=1.0)(fairseq_lstm, sample)
     assert torch.isfinite(loss) and float(log["beam_loss"]) == 0.0
     lstm = build_model(dictionary)
-    assert unroll_interface_missing(lstm) == []
+    assert unroll_interface_missing(lstm) == [] and unroll_kind(lstm) == "model"
     # through wrappers: fairseq's ModuleProxyWrapper around DistributedDataParallel around the model
     wrapped = torch.nn.Module()
     wrapped.module = torch.nn.Module()
     wrapped.module.module = lstm
-    assert unroll_interface_missing(wrapped) == []
-    assert unroll_interface_missing(torch.nn.ModuleDict({"module": transformer}))[:1] == ["forward(..., beam_search=)"]
+    assert unroll_interface_missing(wrapped) == [] and unroll_kind(wrapped) == "model"
+    transformer = torch.nn.ModuleDict({"module": build_transformer(dictionary)})
+    assert unroll_interface_missing(transformer)[:1] == ["forward(..., beam_search=)"]
+    assert unroll_kind(transformer) == "incremental"

@@ -19,8 +19,12 @@ solve; soft mode), and, from the backward pass, ``selgrad_log10``
 (mean log10 norm of the gradient reaching a step's selection, per sentence), ``selgrad_capped``
 and ``selgrad_over100`` (shares of those above the cap and above 100 gold-token gradients).
 
-The model must accept ``beam_search=`` in ``forward`` (``softtopk_lstm`` does): the unrolling
-then runs inside the model's forward, so that DistributedDataParallel sees it.
+Models: the plugin's LSTM accepts ``beam_search=`` in ``forward``, and the unrolling runs inside
+it; a Transformer (the plugin's ``softtopk_transformer*``, fairseq's ``transformer*``) runs its
+teacher-forcing forward, and its decoder is then driven step by step through fairseq's
+incremental state, the self-attention caches mixed over beams
+(:mod:`fairseq_softtopk.modules.incremental_decoder_unroll`). Any other model gets an error naming
+what it lacks.
 """
 
 import dataclasses
@@ -35,6 +39,7 @@ from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from omegaconf import II
 
 from ..modules.beam_search import BeamSearchConfig, unroll_beam_search
+from ..modules.incremental_decoder_unroll import IncrementalDecoderUnroll, incremental_unroll_missing
 from ..renamed_options import alias_metadata, use_renamed
 
 #: logged per sentence and step from the backward pass (see SelectionGradientStats)
@@ -125,8 +130,13 @@ class SelectionGradientStats:
         return {key: self.sums[i] for i, key in enumerate(SELGRAD_KEYS)}
 
 
-#: what the unrolled search needs of a model (softtopk_lstm has it)
+#: what the unrolled search needs of a model's decoder to run inside the model (softtopk_lstm has it)
 UNROLL_INTERFACE = ("initial_state", "embed", "embedding_matrix", "step")
+
+#: the architectures that beam-search training supports (README, docs/beam_search_training.md)
+SUPPORTED_ARCHITECTURES = ("the plugin's LSTM (softtopk_lstm*) and fairseq incremental decoders built of "
+                           "MultiheadAttention: the plugin's Transformer (softtopk_transformer*) and fairseq's "
+                           "transformer family")
 
 
 def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
@@ -137,8 +147,9 @@ def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def unroll_interface_missing(model) -> List[str]:
-    """What ``model`` (or the module its DistributedDataParallel wrappers hold) lacks for the unrolled
-    beam search: ``forward(..., beam_search=)`` and the decoder's step interface; [] if nothing."""
+    """What ``model`` (or the module its DistributedDataParallel wrappers hold) lacks for running the
+    unrolled beam search inside its forward: ``forward(..., beam_search=)`` and the decoder's step
+    interface; [] if nothing."""
     import inspect
 
     inner = unwrapped(model)
@@ -148,6 +159,32 @@ def unroll_interface_missing(model) -> List[str]:
     decoder = getattr(inner, "decoder", None)
     missing += [f"decoder.{name}" for name in UNROLL_INTERFACE if not callable(getattr(decoder, name, None))]
     return missing
+
+
+def unroll_kind(model) -> str:
+    """How the beam search is unrolled for ``model``: ``"model"`` (inside its forward, the plugin's LSTM)
+    or ``"incremental"`` (the decoder driven step by step through fairseq's incremental state, a
+    Transformer: :class:`~fairseq_softtopk.modules.incremental_decoder_unroll.IncrementalDecoderUnroll`).
+
+    Raises:
+        ValueError: naming what the model lacks for either.
+    """
+    missing = unroll_interface_missing(model)
+    if not missing:
+        return "model"
+    inner = unwrapped(model)
+    incremental_missing = incremental_unroll_missing(getattr(inner, "decoder", None))
+    if not incremental_missing:
+        if not isinstance(getattr(inner, "encoder", None), torch.nn.Module):
+            incremental_missing = ["an encoder module"]
+        else:
+            return "incremental"
+    raise ValueError(
+        f"--criterion soft_beam_search with --teacher-forcing-ratio < 1 trains through a beam search unrolled "
+        f"step by step, which {type(inner).__name__} cannot do: it lacks {', '.join(missing)} (to run the search "
+        f"inside its forward) and {'; '.join(incremental_missing)} (to drive its decoder through fairseq's "
+        f"incremental state). Beam-search training supports {SUPPORTED_ARCHITECTURES}. With "
+        f"--teacher-forcing-ratio 1.0 the criterion is plain teacher forcing and takes any model.")
 
 
 def annealed_epsilon(start: float, end: float, update: int, anneal_updates: int) -> float:
@@ -240,22 +277,32 @@ class SoftBeamSearchCriterion(FairseqCriterion):
         #: set to a list to collect every selection-gradient norm (scripts/diagnostics/diagnose_beam_gradients.py)
         self.record_selection_grads: Optional[List[float]] = None
         self.sentence_avg = sentence_avg
-        self._unrollable = set()  # model classes that passed _check_unrollable
+        self._unroll_kinds = {}  # model class -> unroll_kind
 
-    def _check_unrollable(self, model) -> None:
-        """Raises ``ValueError`` naming what a model without the unroll interface lacks (checked once per model class)."""
-        kind = type(unwrapped(model))
-        if kind in self._unrollable:
-            return
-        missing = unroll_interface_missing(model)
-        if missing:
-            raise ValueError(
-                f"--criterion soft_beam_search with --teacher-forcing-ratio < 1 trains through a beam search unrolled "
-                f"in the model, which {kind.__name__} cannot do (missing: {', '.join(missing)}). Beam-search "
-                f"training supports the plugin's LSTM (--arch softtopk_lstm, softtopk_lstm_tiny, "
-                f"softtopk_lstm_multi30k, softtopk_lstm_wmt14); Transformers are not supported yet. With "
-                f"--teacher-forcing-ratio 1.0 the criterion is plain teacher forcing and takes any model.")
-        self._unrollable.add(kind)
+    def _unroll_kind(self, model) -> str:
+        """:func:`unroll_kind`, found once per model class."""
+        cls = type(unwrapped(model))
+        if cls not in self._unroll_kinds:
+            self._unroll_kinds[cls] = unroll_kind(model)
+        return self._unroll_kinds[cls]
+
+    def _forward_with_beam_search(self, model, net_input, beam_search, bos: int):
+        """``(net_output, BeamSearchOutput)``: the teacher-forcing forward and the unrolled search."""
+        if self._unroll_kind(model) == "model":  # inside the model's forward, which DDP wraps
+            return model(**net_input, beam_search=beam_search)
+        # a Transformer: the teacher-forcing forward (through the wrappers, so DDP prepares its backward),
+        # whose encoder output the search reuses, then the decoder driven step by step. Its parameters get
+        # one gradient per backward pass as usual, so DDP's reducer sees nothing new.
+        inner = unwrapped(model)
+        captured = []
+        handle = inner.encoder.register_forward_hook(lambda module, args, output: captured.append(output))
+        try:
+            net_output = model(**net_input)
+        finally:
+            handle.remove()
+        if len(captured) != 1:
+            raise RuntimeError(f"{type(inner).__name__}'s forward ran its encoder {len(captured)} times (expected once)")
+        return net_output, beam_search(inner.encoder, IncrementalDecoderUnroll(inner.decoder, bos), captured[0])
 
     def search_config(self, model) -> BeamSearchConfig:
         """The search's options at the model's current update (the epsilon schedule, if any)."""
@@ -286,8 +333,7 @@ class SoftBeamSearchCriterion(FairseqCriterion):
                                       bos, search, grad_observer=stats)
 
         if run_beam:
-            self._check_unrollable(model)
-            net_output, beam = model(**sample["net_input"], beam_search=beam_search)
+            net_output, beam = self._forward_with_beam_search(model, sample["net_input"], beam_search, bos)
         else:
             net_output = model(**sample["net_input"])
         lprobs = model.get_normalized_probs(net_output, log_probs=True)

@@ -26,7 +26,13 @@ ends with the largest likelihood, backtracked through the argmax predecessors.
 
 The decoder only needs the "step on embeddings" interface of
 :class:`fairseq_softtopk.models.softtopk_lstm.SoftTopKLSTMDecoder`: ``initial_state``,
-``embed``, ``embedding_matrix`` and ``step``; states are NamedTuples of batch-first tensors.
+``embed``, ``embedding_matrix`` and ``step``; states are NamedTuples of batch-first tensors
+(mixed by :func:`mix_state`), or the decoder mixes its own with ``mix_state(state, weights, order)``
+(``order``: the predecessors' rows in hard mode, else None), as
+:class:`~fairseq_softtopk.modules.incremental_decoder_unroll.IncrementalDecoderUnroll` does for
+fairseq's Transformer decoders (the self-attention caches are the state). A decoder may name
+``excluded_tokens`` that never extend a beam (a Transformer's padding, which its decoder masks as an
+input; fairseq's SequenceGenerator excludes it too).
 """
 
 import functools
@@ -134,7 +140,8 @@ def unroll_beam_search(decoder, encoder_out, reorder_encoder_out: Callable, targ
     """Unrolls (soft or hard) beam search for ``T = target.shape[1]`` steps.
 
     Args:
-        decoder: a decoder with ``initial_state``, ``embed``, ``embedding_matrix`` and ``step``.
+        decoder: a decoder with ``initial_state``, ``embed``, ``embedding_matrix`` and ``step`` (and
+            optionally ``mix_state``; see the module's docstring).
         encoder_out: the encoder output for ``batch`` sentences.
         reorder_encoder_out: ``(encoder_out, new_order) -> encoder_out`` (to repeat each sentence
             ``beam`` times).
@@ -150,6 +157,10 @@ def unroll_beam_search(decoder, encoder_out, reorder_encoder_out: Callable, targ
     inputs = decoder.embed(torch.full((batch * k,), bos, dtype=torch.long, device=device))
     embeddings = decoder.embedding_matrix()  # V x D
     lengths = target.ne(pad).sum(-1)
+    mix_decoder_state = getattr(decoder, "mix_state", None)
+    excluded = getattr(decoder, "excluded_tokens", None)
+    if excluded is not None:
+        excluded = torch.as_tensor(excluded, dtype=torch.long, device=device)
     cum = None
     records: List[StepRecord] = []
     n_unconverged = newton_iters = 0
@@ -162,6 +173,8 @@ def unroll_beam_search(decoder, encoder_out, reorder_encoder_out: Callable, targ
             gold = target[:, t].clamp_min(0).view(batch, 1, 1).expand(batch, k, 1)
             gold_lprobs, smooth_lprobs = lprobs.gather(-1, gold).squeeze(-1), lprobs.sum(-1)
             lprobs = lprobs.to(torch.promote_types(lprobs.dtype, torch.float32))  # scores in >= float32
+            if excluded is not None:  # tokens the decoder cannot take as input never extend a beam
+                lprobs = lprobs.index_fill(-1, excluded, -float("inf"))
             if cum is None:  # only beam 0 is live at the first step: the others would duplicate it
                 cum = torch.full((batch, k), -float("inf"), dtype=lprobs.dtype, device=device)
                 cum[:, 0] = 0.0
@@ -189,7 +202,13 @@ def unroll_beam_search(decoder, encoder_out, reorder_encoder_out: Callable, targ
                 inputs = mix_embeddings(embeddings, cand % V, A)
                 state_weights = torch.zeros(batch, k, k, dtype=A.dtype, device=device).scatter_add_(
                     1, (cand // V).unsqueeze(-1).expand(-1, -1, k), A)  # B x k_old x k_new
-                state = mix_state(new_state, state_weights)
+                if mix_decoder_state is None:
+                    state = mix_state(new_state, state_weights)
+                else:  # the decoder mixes its own state; hard mode: by index (the beams' predecessors)
+                    order = None
+                    if config.mode == "hard":
+                        order = (best_cand // V + torch.arange(batch, device=device).unsqueeze(1) * k).view(-1)
+                    state = mix_decoder_state(new_state, state_weights, order)
     gold, smooth, best_beam = _backtrack(records, lengths)
     return BeamSearchOutput(gold, smooth, cum, best_beam, _beam_tokens(records),
                             torch.stack([r.sharpness for r in records], 1),

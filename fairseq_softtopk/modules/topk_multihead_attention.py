@@ -85,7 +85,7 @@ class TopKMultiheadAttention(MultiheadAttention):
             need_head_weights: return per-head weights (implies ``need_weights``).
 
         Returns:
-            ``(attn, weights)``: ``(tgt_len, batch, embed_dim)`` and, if asked for, float32
+            ``(attn, weights)``: ``(tgt_len, batch, embed_dim)`` and, if asked for, (at least) float32
             weights ``(batch, tgt_len, src_len)`` (``(heads, batch, tgt_len, src_len)`` with
             ``need_head_weights``), else None.
         """
@@ -100,7 +100,8 @@ class TopKMultiheadAttention(MultiheadAttention):
             return scores, v
         src_len = scores.size(-1)
         # scores: (bsz * heads, tgt_len, src_len); -inf entries are excluded by the normaliser.
-        weights_float = self.normalizer(scores.float())
+        # in at least float32 (fp16/bf16 scores are normalised in float32; float64 stays float64)
+        weights_float = self.normalizer(scores.to(torch.promote_types(scores.dtype, torch.float32)))
         probs = self.dropout_module(weights_float.type_as(scores))
         attn = self._weighted_values(probs, v, bsz, tgt_len)  # tgt_len x bsz x embed_dim
         attn = self.out_proj(attn)
