@@ -18,7 +18,8 @@ import pytest
 import torch
 from fairseq.sequence_generator import SequenceGenerator
 
-from builders import CRITERION_MODES, build_criterion, build_model, build_transformer, make_sample
+from builders import (CRITERION_MODES, build_criterion, build_model, build_stock_transformer, build_transformer,
+                      make_sample)
 from conftest import word_dictionary
 from device_check import DeviceCheckError, package_device_check
 
@@ -129,6 +130,25 @@ def test_criterion_forward_and_backward_in_every_mode(dictionary, rng, mode, sel
         loss.backward()
     assert _sites_in(check, "modules/beam_s") > 0
     assert model.decoder.embed_tokens.weight.grad is not None
+
+
+@pytest.mark.parametrize("mode", sorted(CRITERION_MODES))
+@pytest.mark.parametrize("architecture", ["softtopk_transformer", "transformer"])
+def test_criterion_drives_transformers_in_every_mode(dictionary, rng, architecture, mode):
+    """The Transformer path (the decoder driven through its incremental state, caches mixed) in every mode, with
+    the exact selection gradient (the capped and stopped ones run the same package code in the search)."""
+    if mode == "epsilon_schedule" and architecture == "transformer":
+        pytest.skip("fairseq's transformer does not record its update number (the schedule names this)")
+    model = (build_transformer(dictionary) if architecture == "softtopk_transformer" else
+             build_stock_transformer(dictionary))
+    model.set_num_updates(4)
+    criterion = build_criterion(dictionary, topk_grad="full", **CRITERION_MODES[mode])
+    sample = make_sample(dictionary, rng, [5, 3, 4])
+    with package_device_check() as check:
+        loss, _, _ = criterion(model, sample)
+        loss.backward()
+    assert _sites_in(check, "modules/incremental_decoder_unroll") > 0 and _sites_in(check, "modules/beam_s") > 0
+    assert model.decoder.layers[0].self_attn.k_proj.weight.grad is not None
 
 
 @pytest.mark.parametrize("architecture", ["lstm", "transformer"])

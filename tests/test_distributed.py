@@ -18,7 +18,18 @@ import torch.multiprocessing as mp
 pytestmark = pytest.mark.slow
 
 
-def _build(data_bin, user_dir, mode):
+#: the architectures, as fairseq-train options: the LSTM (the search inside its forward) and the Transformers
+#: (the decoder driven through its incremental state after the DDP-wrapped teacher-forcing forward)
+ARCHITECTURES = {
+    "softtopk_lstm": ["--arch", "softtopk_lstm_tiny"],
+    "softtopk_transformer": ["--arch", "softtopk_transformer_tiny"],
+    "transformer": ["--arch", "transformer", "--encoder-embed-dim", "16", "--decoder-embed-dim", "16",
+                    "--encoder-ffn-embed-dim", "24", "--decoder-ffn-embed-dim", "24", "--encoder-layers", "1",
+                    "--decoder-layers", "2", "--encoder-attention-heads", "2", "--decoder-attention-heads", "2"],
+}
+
+
+def _build(data_bin, user_dir, mode, architecture="softtopk_lstm"):
     from fairseq import options, tasks
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
@@ -27,7 +38,7 @@ def _build(data_bin, user_dir, mode):
     fairseq_softtopk.register()  # the parser's --arch choices are fixed when it is built
     parser = options.get_training_parser()
     args = options.parse_args_and_arch(parser, [
-        str(data_bin), "--user-dir", str(user_dir), "--arch", "softtopk_lstm_tiny", "--dropout", "0",
+        str(data_bin), "--user-dir", str(user_dir), *ARCHITECTURES[architecture], "--dropout", "0",
         "--criterion", "soft_beam_search", "--train-beam", "3", "--topk-mode", mode, "--topk-epsilon", "0.5",
         "--topk-tol", "1e-9", "--teacher-forcing-ratio", "0.5", "--cpu"])
     cfg = convert_namespace_to_omegaconf(args)
@@ -44,13 +55,13 @@ def _grads(model):
     return torch.cat([p.grad.flatten() for p in model.parameters()])
 
 
-def _worker(rank, world, port, data_bin, user_dir, mode, out_path):
+def _worker(rank, world, port, data_bin, user_dir, mode, architecture, out_path):
     from fairseq.distributed import ModuleProxyWrapper
     from torch.nn.parallel import DistributedDataParallel
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    model, criterion, dataset = _build(data_bin, user_dir, mode)
+    model, criterion, dataset = _build(data_bin, user_dir, mode, architecture)
     indices = list(range(rank * 6, rank * 6 + 6))  # each rank: its half of sentences 0..11
     sample = dataset.collater([dataset[i] for i in indices])
     wrapped = ModuleProxyWrapper(DistributedDataParallel(model))
@@ -70,18 +81,19 @@ def _free_port():
         return s.getsockname()[1]
 
 
+@pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
 @pytest.mark.parametrize("mode", ["soft", "hard"])
-def test_ddp_gradients_match_single_process(toy_data_bin, repo_root, tmp_path, mode):
+def test_ddp_gradients_match_single_process(toy_data_bin, repo_root, tmp_path, mode, architecture):
     import fairseq  # noqa: F401  (so that importing the plugin registers it)
 
     _, data_bin = toy_data_bin
     user_dir = repo_root / "fairseq_softtopk"
     out_path = tmp_path / "ddp_grads.pt"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(_worker, args=(2, _free_port(), data_bin, user_dir, mode, out_path), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, _free_port(), data_bin, user_dir, mode, architecture, out_path), nprocs=2, join=True)
     ddp_average = torch.load(out_path)
 
-    model, criterion, dataset = _build(data_bin, user_dir, mode)
+    model, criterion, dataset = _build(data_bin, user_dir, mode, architecture)
     sample = dataset.collater([dataset[i] for i in range(12)])
     loss, _, _ = criterion(model, sample)
     loss.backward()

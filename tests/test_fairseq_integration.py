@@ -153,3 +153,31 @@ def test_beam_search_training_lowers_the_loss_and_decodes(toy_data_bin, tmp_path
                                    "--gen-subset", "valid", "--beam", "3", "--batch-size", "16", "--cpu",
                                    "--required-batch-size-multiple", "1"])
     assert len(re.findall(r"^H-\d+\t", gen.stdout, flags=re.M)) == 40
+
+
+BUILTIN_TRANSFORMER = ["--arch", "transformer", "--encoder-embed-dim", "16", "--decoder-embed-dim", "16",
+                       "--encoder-ffn-embed-dim", "32", "--decoder-ffn-embed-dim", "32", "--encoder-layers", "1",
+                       "--decoder-layers", "2", "--encoder-attention-heads", "2", "--decoder-attention-heads", "2"]
+
+
+@pytest.mark.parametrize("mode", ["soft", "hard"])
+@pytest.mark.parametrize("architecture", ["softtopk_transformer_tiny", "transformer"])
+def test_beam_search_training_of_transformers_through_fairseq_train(toy_data_bin, tmp_path, repo_root, architecture,
+                                                                    mode):
+    """The issue's command: fairseq-train --criterion soft_beam_search with the plugin's Transformer and with
+    fairseq's own transformer (no plugin code in the model), then fairseq-generate on the checkpoint."""
+    raw, data_bin = toy_data_bin
+    user_dir = repo_root / "fairseq_softtopk"
+    save = tmp_path / f"{architecture}_{mode}"
+    arch = BUILTIN_TRANSFORMER if architecture == "transformer" else ["--arch", architecture]
+    proc = _train(data_bin, save, user_dir, *arch, "--criterion", "soft_beam_search", "--train-beam", "3",
+                  "--topk-mode", mode, "--teacher-forcing-ratio", "0.5", "--lr", "0.003", "--clip-norm", "1.0",
+                  "--max-update", "60", "--log-interval", "10", "--disable-validation", "--no-epoch-checkpoints")
+    log = proc.stdout + proc.stderr
+    beam_losses = _losses(log, "beam_loss")
+    assert len(beam_losses) >= 5, log[-2000:]
+    assert beam_losses[-1] < beam_losses[0] - 1.0, beam_losses  # bits per token
+    gen = run_fairseq("generate", [data_bin, "--user-dir", user_dir, "--path", save / "checkpoint_last.pt",
+                                   "--gen-subset", "valid", "--beam", "3", "--batch-size", "16", "--cpu",
+                                   "--required-batch-size-multiple", "1"])
+    assert len(re.findall(r"^H-\d+\t", gen.stdout, flags=re.M)) == 40

@@ -15,7 +15,7 @@ import pytest
 import torch
 from fairseq.tasks import FairseqTask
 
-from builders import build_criterion, build_model, build_transformer, make_sample
+from builders import build_criterion, build_model, build_stock_transformer, build_transformer, make_sample
 from conftest import word_dictionary
 
 from fairseq_softtopk.criterions import soft_beam_search
@@ -74,6 +74,21 @@ def test_soft_beam_search_gradients_scale_exactly_with_the_loss(dictionary, rng,
 def test_hard_beam_search_gradients_scale_exactly_with_the_loss(dictionary, rng):
     model, criterion, sample = _sharp_case(dictionary, rng, topk_mode="hard")
     assert_gradients_scale_exactly(model, criterion, sample)
+
+
+@pytest.mark.parametrize("mode", [{"topk_grad": "capped"}, {"topk_grad": "full"}, {"topk_mode": "hard"},
+                                  {"topk_candidate_pool": 12}, {"topk_fixed_iterations": True, "topk_max_iter": 30}],
+                         ids=["capped", "full", "hard", "pool", "fixed_iterations"])
+@pytest.mark.parametrize("architecture", ["softtopk_transformer", "transformer"])
+def test_transformer_beam_search_gradients_scale_exactly_with_the_loss(dictionary, rng, architecture, mode):
+    """The Transformer path (caches mixed over beams, the decoder driven on soft embeddings) under loss scaling."""
+    model = build_transformer(dictionary) if architecture == "softtopk_transformer" else build_stock_transformer(dictionary)
+    with torch.no_grad():  # peaked distributions: large selection gradients, the cap active
+        model.decoder.output_projection.weight.mul_(6.0)
+    criterion = build_criterion(dictionary, topk_epsilon=1.0, topk_grad_cap=0.01, **mode)
+    log = assert_gradients_scale_exactly(model, criterion, make_sample(dictionary, rng, [9, 7, 8]))
+    if mode.get("topk_grad") == "capped":
+        assert float(log["selgrad_capped"]) > 0
 
 
 def test_the_logged_selection_gradients_do_not_depend_on_the_loss_scale(dictionary, rng):

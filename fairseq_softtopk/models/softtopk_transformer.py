@@ -145,6 +145,11 @@ class SoftTopKTransformerModel(TransformerModel):
                 raise ValueError(f"--{side}-xformers-att-config is not supported by softtopk_transformer")
         return super().build_model(args, task)
 
+    def set_num_updates(self, num_updates: int) -> None:
+        """Remembers the update number (for the epsilon schedule of ``soft_beam_search``, as ``softtopk_lstm``)."""
+        super().set_num_updates(num_updates)
+        self.num_updates = num_updates
+
     @classmethod
     def build_encoder(cls, args, src_dict, embed_tokens):
         return SoftTopKTransformerEncoder(TransformerConfig.from_namespace(args), src_dict, embed_tokens)
