@@ -529,3 +529,25 @@ def test_a_run_started_with_an_old_option_name_is_the_same_run():
                                                      "--save-dir", "b"]) == []
     assert ablation_runner.differing_flags(earlier, ["BIN", "--topk-mode", "soft", "--topk-grad", "none",
                                                      "--save-dir", "a"]) == ["--topk-grad: full -> none"]
+
+
+def test_bleu_command_passes_the_length_penalty_to_fairseq_generate(tmp_path, monkeypatch, capsys):
+    """``fairseq-softtopk-bleu --lenpen 0.6`` decodes with fairseq-generate's --lenpen 0.6 (omitted: not passed)."""
+    ref = tmp_path / "ref.txt"
+    ref.write_text("a b\n", encoding="utf-8")
+    checkpoint = tmp_path / "checkpoint.pt"
+    checkpoint.write_bytes(b"")
+    seen = []
+
+    def generate(*args, **kwargs):
+        seen.append([str(a) for value in (*args, *kwargs.values())
+                     for a in (value if isinstance(value, (list, tuple)) else [value])])
+        return "D-0\t-0.1\ta b\n"
+
+    monkeypatch.setattr(scoring, "run_fairseq_generate", generate)
+    for extra in (["--lenpen", "0.6"], []):
+        assert bleu.main([str(tmp_path / "no_such_bin"), str(checkpoint), "--ref", str(ref), *extra]) == 0
+    with_penalty, without = seen
+    assert "--lenpen" in with_penalty and with_penalty[with_penalty.index("--lenpen") + 1] == "0.6"
+    assert "--lenpen" not in without
+    assert "chrF 100.00" in capsys.readouterr().out  # the hypothesis is scored (too short for 4-gram BLEU)

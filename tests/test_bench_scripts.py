@@ -95,6 +95,28 @@ def test_range_seconds_reads_the_named_ranges_of_a_profile():
 
 
 @pytest.mark.slow
+def test_bench_train_has_transformer_rows(toy_data_bin, capsys):
+    """--arch takes a Transformer: the search drives its decoder step by step; the table has its rows, the mixing
+    of its caches is inside the mix range, and hard mode solves nothing."""
+    _, data_bin = toy_data_bin
+    argv = ["--data", str(data_bin), "--arch", "softtopk_transformer_tiny", "--updates", "1", "--warmup", "0",
+            "--max-tokens", "200", "--threads", "1", "--beam", "3", "--profile-updates", "1", "--count-updates", "1",
+            "--configs", "teacher_forcing,beam_hard,beam_soft", "--in-process"]
+    threads = torch.get_num_threads()
+    try:
+        assert bench_train.main(argv) == 0
+    finally:
+        torch.set_num_threads(threads)
+    timing, counting = capsys.readouterr().out.split("launches (dispatched ATen operations)")
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in timing.splitlines()
+            if re.match(r"\| (teacher_forcing|beam_\w+) \|", line)}
+    assert set(rows) == {"teacher_forcing", "beam_hard", "beam_soft"}
+    assert float(rows["beam_soft"][6].rstrip("%")) > 0 and float(rows["beam_hard"][6].rstrip("%")) > 0  # mix
+    assert float(rows["beam_soft"][3].rstrip("%")) > 0 and rows["beam_hard"][3] == "0.0%"  # top-k forward
+    assert float(rows["beam_soft"][1]) > float(rows["teacher_forcing"][1])
+
+
+@pytest.mark.slow
 def test_bench_train_prints_a_row_per_config(toy_data_bin, capsys):
     _, data_bin = toy_data_bin
     tiny = ["--data", str(data_bin), "--arch", "softtopk_lstm_tiny", "--updates", "2", "--warmup", "1",

@@ -31,6 +31,8 @@ def main(argv=None) -> int:
     parser.add_argument("--ref", required=True, help="raw (untokenised) reference file of the subset")
     parser.add_argument("--subset", default="test", help="fairseq split to translate (default: test)")
     parser.add_argument("--beam", type=int, default=5)
+    parser.add_argument("--lenpen", type=float, default=None,
+                        help="fairseq-generate's length penalty (omit: fairseq's default, 1)")
     parser.add_argument("--batch-size", type=int, default=None,
                         help=f"sentences per generation batch (default: {DEFAULT_BATCH_SIZE['cpu']} on a CPU, "
                              f"{DEFAULT_BATCH_SIZE['cuda']} on a GPU)")
@@ -43,7 +45,8 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s | %(levelname)s | %(name)s | %(message)s")
     try:
         result = evaluate_checkpoint(args.data_bin, args.checkpoint, args.ref, args.subset, args.beam,
-                                     args.batch_size, args.post_process, args.detok_lang, args.hyp_out)
+                                     args.batch_size, args.post_process, args.detok_lang, args.hyp_out,
+                                     extra_args=[] if args.lenpen is None else ["--lenpen", str(args.lenpen)])
     except (FileNotFoundError, ValueError, RuntimeError) as error:
         parser.exit(1 if isinstance(error, RuntimeError) else 2, f"{parser.prog}: error: {error}\n")
     print(f"BLEU {result['bleu']:.2f}  chrF {result['chrf']:.2f}  ({result['n_sentences']} sentences)")

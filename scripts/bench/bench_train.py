@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Training speed of beam-search training (``soft_beam_search``) against teacher forcing and hard beams.
 
-Trains the same ``softtopk_lstm`` model (same initial parameters, same ``--max-tokens``
+Trains the same model (``--arch``: the plugin's LSTM by default, or a Transformer, whose decoder the
+search drives through its incremental state; same initial parameters, same ``--max-tokens``
 batches of the training set, Adam) for ``--updates`` timed updates after ``--warmup`` untimed
 ones, with the ``soft_beam_search`` criterion as
 
@@ -30,7 +31,8 @@ How things are measured:
   candidate selection ``softtopk::select_beams`` (window, or the pool's / hard mode's
   ``torch.topk``, plus the operator's forward), so ``beam_hard`` shows what its selection
   costs, ``mix`` the forward of the mixing of the next inputs and states by the selection
-  (``softtopk::mix_beams``: one weighted ``embedding_bag`` and one ``bmm`` per state tensor; its
+  (``softtopk::mix_beams``: one weighted ``embedding_bag`` and one ``bmm`` per state tensor, for a
+  Transformer per cached self-attention key and value; hard mode reorders a Transformer's caches by index; its
   backward runs in autograd, outside the range). The timed pass runs without the profiler. ``Newton it.`` is the mean number of
   Newton iterations per batched solve (the criterion's ``topk_newton`` logging).
 * Memory: CPU, the peak resident set size of the worker process during training (the peak
@@ -69,6 +71,8 @@ Example::
     python scripts/bench/bench_train.py --data multi30k/bin --arch softtopk_lstm_multi30k --max-tokens 2000 \
         --pretrain-updates 300 --threads 1
     python scripts/bench/bench_train.py --data multi30k/bin --profile beam_soft --updates 3
+    python scripts/bench/bench_train.py --data multi30k/bin --arch softtopk_transformer_prenorm_multi30k \
+        --checkpoint CHECKPOINT --max-tokens 2000 --threads 1                            # the Transformer rows
 """
 
 import argparse
@@ -452,7 +456,8 @@ def header(argv: Sequence[str], threads: int, device: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", type=Path, help="fairseq binary data dir (default: the toy corpus in a temp dir)")
-    parser.add_argument("--arch", default="softtopk_lstm_multi30k", help="a softtopk_lstm architecture")
+    parser.add_argument("--arch", default="softtopk_lstm_multi30k", help="an architecture beam-search training supports "
+                        "(softtopk_lstm*, softtopk_transformer*, fairseq's transformer*)")
     parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
                         help=f"comma-separated subset of {CONFIGS} (default: all but beam_soft_compiled)")
     parser.add_argument("--updates", type=int, default=20, help="timed updates per run")
