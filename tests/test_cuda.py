@@ -17,7 +17,8 @@ import re
 import pytest
 import torch
 
-from builders import CRITERION_MODES, build_criterion, build_model, build_transformer, make_sample, sample_to
+from builders import (CRITERION_MODES, build_criterion, build_model, build_stock_transformer, build_transformer,
+                      make_sample, sample_to)
 from conftest import run_fairseq, word_dictionary
 
 from fairseq_softtopk.dispatch_count import DispatchCounter
@@ -73,6 +74,41 @@ def test_operators_give_the_cpu_values_and_gradients(rng, operator, cost, fixed)
         x, mask)
     torch.testing.assert_close(gpu, cpu, atol=1e-9, rtol=1e-7)
     torch.testing.assert_close(gpu_grads[0], cpu_grads[0], atol=1e-8, rtol=1e-6)
+
+
+@pytest.mark.parametrize("selection_grad", ["capped", "full", "none"])
+@pytest.mark.parametrize("mode", sorted(CRITERION_MODES))
+@pytest.mark.parametrize("architecture", ["softtopk_transformer", "transformer"])
+def test_transformer_beam_search_gives_the_cpu_loss_and_gradients(dictionary, rng, architecture, mode, selection_grad,
+                                                                   monkeypatch):
+    """The Transformer path (the decoder driven on soft embeddings through its incremental state, caches mixed)."""
+    import fairseq.utils
+
+    if mode == "hard" and selection_grad != "capped":
+        pytest.skip("hard mode has no selection gradient")
+    if mode == "epsilon_schedule" and architecture == "transformer":
+        pytest.skip("fairseq's transformer does not record its update number")
+    # fairseq's incremental attention takes its softmax in float32 on both devices: float64 here, so that the
+    # devices are compared to float64 rounding
+    monkeypatch.setattr(fairseq.utils, "softmax", lambda x, dim, onnx_trace=False: torch.softmax(x, dim=dim))
+    sample = make_sample(dictionary, rng, [5, 3, 4])
+    results = []
+    for device in ("cpu", CUDA):
+        model = (build_transformer(dictionary) if architecture == "softtopk_transformer"
+                 else build_stock_transformer(dictionary)).to(device)
+        with torch.no_grad():
+            model.decoder.output_projection.weight.mul_(3.0)
+        model.set_num_updates(4)
+        criterion = build_criterion(dictionary, topk_grad=selection_grad, **CRITERION_MODES[mode])
+        loss, _, _ = criterion(model, sample_to(sample, device))
+        loss.backward()
+        results.append((loss.detach().cpu(), {n: p.grad.cpu() for n, p in model.named_parameters()
+                                              if p.grad is not None}))
+    (cpu_loss, cpu_grads), (gpu_loss, gpu_grads) = results
+    torch.testing.assert_close(gpu_loss, cpu_loss, atol=1e-8, rtol=1e-8)
+    assert gpu_grads.keys() == cpu_grads.keys()
+    for name in cpu_grads:
+        torch.testing.assert_close(gpu_grads[name], cpu_grads[name], atol=1e-7, rtol=1e-5, msg=name)
 
 
 @pytest.mark.parametrize("selection_grad", ["capped", "full", "none"])

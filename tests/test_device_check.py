@@ -132,17 +132,20 @@ def test_criterion_forward_and_backward_in_every_mode(dictionary, rng, mode, sel
     assert model.decoder.embed_tokens.weight.grad is not None
 
 
+@pytest.mark.parametrize("selection_grad", ["capped", "full", "none"])
 @pytest.mark.parametrize("mode", sorted(CRITERION_MODES))
 @pytest.mark.parametrize("architecture", ["softtopk_transformer", "transformer"])
-def test_criterion_drives_transformers_in_every_mode(dictionary, rng, architecture, mode):
-    """The Transformer path (the decoder driven through its incremental state, caches mixed) in every mode, with
-    the exact selection gradient (the capped and stopped ones run the same package code in the search)."""
+def test_criterion_drives_transformers_in_every_mode(dictionary, rng, architecture, mode, selection_grad):
+    """The Transformer path (the decoder driven through its incremental state, caches mixed) in every mode and
+    selection gradient."""
+    if mode == "hard" and selection_grad != "capped":
+        pytest.skip("hard mode has no selection gradient")
     if mode == "epsilon_schedule" and architecture == "transformer":
         pytest.skip("fairseq's transformer does not record its update number (the schedule names this)")
     model = (build_transformer(dictionary) if architecture == "softtopk_transformer" else
              build_stock_transformer(dictionary))
     model.set_num_updates(4)
-    criterion = build_criterion(dictionary, topk_grad="full", **CRITERION_MODES[mode])
+    criterion = build_criterion(dictionary, topk_grad=selection_grad, **CRITERION_MODES[mode])
     sample = make_sample(dictionary, rng, [5, 3, 4])
     with package_device_check() as check:
         loss, _, _ = criterion(model, sample)
