@@ -79,7 +79,8 @@ def build_criterion(dictionary, **overrides) -> SoftBeamSearchCriterion:
 
 
 #: The criterion's modes, as options over :data:`CRITERION_DEFAULTS`: every cost, the hard ablation, the
-#: candidate pool, the sync-free search (alone and on a pool), the relative epsilon and the epsilon schedule.
+#: candidate pool, the sync-free search (alone and on a pool), the relative epsilon, the epsilon schedule and the
+#: risk loss on the beams.
 CRITERION_MODES = {
     "soft_linear": {},
     "soft_sqeuclidean": {"topk_cost": "sqeuclidean"},
@@ -90,6 +91,7 @@ CRITERION_MODES = {
     "fixed_iterations_pool": {"topk_fixed_iterations": True, "topk_max_iter": 12, "topk_candidate_pool": 12},
     "relative_epsilon": {"topk_epsilon_relative": 0.5},
     "epsilon_schedule": {"topk_epsilon_start": 0.4, "topk_epsilon_anneal_updates": 10},
+    "risk": {"beam_loss": "risk"},
 }
 
 

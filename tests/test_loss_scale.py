@@ -77,8 +77,9 @@ def test_hard_beam_search_gradients_scale_exactly_with_the_loss(dictionary, rng)
 
 
 @pytest.mark.parametrize("mode", [{"topk_grad": "capped"}, {"topk_grad": "full"}, {"topk_mode": "hard"},
-                                  {"topk_candidate_pool": 12}, {"topk_fixed_iterations": True, "topk_max_iter": 30}],
-                         ids=["capped", "full", "hard", "pool", "fixed_iterations"])
+                                  {"topk_candidate_pool": 12}, {"topk_fixed_iterations": True, "topk_max_iter": 30},
+                                  {"beam_loss": "risk"}, {"beam_loss": "risk", "topk_mode": "hard"}],
+                         ids=["capped", "full", "hard", "pool", "fixed_iterations", "risk", "hard_risk"])
 @pytest.mark.parametrize("architecture", ["softtopk_transformer", "transformer"])
 def test_transformer_beam_search_gradients_scale_exactly_with_the_loss(dictionary, rng, architecture, mode):
     """The Transformer path (caches mixed over beams, the decoder driven on soft embeddings) under loss scaling."""

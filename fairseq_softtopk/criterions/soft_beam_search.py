@@ -3,7 +3,11 @@
 ``loss = p * L_tf + (1 - p) * L_beam`` (Xie et al. 2020, section 5.2), where ``L_tf`` is the
 label-smoothed NLL of the gold target under teacher forcing and ``L_beam`` the label-smoothed
 NLL of the gold tokens along the best beam of a beam search unrolled for as many steps as the
-target has tokens (:mod:`fairseq_softtopk.modules.beam_search`). ``--topk-mode hard`` is
+target has tokens (:mod:`fairseq_softtopk.modules.beam_search`). With ``--beam-loss risk``,
+``L_beam`` is instead the expected cost (1 - sentence BLEU+1 on token ids) of each sentence's k
+beams after its length, under a softmax of their scores at ``--beam-loss-temperature``, weighted
+by the sentence's number of target tokens (:mod:`fairseq_softtopk.modules.sequence_risk`):
+minimum-risk training on the beams, through the soft selection in soft mode. ``--topk-mode hard`` is
 the paper's ablation: the same unrolling with the exact top-k.
 
 ``--topk-epsilon-start`` with ``--topk-epsilon-anneal-updates`` anneals epsilon geometrically
@@ -40,6 +44,7 @@ from omegaconf import II
 
 from ..modules.beam_search import BeamSearchConfig, unroll_beam_search
 from ..modules.incremental_decoder_unroll import IncrementalDecoderUnroll, incremental_unroll_missing
+from ..modules.sequence_risk import expected_risk, sentence_bleu_costs
 from ..renamed_options import alias_metadata, use_renamed
 
 #: logged per sentence and step from the backward pass (see SelectionGradientStats)
@@ -48,6 +53,9 @@ SELGRAD_KEYS = ("selgrad_count", "selgrad_log10_sum", "selgrad_capped", "selgrad
 
 #: the choices of --topk-grad
 TOPK_GRAD_CHOICES = ["capped", "full", "none"]
+
+#: the choices of --beam-loss
+BEAM_LOSS_CHOICES = ["gold", "risk"]
 
 
 def _advanced(help_text: str) -> dict:
@@ -72,6 +80,11 @@ class SoftBeamSearchConfig(FairseqDataclass):
         "help": "gradient through the selection: capped (the exact one, capped per sentence and step), "
                 "full (the paper's) or none"})
     label_smoothing: float = field(default=0.0, metadata={"help": "label smoothing of both loss terms"})
+    beam_loss: ChoiceEnum(BEAM_LOSS_CHOICES) = field(default="gold", metadata={
+        "help": "the beam term: gold (the paper's: gold-token NLL along the best beam) or risk (expected "
+                "1 - sentence BLEU+1 of the final beams under a softmax of their scores)"})
+    beam_loss_temperature: float = field(default=1.0, metadata=_advanced(
+        "with --beam-loss risk: the temperature of the softmax over the final beams' scores"))
     topk_cost: ChoiceEnum(["linear", "sqeuclidean", "paper"]) = field(default="linear", metadata=_advanced(
         "cost of the transport problem: linear (epsilon in score units), sqeuclidean or paper (the paper's "
         "normalised cost)"))
@@ -222,8 +235,15 @@ class SoftBeamSearchCriterion(FairseqCriterion):
                  topk_grad="capped", label_smoothing=0.0, topk_cost="linear", topk_tol=1e-4, topk_max_iter=50,
                  topk_candidate_pool=0, topk_fixed_iterations=False, topk_compile="none", topk_grad_cap=0.3,
                  topk_epsilon_start=0.0, topk_epsilon_anneal_updates=0, topk_epsilon_relative=0.0,
-                 candidate_pool=None, selection_grad=None, selection_grad_cap=None, sentence_avg=False):
+                 candidate_pool=None, selection_grad=None, selection_grad_cap=None, sentence_avg=False,
+                 beam_loss="gold", beam_loss_temperature=1.0):
         super().__init__(task)
+        if str(beam_loss) not in BEAM_LOSS_CHOICES:
+            raise ValueError(f"--beam-loss must be one of {BEAM_LOSS_CHOICES}, got {beam_loss!r}")
+        if not beam_loss_temperature > 0:
+            raise ValueError(f"--beam-loss-temperature must be > 0, got {beam_loss_temperature}")
+        self.beam_loss, self.beam_loss_temperature = str(beam_loss), beam_loss_temperature
+        self.eos = task.target_dictionary.eos()
         # the deprecated names (renamed_options), then the checks under the new names
         default = {f.name: f.default for f in dataclasses.fields(SoftBeamSearchConfig)}
         candidate_pool = use_renamed("candidate_pool", candidate_pool, topk_candidate_pool,
@@ -341,8 +361,15 @@ class SoftBeamSearchCriterion(FairseqCriterion):
         mask = target.ne(self.padding_idx)
         gold = lprobs.gather(-1, target.unsqueeze(-1)).squeeze(-1)
         tf_loss, tf_nll = smoothed_nll(gold, lprobs.sum(-1), mask, self.label_smoothing, vocab)
+        risk = None
         if run_beam:
             beam_loss, beam_nll = smoothed_nll(beam.gold_lprobs, beam.smooth_lprobs, mask, self.label_smoothing, vocab)
+            if self.beam_loss == "risk":  # each sentence's beams after its own length, cut at their first EOS
+                hypotheses = beam.end_tokens.masked_fill(~mask.unsqueeze(1), self.padding_idx)
+                costs = sentence_bleu_costs(hypotheses, target, self.eos, self.padding_idx)
+                risk = expected_risk(beam.end_scores, costs, self.beam_loss_temperature)  # (batch,)
+                # per target token, as the teacher-forcing term (per sentence with --sentence-avg)
+                beam_loss = (risk if self.sentence_avg else risk * mask.sum(-1)).sum()
         else:
             beam_loss = beam_nll = tf_loss.new_zeros(())
         loss = self.p * tf_loss + (1.0 - self.p) * beam_loss
@@ -356,6 +383,8 @@ class SoftBeamSearchCriterion(FairseqCriterion):
             "beam_nll_loss": beam_nll.data, "ntokens": ntokens, "nsentences": target.size(0),
             "sample_size": sample_size,
         }
+        if risk is not None:
+            logging_output["beam_risk_sum"] = risk.detach().sum().data
         if run_beam:  # sums on the device (no host read here); ntokens = the unpadded target positions
             logging_output["topk_sharpness_sum"] = (beam.sharpness * mask.unsqueeze(-1)).sum().data
             logging_output["topk_sharpness_count"] = ntokens * search.beam
@@ -383,6 +412,9 @@ class SoftBeamSearchCriterion(FairseqCriterion):
         metrics.log_scalar("nll_loss", total("nll_loss") / ntokens / math.log(2), ntokens, round=3)
         metrics.log_scalar("beam_nll_loss", total("beam_nll_loss") / ntokens / math.log(2), ntokens, round=3)
         metrics.log_derived("ppl", lambda meters: utils.get_perplexity(meters["nll_loss"].avg))
+        if any("beam_risk_sum" in log for log in logging_outputs):
+            sentences = total("nsentences")
+            metrics.log_scalar("beam_risk", total("beam_risk_sum") / sentences, sentences, round=4)
         count = total("topk_sharpness_count")
         if count:
             metrics.log_scalar("topk_sharpness", total("topk_sharpness_sum") / count, count, round=3)
