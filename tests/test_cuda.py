@@ -91,13 +91,23 @@ def test_transformer_beam_search_gives_the_cpu_loss_and_gradients(dictionary, rn
     # fairseq's incremental attention takes its softmax in float32 on both devices: float64 here, so that the
     # devices are compared to float64 rounding
     monkeypatch.setattr(fairseq.utils, "softmax", lambda x, dim, onnx_trace=False: torch.softmax(x, dim=dim))
-    sample = make_sample(dictionary, rng, [5, 3, 4])
-    results = []
-    for device in ("cpu", CUDA):
-        model = (build_transformer(dictionary) if architecture == "softtopk_transformer"
-                 else build_stock_transformer(dictionary)).to(device)
+
+    def transformer():
+        model = build_transformer(dictionary) if architecture == "softtopk_transformer" else build_stock_transformer(dictionary)
         with torch.no_grad():
             model.decoder.output_projection.weight.mul_(3.0)
+        return model
+
+    assert_criterion_gives_the_cpu_loss_and_gradients(transformer, dictionary, make_sample(dictionary, rng, [5, 3, 4]),
+                                                      mode, selection_grad)
+
+
+def assert_criterion_gives_the_cpu_loss_and_gradients(build, dictionary, sample, mode, selection_grad):
+    """The criterion's loss and parameter gradients with ``build()``'s model on CUDA equal those on the CPU."""
+    results = []
+    for device in ("cpu", CUDA):
+        model = build().to(device)
+        model.eval()  # no dropout: both devices see the same network
         model.set_num_updates(4)
         criterion = build_criterion(dictionary, topk_grad=selection_grad, **CRITERION_MODES[mode])
         loss, _, _ = criterion(model, sample_to(sample, device))
@@ -116,22 +126,8 @@ def test_transformer_beam_search_gives_the_cpu_loss_and_gradients(dictionary, rn
 def test_criterion_forward_and_backward_give_the_cpu_loss_and_gradients(dictionary, rng, mode, selection_grad):
     if mode == "hard" and selection_grad != "capped":
         pytest.skip("hard mode has no selection gradient")
-    sample = make_sample(dictionary, rng, [5, 3, 4])
-    results = []
-    for device in ("cpu", CUDA):
-        model = build_model(dictionary, scale=3.0).to(device)
-        model.eval()  # no dropout: both devices see the same network
-        model.set_num_updates(4)
-        criterion = build_criterion(dictionary, topk_grad=selection_grad, **CRITERION_MODES[mode])
-        loss, _, log = criterion(model, sample_to(sample, device))
-        loss.backward()
-        results.append((loss.detach().cpu(), {n: p.grad.cpu() for n, p in model.named_parameters()
-                                              if p.grad is not None}))
-    (cpu_loss, cpu_grads), (gpu_loss, gpu_grads) = results
-    torch.testing.assert_close(gpu_loss, cpu_loss, atol=1e-8, rtol=1e-8)
-    assert gpu_grads.keys() == cpu_grads.keys()
-    for name in cpu_grads:
-        torch.testing.assert_close(gpu_grads[name], cpu_grads[name], atol=1e-7, rtol=1e-5, msg=name)
+    assert_criterion_gives_the_cpu_loss_and_gradients(lambda: build_model(dictionary, scale=3.0), dictionary,
+                                                      make_sample(dictionary, rng, [5, 3, 4]), mode, selection_grad)
 
 
 @pytest.mark.parametrize("pool", [0, 12])

@@ -122,14 +122,20 @@ def test_criterion_forward_and_backward_in_every_mode(dictionary, rng, mode, sel
     if mode == "hard" and selection_grad != "capped":
         pytest.skip("hard mode has no selection gradient")
     model = build_model(dictionary, scale=3.0)
+    check = _checked_training_step(model, dictionary, rng, mode, selection_grad)
+    assert _sites_in(check, "modules/beam_s") > 0
+    assert model.decoder.embed_tokens.weight.grad is not None
+
+
+def _checked_training_step(model, dictionary, rng, mode: str, selection_grad: str):
+    """The criterion's forward and backward (update 4) under the device check; returns the check."""
     model.set_num_updates(4)
     criterion = build_criterion(dictionary, topk_grad=selection_grad, **CRITERION_MODES[mode])
     sample = make_sample(dictionary, rng, [5, 3, 4])
     with package_device_check() as check:
         loss, _, _ = criterion(model, sample)
         loss.backward()
-    assert _sites_in(check, "modules/beam_s") > 0
-    assert model.decoder.embed_tokens.weight.grad is not None
+    return check
 
 
 @pytest.mark.parametrize("selection_grad", ["capped", "full", "none"])
@@ -144,12 +150,7 @@ def test_criterion_drives_transformers_in_every_mode(dictionary, rng, architectu
         pytest.skip("fairseq's transformer does not record its update number (the schedule names this)")
     model = (build_transformer(dictionary) if architecture == "softtopk_transformer" else
              build_stock_transformer(dictionary))
-    model.set_num_updates(4)
-    criterion = build_criterion(dictionary, topk_grad=selection_grad, **CRITERION_MODES[mode])
-    sample = make_sample(dictionary, rng, [5, 3, 4])
-    with package_device_check() as check:
-        loss, _, _ = criterion(model, sample)
-        loss.backward()
+    check = _checked_training_step(model, dictionary, rng, mode, selection_grad)
     assert _sites_in(check, "modules/incremental_decoder_unroll") > 0 and _sites_in(check, "modules/beam_s") > 0
     assert model.decoder.layers[0].self_attn.k_proj.weight.grad is not None
 

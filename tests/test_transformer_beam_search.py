@@ -179,23 +179,33 @@ def test_soft_mode_tends_to_hard_mode_as_epsilon_shrinks(model, dictionary, rng)
     assert min(gaps[:2]) > 1e-2 and gaps[-1] < 1e-6, gaps  # a soft selection differs; a sharp one does not
 
 
+def search_of_encoder_states(build, dictionary, rng, mode: str):
+    """A sharpened tiny model, a batch of 2 sentences (3 and 2 tokens), its encoder states (a leaf that requires
+    grad) and the search (beam 2, epsilon 0.5, the exact selection gradient) as a function of encoder states."""
+    model = sharpened(build(dictionary, share_all_embeddings=False))
+    sample = make_sample(dictionary, rng, [3, 2], src_len=4)
+    enc = encode(model, sample)
+    states = enc["encoder_out"][0].detach().clone().requires_grad_(True)
+    bos = int(sample["net_input"]["prev_output_tokens"][0, 0])
+    config = BeamSearchConfig(beam=2, mode=mode, epsilon=0.5, tol=1e-12, selection_grad="full")
+
+    def search(encoder_states):
+        return unroll_beam_search(IncrementalDecoderUnroll(model.decoder, bos), {**enc, "encoder_out": [encoder_states]},
+                                  model.encoder.reorder_encoder_out, sample["target"], dictionary.pad(), bos, config)
+
+    return sample, states, search
+
+
 @pytest.mark.parametrize("mode", ["soft", "hard"])
 def test_gradcheck_through_three_unrolled_steps(dictionary, rng, mode):
     """The losses of a search (soft: the selections with their exact gradient, the mixed embeddings and caches,
     the backtracking; hard: the reordered caches) against finite differences in the encoder states, for both
     Transformers."""
     for build in ARCHITECTURES.values():
-        model = sharpened(build(dictionary, share_all_embeddings=False))
-        sample = make_sample(dictionary, rng, [3, 2], src_len=4)
-        enc = encode(model, sample)
-        states = enc["encoder_out"][0].detach().clone().requires_grad_(True)
-        bos = int(sample["net_input"]["prev_output_tokens"][0, 0])
-        config = BeamSearchConfig(beam=2, mode=mode, epsilon=0.5, tol=1e-12, selection_grad="full")
+        _, states, search = search_of_encoder_states(build, dictionary, rng, mode)
 
         def loss(encoder_states):
-            encoder_out = {**enc, "encoder_out": [encoder_states]}
-            out = unroll_beam_search(IncrementalDecoderUnroll(model.decoder, bos), encoder_out,
-                                     model.encoder.reorder_encoder_out, sample["target"], dictionary.pad(), bos, config)
+            out = search(encoder_states)
             return out.gold_lprobs, out.final_scores
 
         assert torch.autograd.gradcheck(loss, (states,), eps=1e-6, atol=1e-7, rtol=1e-5)
@@ -259,17 +269,7 @@ def test_gradcheck_of_the_risk_through_the_unrolled_search(dictionary, rng, mode
     from fairseq_softtopk.modules.sequence_risk import expected_risk, sentence_bleu_costs
 
     for build in ARCHITECTURES.values():
-        model = sharpened(build(dictionary, share_all_embeddings=False))
-        sample = make_sample(dictionary, rng, [3, 2], src_len=4)
-        enc = encode(model, sample)
-        states = enc["encoder_out"][0].detach().clone().requires_grad_(True)
-        bos = int(sample["net_input"]["prev_output_tokens"][0, 0])
-        config = BeamSearchConfig(beam=2, mode=mode, epsilon=0.5, tol=1e-12, selection_grad="full")
-
-        def search(encoder_states):
-            return unroll_beam_search(IncrementalDecoderUnroll(model.decoder, bos), {**enc, "encoder_out": [encoder_states]},
-                                      model.encoder.reorder_encoder_out, sample["target"], dictionary.pad(), bos, config)
-
+        sample, states, search = search_of_encoder_states(build, dictionary, rng, mode)
         with torch.no_grad():
             out = search(states)
         costs = sentence_bleu_costs(out.end_tokens, sample["target"], dictionary.eos(), dictionary.pad())
