@@ -5,9 +5,12 @@ label-smoothed NLL of the gold target under teacher forcing and ``L_beam`` the l
 NLL of the gold tokens along the best beam of a beam search unrolled for as many steps as the
 target has tokens (:mod:`fairseq_softtopk.modules.beam_search`). With ``--beam-loss risk``,
 ``L_beam`` is instead the expected cost (1 - sentence BLEU+1 on token ids) of each sentence's k
-beams after its length, under a softmax of their scores at ``--beam-loss-temperature``, weighted
-by the sentence's number of target tokens (:mod:`fairseq_softtopk.modules.sequence_risk`):
-minimum-risk training on the beams, through the soft selection in soft mode. ``--topk-mode hard`` is
+finished hypotheses, under a softmax of their length-normalised scores at
+``--beam-loss-temperature``, weighted by the sentence's number of target tokens
+(:mod:`fairseq_softtopk.modules.sequence_risk`), from a search that decodes as fairseq-generate
+does: EOS ends a hypothesis, ``--beam-lenpen``, a maximum length from the source
+(:mod:`fairseq_softtopk.modules.beam_search_to_eos`). Minimum-risk training on the beams, through
+the soft selection in soft mode. ``--topk-mode hard`` is
 the paper's ablation: the same unrolling with the exact top-k.
 
 ``--topk-epsilon-start`` with ``--topk-epsilon-anneal-updates`` anneals epsilon geometrically
@@ -43,6 +46,7 @@ from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from omegaconf import II
 
 from ..modules.beam_search import BeamSearchConfig, unroll_beam_search
+from ..modules.beam_search_to_eos import search_max_len, unroll_beam_search_to_eos
 from ..modules.incremental_decoder_unroll import IncrementalDecoderUnroll, incremental_unroll_missing
 from ..modules.sequence_risk import expected_risk, sentence_bleu_costs
 from ..renamed_options import alias_metadata, use_renamed
@@ -85,6 +89,13 @@ class SoftBeamSearchConfig(FairseqDataclass):
                 "1 - sentence BLEU+1 of the final beams under a softmax of their scores)"})
     beam_loss_temperature: float = field(default=1.0, metadata=_advanced(
         "with --beam-loss risk: the temperature of the softmax over the final beams' scores"))
+    beam_lenpen: float = field(default=1.0, metadata={
+        "help": "with --beam-loss risk: the training search's length penalty, as fairseq-generate's --lenpen"})
+    beam_max_len_a: float = field(default=1.2, metadata=_advanced(
+        "with --beam-loss risk: the training search ends at a * source length + b tokens (fairseq-generate's "
+        "--max-len-a)"))
+    beam_max_len_b: int = field(default=10, metadata=_advanced(
+        "with --beam-loss risk: b of --beam-max-len-a (fairseq-generate's --max-len-b)"))
     topk_cost: ChoiceEnum(["linear", "sqeuclidean", "paper"]) = field(default="linear", metadata=_advanced(
         "cost of the transport problem: linear (epsilon in score units), sqeuclidean or paper (the paper's "
         "normalised cost)"))
@@ -236,8 +247,12 @@ class SoftBeamSearchCriterion(FairseqCriterion):
                  topk_candidate_pool=0, topk_fixed_iterations=False, topk_compile="none", topk_grad_cap=0.3,
                  topk_epsilon_start=0.0, topk_epsilon_anneal_updates=0, topk_epsilon_relative=0.0,
                  candidate_pool=None, selection_grad=None, selection_grad_cap=None, sentence_avg=False,
-                 beam_loss="gold", beam_loss_temperature=1.0):
+                 beam_loss="gold", beam_loss_temperature=1.0, beam_lenpen=1.0, beam_max_len_a=1.2, beam_max_len_b=10):
         super().__init__(task)
+        if beam_max_len_a < 0 or beam_max_len_b < 0:
+            raise ValueError(f"--beam-max-len-a and --beam-max-len-b must be >= 0, got {beam_max_len_a} and "
+                             f"{beam_max_len_b}")
+        self.lenpen, self.max_len_a, self.max_len_b = beam_lenpen, beam_max_len_a, beam_max_len_b
         if str(beam_loss) not in BEAM_LOSS_CHOICES:
             raise ValueError(f"--beam-loss must be one of {BEAM_LOSS_CHOICES}, got {beam_loss!r}")
         if not beam_loss_temperature > 0:
@@ -349,6 +364,13 @@ class SoftBeamSearchCriterion(FairseqCriterion):
                                            self.record_selection_grads)
 
         def beam_search(encoder, decoder, encoder_out):
+            if self.beam_loss == "risk":  # a search that decodes as fairseq-generate does
+                src_len = sample["net_input"]["src_tokens"].size(1)
+                max_positions = getattr(unwrapped(model), "max_decoder_positions", lambda: None)()
+                return unroll_beam_search_to_eos(
+                    decoder, encoder_out, encoder.reorder_encoder_out, target.size(0), self.padding_idx, bos, self.eos,
+                    search, search_max_len(src_len, self.max_len_a, self.max_len_b, max_positions), self.lenpen,
+                    grad_observer=stats, device=target.device)
             return unroll_beam_search(decoder, encoder_out, encoder.reorder_encoder_out, target, self.padding_idx,
                                       bos, search, grad_observer=stats)
 
@@ -362,14 +384,14 @@ class SoftBeamSearchCriterion(FairseqCriterion):
         gold = lprobs.gather(-1, target.unsqueeze(-1)).squeeze(-1)
         tf_loss, tf_nll = smoothed_nll(gold, lprobs.sum(-1), mask, self.label_smoothing, vocab)
         risk = None
-        if run_beam:
+        if run_beam and self.beam_loss == "risk":  # the finished hypotheses, read up to their EOS
+            costs = sentence_bleu_costs(beam.tokens, target, self.eos, self.padding_idx)
+            risk = expected_risk(beam.scores, costs, self.beam_loss_temperature)  # (batch,)
+            # per target token, as the teacher-forcing term (per sentence with --sentence-avg)
+            beam_loss = (risk if self.sentence_avg else risk * mask.sum(-1)).sum()
+            beam_nll = beam_loss.new_zeros(())  # no gold path in a search that stops at EOS
+        elif run_beam:
             beam_loss, beam_nll = smoothed_nll(beam.gold_lprobs, beam.smooth_lprobs, mask, self.label_smoothing, vocab)
-            if self.beam_loss == "risk":  # each sentence's beams after its own length, cut at their first EOS
-                hypotheses = beam.end_tokens.masked_fill(~mask.unsqueeze(1), self.padding_idx)
-                costs = sentence_bleu_costs(hypotheses, target, self.eos, self.padding_idx)
-                risk = expected_risk(beam.end_scores, costs, self.beam_loss_temperature)  # (batch,)
-                # per target token, as the teacher-forcing term (per sentence with --sentence-avg)
-                beam_loss = (risk if self.sentence_avg else risk * mask.sum(-1)).sum()
         else:
             beam_loss = beam_nll = tf_loss.new_zeros(())
         loss = self.p * tf_loss + (1.0 - self.p) * beam_loss
@@ -386,16 +408,24 @@ class SoftBeamSearchCriterion(FairseqCriterion):
         if risk is not None:
             logging_output["beam_risk_sum"] = risk.detach().sum().data
         if run_beam:  # sums on the device (no host read here); ntokens = the unpadded target positions
-            logging_output["topk_sharpness_sum"] = (beam.sharpness * mask.unsqueeze(-1)).sum().data
-            logging_output["topk_sharpness_count"] = ntokens * search.beam
+            if risk is not None:  # the steps of each sentence until it had its k hypotheses
+                logging_output["topk_sharpness_sum"] = beam.sharpness_sum.data
+                logging_output["topk_sharpness_count"] = beam.sharpness_count.data
+                logging_output["topk_near_tie_sum"] = beam.near_tie_sum.data
+                logging_output["topk_steps"] = beam.sharpness_count.data / search.beam
+                solves = beam.steps - 1  # the last step only finishes hypotheses
+            else:
+                logging_output["topk_sharpness_sum"] = (beam.sharpness * mask.unsqueeze(-1)).sum().data
+                logging_output["topk_sharpness_count"] = ntokens * search.beam
+                logging_output["topk_near_tie_sum"] = (beam.near_tie & mask).sum().data
+                logging_output["topk_steps"] = ntokens
+                solves = target.size(1)
             logging_output["topk_unconverged"] = beam.n_unconverged  # with fixed iterations: a tensor
-            logging_output["topk_near_tie_sum"] = (beam.near_tie & mask).sum().data
-            logging_output["topk_steps"] = ntokens
             if search.mode == "soft":  # one batched solve per decoding step
                 logging_output["topk_newton_iters"] = beam.newton_iters
-                logging_output["topk_solves"] = target.size(1)
+                logging_output["topk_solves"] = solves
                 if self.epsilon_schedule is not None:  # summed over workers: divided by the solves' weight
-                    logging_output["topk_epsilon_sum"] = search.epsilon * target.size(1)
+                    logging_output["topk_epsilon_sum"] = search.epsilon * solves
         if stats is not None:
             logging_output.update(stats.logging_output())
         return loss, sample_size, logging_output

@@ -70,9 +70,6 @@ class BeamSearchOutput(NamedTuple):
             observed (None otherwise): through it the cap learns the factor by which the loss is
             multiplied before the backward pass (fp16/amp loss scaling) and follows it, so that
             the update does not depend on that factor (:func:`~fairseq_softtopk.ops.cap_row_grad_norm`).
-        end_scores: ``(batch, beam)`` the cumulative log-likelihoods of each sentence's beams after as
-            many steps as its gold target has tokens (``final_scores`` are after the longest's).
-        end_tokens: ``(batch, beam, T)`` those beams' tokens (undefined after the sentence's length).
     """
 
     gold_lprobs: Tensor
@@ -85,8 +82,6 @@ class BeamSearchOutput(NamedTuple):
     n_unconverged: Union[int, Tensor]
     newton_iters: int
     scale_probe: Optional[Tensor] = None
-    end_scores: Optional[Tensor] = None
-    end_tokens: Optional[Tensor] = None
 
 
 def mix_state(state: NamedTuple, weights: Tensor) -> NamedTuple:
@@ -215,11 +210,9 @@ def unroll_beam_search(decoder, encoder_out, reorder_encoder_out: Callable, targ
                         order = (best_cand // V + torch.arange(batch, device=device).unsqueeze(1) * k).view(-1)
                     state = mix_decoder_state(new_state, state_weights, order)
     gold, smooth, best_beam = _backtrack(records, lengths)
-    end_scores, end_tokens = _beams_at_lengths(records, lengths)
     return BeamSearchOutput(gold, smooth, cum, best_beam, _beam_tokens(records),
                             torch.stack([r.sharpness for r in records], 1),
-                            torch.stack([r.near_tie for r in records], 1), n_unconverged, newton_iters, scale_probe,
-                            end_scores, end_tokens)
+                            torch.stack([r.near_tie for r in records], 1), n_unconverged, newton_iters, scale_probe)
 
 
 def _observe_step(grad_observer: GradientObserver, live: Tensor, norms: Tensor) -> None:
@@ -235,22 +228,6 @@ def _beam_tokens(records: List[StepRecord]) -> Tensor:
         out.append(record.token.gather(1, beam))
         beam = record.predecessor.gather(1, beam)
     return torch.stack(out[::-1], -1)
-
-
-def _beams_at_lengths(records: List[StepRecord], lengths: Tensor):
-    """Each sentence's beams after ``lengths[b]`` steps: ``(scores (batch, beam), tokens (batch, beam, T))``,
-    the tokens following argmax predecessors back from there (0 after the sentence's length)."""
-    batch, beam = records[0].cum_score.shape
-    rows = torch.arange(batch, device=lengths.device)
-    scores = torch.stack([r.cum_score for r in records], 1)[rows, (lengths - 1).clamp_min(0)]
-    current = torch.arange(beam, device=lengths.device).expand(batch, beam)
-    tokens = [None] * len(records)
-    for t in range(len(records) - 1, -1, -1):
-        inside = (t < lengths).unsqueeze(1)
-        current = torch.where((lengths == t + 1).unsqueeze(1), torch.arange(beam, device=lengths.device), current)
-        tokens[t] = torch.where(inside, records[t].token.gather(1, current), 0)
-        current = torch.where(inside, records[t].predecessor.gather(1, current), current)
-    return scores, torch.stack(tokens, -1)
 
 
 def _backtrack(records: List[StepRecord], lengths: Tensor):
