@@ -157,14 +157,12 @@ def unroll_beam_search(decoder, encoder_out, reorder_encoder_out: Callable, targ
     inputs = decoder.embed(torch.full((batch * k,), bos, dtype=torch.long, device=device))
     embeddings = decoder.embedding_matrix()  # V x D
     lengths = target.ne(pad).sum(-1)
-    mix_decoder_state = getattr(decoder, "mix_state", None)
     excluded = getattr(decoder, "excluded_tokens", None)
     if excluded is not None:
         excluded = torch.as_tensor(excluded, dtype=torch.long, device=device)
     cum = None
     records: List[StepRecord] = []
-    n_unconverged = newton_iters = 0
-    scale_probe = None
+    counts = SearchCounts()
     for t in range(T):
         with torch.profiler.record_function("softtopk::beam_step"):  # one decoding step (counted per step)
             lprobs, new_state = decoder.step(inputs, state, enc)  # (B*k) x V
@@ -179,40 +177,81 @@ def unroll_beam_search(decoder, encoder_out, reorder_encoder_out: Callable, targ
                 cum = torch.full((batch, k), -float("inf"), dtype=lprobs.dtype, device=device)
                 cum[:, 0] = 0.0
             scores = (cum.unsqueeze(-1) + lprobs).view(batch, k * V)  # candidate (i, j) -> i*V + j
-            top = scores.detach().topk(min(k + 1, k * V), dim=-1).values
-            scale = relative_scale(top, config)
-            # the selection sees the rescaled scores (a per-row epsilon); the beams' scores stay as they are
-            sel_scores, sel_top = (scores, top) if scale is None else (scores / scale, top / scale)
-            observe = None
-            if grad_observer is not None:  # a sentence's last selection reaches no loss term: not live
-                observe = functools.partial(_observe_step, grad_observer, t < lengths - 1)
-            cand, A, converged, n_iter, probe = select_beams(sel_scores, k, config, sel_top[:, -1:], observe)
-            if probe is not None:
-                scale_probe = probe if scale_probe is None else scale_probe + probe
-            # a tensor with fixed_iterations: counted on the device, read once after the search
-            n_unconverged = n_unconverged + (~converged).long() if torch.is_tensor(converged) else \
-                n_unconverged + int(not converged)
-            newton_iters += n_iter
-            best_cand = cand.gather(1, A.argmax(1))  # (B, k): the candidate each new beam follows
-            cum = scores.gather(1, best_cand)
-            records.append(StepRecord(best_cand // V, best_cand % V, cum, gold_lprobs, smooth_lprobs,
-                                      A.detach().amax(1), near_ties(sel_scores.detach(), sel_top, config)))
-            # next inputs: mixed embeddings of the candidates' tokens; states: mixed predecessors
-            with torch.profiler.record_function("softtopk::mix_beams"):
-                inputs = mix_embeddings(embeddings, cand % V, A)
-                state_weights = torch.zeros(batch, k, k, dtype=A.dtype, device=device).scatter_add_(
-                    1, (cand // V).unsqueeze(-1).expand(-1, -1, k), A)  # B x k_old x k_new
-                if mix_decoder_state is None:
-                    state = mix_state(new_state, state_weights)
-                else:  # the decoder mixes its own state; hard mode: by index (the beams' predecessors)
-                    order = None
-                    if config.mode == "hard":
-                        order = (best_cand // V + torch.arange(batch, device=device).unsqueeze(1) * k).view(-1)
-                    state = mix_decoder_state(new_state, state_weights, order)
+            # a sentence's last selection reaches no loss term: not live
+            step = next_beams(scores, new_state, decoder, embeddings, config, t < lengths - 1, grad_observer, counts)
+            cum = scores.gather(1, step.best_cand)
+            records.append(StepRecord(step.best_cand // V, step.best_cand % V, cum, gold_lprobs, smooth_lprobs,
+                                      step.sharpness, step.near_tie))
+            inputs, state = step.inputs, step.state
     gold, smooth, best_beam = _backtrack(records, lengths)
     return BeamSearchOutput(gold, smooth, cum, best_beam, _beam_tokens(records),
                             torch.stack([r.sharpness for r in records], 1),
-                            torch.stack([r.near_tie for r in records], 1), n_unconverged, newton_iters, scale_probe)
+                            torch.stack([r.near_tie for r in records], 1), counts.n_unconverged, counts.newton_iters,
+                            counts.scale_probe)
+
+
+class SearchCounts:
+    """What a search's selections add up: unconverged solves (a device tensor with fixed iterations, read once
+    after the search), Newton iterations, and the sum of the gradient cap's scale probes."""
+
+    def __init__(self):
+        self.n_unconverged: Union[int, Tensor] = 0
+        self.newton_iters = 0
+        self.scale_probe: Optional[Tensor] = None
+
+    def add(self, converged: Union[bool, Tensor], n_iter: int, probe: Optional[Tensor]) -> None:
+        self.n_unconverged = (self.n_unconverged + (~converged).long() if torch.is_tensor(converged)
+                              else self.n_unconverged + int(not converged))
+        self.newton_iters += n_iter
+        if probe is not None:
+            self.scale_probe = probe if self.scale_probe is None else self.scale_probe + probe
+
+
+class NextBeams(NamedTuple):
+    """One step's choice of the next beams (``(batch, beam)`` tensors unless said)."""
+
+    best_cand: Tensor  # the candidate (i * V + j) each new beam follows: the argmax of its column of A
+    inputs: Tensor  # (batch * beam, dim): the next inputs, the candidates' embeddings mixed by A
+    state: object  # the next states, the predecessors' mixed by A
+    sharpness: Tensor  # the largest weight in each new beam's column of A
+    near_tie: Tensor  # (batch,): see BeamSearchOutput.near_tie
+
+
+def next_beams(scores: Tensor, new_state, decoder, embeddings: Tensor, config: BeamSearchConfig, live: Tensor,
+               grad_observer: Optional[GradientObserver], counts: SearchCounts) -> NextBeams:
+    """Selects the next beams among the candidates' ``(batch, beam * V)`` scores (soft or hard) and mixes their
+    inputs and states: the step shared by :func:`unroll_beam_search` and the search that stops at EOS.
+
+    Args:
+        new_state: the states after the step, one per old beam; ``decoder`` mixes them itself if it has
+            ``mix_state`` (hard mode: by index), else :func:`mix_state` does.
+        live: ``(batch,)`` the sentences whose selection here can reach the loss (for ``grad_observer``).
+    """
+    batch, n = scores.shape
+    k = config.beam
+    V = n // k
+    top = scores.detach().topk(min(k + 1, n), dim=-1).values
+    scale = relative_scale(top, config)
+    # the selection sees the rescaled scores (a per-row epsilon); the beams' scores stay as they are
+    sel_scores, sel_top = (scores, top) if scale is None else (scores / scale, top / scale)
+    observe = None if grad_observer is None else functools.partial(_observe_step, grad_observer, live)
+    cand, A, converged, n_iter, probe = select_beams(sel_scores, k, config, sel_top[:, -1:], observe)
+    counts.add(converged, n_iter, probe)
+    best_cand = cand.gather(1, A.argmax(1))
+    # next inputs: mixed embeddings of the candidates' tokens; states: mixed predecessors
+    with torch.profiler.record_function("softtopk::mix_beams"):
+        inputs = mix_embeddings(embeddings, cand % V, A)
+        state_weights = torch.zeros(batch, k, k, dtype=A.dtype, device=scores.device).scatter_add_(
+            1, (cand // V).unsqueeze(-1).expand(-1, -1, k), A)  # B x k_old x k_new
+        mix_decoder_state = getattr(decoder, "mix_state", None)
+        if mix_decoder_state is None:
+            state = mix_state(new_state, state_weights)
+        else:  # the decoder mixes its own state; hard mode: by index (the beams' predecessors)
+            order = None
+            if config.mode == "hard":
+                order = (best_cand // V + torch.arange(batch, device=scores.device).unsqueeze(1) * k).view(-1)
+            state = mix_decoder_state(new_state, state_weights, order)
+    return NextBeams(best_cand, inputs, state, A.detach().amax(1), near_ties(sel_scores.detach(), sel_top, config))
 
 
 def _observe_step(grad_observer: GradientObserver, live: Tensor, norms: Tensor) -> None:

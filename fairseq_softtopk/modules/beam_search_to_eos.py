@@ -19,15 +19,13 @@ the mixed inputs and states that scored them. The decisions (which candidate fin
 soft beam follows) are discrete, as in the gold unroll.
 """
 
-import functools
 from typing import List, NamedTuple, Optional, Union
 
 import torch
 from torch import Tensor
 
-from .beam_search import StepRecord, _observe_step, mix_embeddings, mix_state
+from .beam_search import SearchCounts, StepRecord, next_beams
 from .beam_search_config import BeamSearchConfig, GradientObserver
-from .beam_selection import near_ties, relative_scale, select_beams
 
 __all__ = ["FinishedBeams", "search_max_len", "unroll_beam_search_to_eos"]
 
@@ -91,7 +89,6 @@ def unroll_beam_search_to_eos(decoder, encoder_out, reorder_encoder_out, batch: 
     state = decoder.initial_state(enc)
     inputs = decoder.embed(torch.full((batch * k,), bos, dtype=torch.long, device=device))
     embeddings = decoder.embedding_matrix()
-    mix_decoder_state = getattr(decoder, "mix_state", None)
     banned = torch.tensor([pad], dtype=torch.long, device=device)
     eos_index = torch.tensor([eos], dtype=torch.long, device=device)
     slots = torch.arange(k, device=device)
@@ -100,8 +97,7 @@ def unroll_beam_search_to_eos(decoder, encoder_out, reorder_encoder_out, batch: 
     fin_scores = fin_steps = fin_beams = None  # (batch, k): normalised score, step of the EOS, beam it ended
     n_finished = torch.zeros(batch, dtype=torch.long, device=device)
     records: List[StepRecord] = []
-    n_unconverged = newton_iters = 0
-    scale_probe = None
+    counts = SearchCounts()
     sharpness_sum = near_tie_sum = None
     sharpness_count = None
     steps = 0
@@ -146,41 +142,18 @@ def unroll_beam_search_to_eos(decoder, encoder_out, reorder_encoder_out, batch: 
             live = n_finished < k
             # the next beams: the best k other candidates (soft or hard), as in the gold unroll
             scores = scores.view(batch, k, V).index_fill(-1, eos_index, -float("inf")).view(batch, k * V)
-            top = scores.detach().topk(k + 1, dim=-1).values
-            scale = relative_scale(top, config)
-            sel_scores, sel_top = (scores, top) if scale is None else (scores / scale, top / scale)
-            observe = None
-            if grad_observer is not None:
-                observe = functools.partial(_observe_step, grad_observer, live)
-            cand, A, converged, n_iter, probe = select_beams(sel_scores, k, config, sel_top[:, -1:], observe)
-            if probe is not None:
-                scale_probe = probe if scale_probe is None else scale_probe + probe
-            n_unconverged = n_unconverged + (~converged).long() if torch.is_tensor(converged) else \
-                n_unconverged + int(not converged)
-            newton_iters += n_iter
-            best_cand = cand.gather(1, A.argmax(1))
-            cum = scores.gather(1, best_cand)
-            sharpness = A.detach().amax(1)
-            sharpness_sum = sharpness_sum + (sharpness * live.unsqueeze(1)).sum()
+            step = next_beams(scores, new_state, decoder, embeddings, config, live, grad_observer, counts)
+            cum = scores.gather(1, step.best_cand)
+            sharpness_sum = sharpness_sum + (step.sharpness * live.unsqueeze(1)).sum()
             sharpness_count = sharpness_count + live.sum() * k
-            near_tie_sum = near_tie_sum + (near_ties(sel_scores.detach(), sel_top, config) & live).sum()
-            records.append(StepRecord(best_cand // V, best_cand % V, cum, None, None, sharpness, None))
-            with torch.profiler.record_function("softtopk::mix_beams"):
-                inputs = mix_embeddings(embeddings, cand % V, A)
-                state_weights = torch.zeros(batch, k, k, dtype=A.dtype, device=device).scatter_add_(
-                    1, (cand // V).unsqueeze(-1).expand(-1, -1, k), A)
-                if mix_decoder_state is None:
-                    state = mix_state(new_state, state_weights)
-                else:
-                    order = None
-                    if config.mode == "hard":
-                        order = (best_cand // V + rows.unsqueeze(1) * k).view(-1)
-                    state = mix_decoder_state(new_state, state_weights, order)
+            near_tie_sum = near_tie_sum + (step.near_tie & live).sum()
+            records.append(StepRecord(step.best_cand // V, step.best_cand % V, cum, None, None, step.sharpness, None))
+            inputs, state = step.inputs, step.state
     tokens, lengths = _finished_tokens(records, fin_steps, fin_beams, torch.isfinite(fin_scores), steps, pad, eos)
     order = fin_scores.detach().argsort(dim=1, descending=True)
     return FinishedBeams(fin_scores.gather(1, order), tokens.gather(1, order.unsqueeze(-1).expand_as(tokens)),
                          lengths.gather(1, order), steps, sharpness_sum, sharpness_count, near_tie_sum,
-                         n_unconverged, newton_iters, scale_probe)
+                         counts.n_unconverged, counts.newton_iters, counts.scale_probe)
 
 
 def _finished_tokens(records: List[StepRecord], fin_steps: Tensor, fin_beams: Tensor, filled: Tensor, steps: int,
