@@ -37,7 +37,7 @@ what it lacks.
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 from fairseq import metrics, utils
@@ -211,6 +211,26 @@ def unroll_kind(model) -> str:
         f"--teacher-forcing-ratio 1.0 the criterion is plain teacher forcing and takes any model.")
 
 
+def forward_with_beam_search(model, net_input: dict, beam_search: Callable, bos: int, kind: str):
+    """``(net_output, search output)``: the teacher-forcing forward and ``beam_search(encoder, decoder,
+    encoder_out)``, the decoder as the search drives it (:func:`unroll_kind` ``kind``)."""
+    if kind == "model":  # inside the model's forward, which DDP wraps
+        return model(**net_input, beam_search=beam_search)
+    # a Transformer: the teacher-forcing forward (through the wrappers, so DDP prepares its backward),
+    # whose encoder output the search reuses, then the decoder driven step by step. Its parameters get
+    # one gradient per backward pass as usual, so DDP's reducer sees nothing new.
+    inner = unwrapped(model)
+    captured = []
+    handle = inner.encoder.register_forward_hook(lambda module, args, output: captured.append(output))
+    try:
+        net_output = model(**net_input)
+    finally:
+        handle.remove()
+    if len(captured) != 1:
+        raise RuntimeError(f"{type(inner).__name__}'s forward ran its encoder {len(captured)} times (expected once)")
+    return net_output, beam_search(inner.encoder, IncrementalDecoderUnroll(inner.decoder, bos), captured[0])
+
+
 def annealed_epsilon(start: float, end: float, update: int, anneal_updates: int) -> float:
     """Epsilon at ``update`` of a geometric schedule from ``start`` (update 0) to ``end``.
 
@@ -322,22 +342,7 @@ class SoftBeamSearchCriterion(FairseqCriterion):
         return self._unroll_kinds[cls]
 
     def _forward_with_beam_search(self, model, net_input, beam_search, bos: int):
-        """``(net_output, BeamSearchOutput)``: the teacher-forcing forward and the unrolled search."""
-        if self._unroll_kind(model) == "model":  # inside the model's forward, which DDP wraps
-            return model(**net_input, beam_search=beam_search)
-        # a Transformer: the teacher-forcing forward (through the wrappers, so DDP prepares its backward),
-        # whose encoder output the search reuses, then the decoder driven step by step. Its parameters get
-        # one gradient per backward pass as usual, so DDP's reducer sees nothing new.
-        inner = unwrapped(model)
-        captured = []
-        handle = inner.encoder.register_forward_hook(lambda module, args, output: captured.append(output))
-        try:
-            net_output = model(**net_input)
-        finally:
-            handle.remove()
-        if len(captured) != 1:
-            raise RuntimeError(f"{type(inner).__name__}'s forward ran its encoder {len(captured)} times (expected once)")
-        return net_output, beam_search(inner.encoder, IncrementalDecoderUnroll(inner.decoder, bos), captured[0])
+        return forward_with_beam_search(model, net_input, beam_search, bos, self._unroll_kind(model))
 
     def search_config(self, model) -> BeamSearchConfig:
         """The search's options at the model's current update (the epsilon schedule, if any)."""
