@@ -19,10 +19,10 @@ from fairseq.criterions import FairseqCriterion, register_criterion
 from fairseq.dataclass import FairseqDataclass
 from omegaconf import II
 
-from ..modules.beam_search_to_eos import search_max_len
 from ..modules.incremental_decoder_unroll import IncrementalDecoderUnroll
 from ..modules.sequence_risk import sentence_bleu_costs
-from .soft_beam_search import SoftBeamSearchCriterion, forward_with_beam_search, smoothed_nll, unroll_kind, unwrapped
+from .soft_beam_search import (SoftBeamSearchCriterion, forward_with_beam_search, teacher_forcing_loss,
+                               training_search_max_len, unroll_kind, weighted_risk)
 
 INSTALL = "pip install --no-build-isolation beamgrad==2.3.0"
 
@@ -105,21 +105,18 @@ class BeamgradRiskCriterion(FairseqCriterion):
         target = sample["target"]
         net_input = sample["net_input"]
         bos = net_input["prev_output_tokens"][0, 0].item()
-        max_positions = getattr(unwrapped(model), "max_decoder_positions", lambda: None)()
-        max_len = search_max_len(net_input["src_tokens"].size(1), self.max_len_a, self.max_len_b, max_positions)
+        max_len = training_search_max_len(model, net_input, self.max_len_a, self.max_len_b)
 
         def beam_search(encoder, decoder, encoder_out):
             return self.search(encoder, decoder, encoder_out, target.size(0), bos, max_len, target.device)
 
         net_output, result = forward_with_beam_search(model, net_input, beam_search, bos, unroll_kind(model))
-        lprobs = model.get_normalized_probs(net_output, log_probs=True)
-        mask = target.ne(self.padding_idx)
-        gold = lprobs.gather(-1, target.unsqueeze(-1)).squeeze(-1)
-        tf_loss, tf_nll = smoothed_nll(gold, lprobs.sum(-1), mask, self.label_smoothing, lprobs.shape[-1])
+        tf_loss, tf_nll, mask, _ = teacher_forcing_loss(model, net_output, target, self.padding_idx,
+                                                        self.label_smoothing)
         hypotheses = torch.where(result.sequences < 0, self.padding_idx, result.sequences).to(target.device)
         costs = sentence_bleu_costs(hypotheses, target, self.eos, self.padding_idx)
         risk = self.beamgrad.losses.minimum_risk(result, costs, self.temperature, reduction="none")
-        beam_loss = (risk if self.sentence_avg else risk * mask.sum(-1)).sum()
+        beam_loss = weighted_risk(risk, mask, self.sentence_avg)
         loss = self.p * tf_loss + (1.0 - self.p) * beam_loss
         ntokens = sample["ntokens"]
         logging_output = {

@@ -37,7 +37,7 @@ what it lacks.
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, NamedTuple, Optional
 
 import torch
 from fairseq import metrics, utils
@@ -185,14 +185,26 @@ def unroll_interface_missing(model) -> List[str]:
     return missing
 
 
+#: unroll_kind's answers, per model class (the model inside its wrappers)
+_UNROLL_KINDS: Dict[type, str] = {}
+
+
 def unroll_kind(model) -> str:
     """How the beam search is unrolled for ``model``: ``"model"`` (inside its forward, the plugin's LSTM)
     or ``"incremental"`` (the decoder driven step by step through fairseq's incremental state, a
     Transformer: :class:`~fairseq_softtopk.modules.incremental_decoder_unroll.IncrementalDecoderUnroll`).
+    Found once per model class (the model inside its wrappers).
 
     Raises:
         ValueError: naming what the model lacks for either.
     """
+    cls = type(unwrapped(model))
+    if cls not in _UNROLL_KINDS:
+        _UNROLL_KINDS[cls] = _find_unroll_kind(model)
+    return _UNROLL_KINDS[cls]
+
+
+def _find_unroll_kind(model) -> str:
     missing = unroll_interface_missing(model)
     if not missing:
         return "model"
@@ -209,6 +221,36 @@ def unroll_kind(model) -> str:
         f"inside its forward) and {'; '.join(incremental_missing)} (to drive its decoder through fairseq's "
         f"incremental state). Beam-search training supports {SUPPORTED_ARCHITECTURES}. With "
         f"--teacher-forcing-ratio 1.0 the criterion is plain teacher forcing and takes any model.")
+
+
+def training_search_max_len(model, net_input: dict, max_len_a: float, max_len_b: int) -> int:
+    """The last step of a training search that stops at EOS, as fairseq-generate's for this batch
+    (:func:`~fairseq_softtopk.modules.beam_search_to_eos.search_max_len`)."""
+    max_positions = getattr(unwrapped(model), "max_decoder_positions", lambda: None)()
+    return search_max_len(net_input["src_tokens"].size(1), max_len_a, max_len_b, max_positions)
+
+
+class TeacherForcingLoss(NamedTuple):
+    loss: torch.Tensor  # the label-smoothed NLL of the target's tokens, summed
+    nll: torch.Tensor  # their NLL, summed
+    mask: torch.Tensor  # (batch, T): the target's tokens (not padding)
+    vocab: int  # the size of the output distribution
+
+
+def teacher_forcing_loss(model, net_output, target: torch.Tensor, pad: int,
+                         label_smoothing: float) -> TeacherForcingLoss:
+    """The teacher-forcing term of both criteria, from the model's teacher-forced output."""
+    lprobs = model.get_normalized_probs(net_output, log_probs=True)
+    mask = target.ne(pad)
+    gold = lprobs.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    loss, nll = smoothed_nll(gold, lprobs.sum(-1), mask, label_smoothing, lprobs.shape[-1])
+    return TeacherForcingLoss(loss, nll, mask, lprobs.shape[-1])
+
+
+def weighted_risk(risk: torch.Tensor, mask: torch.Tensor, sentence_avg: bool) -> torch.Tensor:
+    """The ``(batch,)`` risks summed per target token, as the teacher-forcing term (per sentence with
+    ``--sentence-avg``)."""
+    return (risk if sentence_avg else risk * mask.sum(-1)).sum()
 
 
 def forward_with_beam_search(model, net_input: dict, beam_search: Callable, bos: int, kind: str):
@@ -332,17 +374,7 @@ class SoftBeamSearchCriterion(FairseqCriterion):
         #: set to a list to collect every selection-gradient norm (scripts/diagnostics/diagnose_beam_gradients.py)
         self.record_selection_grads: Optional[List[float]] = None
         self.sentence_avg = sentence_avg
-        self._unroll_kinds = {}  # model class -> unroll_kind
 
-    def _unroll_kind(self, model) -> str:
-        """:func:`unroll_kind`, found once per model class."""
-        cls = type(unwrapped(model))
-        if cls not in self._unroll_kinds:
-            self._unroll_kinds[cls] = unroll_kind(model)
-        return self._unroll_kinds[cls]
-
-    def _forward_with_beam_search(self, model, net_input, beam_search, bos: int):
-        return forward_with_beam_search(model, net_input, beam_search, bos, self._unroll_kind(model))
 
     def search_config(self, model) -> BeamSearchConfig:
         """The search's options at the model's current update (the epsilon schedule, if any)."""
@@ -370,30 +402,25 @@ class SoftBeamSearchCriterion(FairseqCriterion):
 
         def beam_search(encoder, decoder, encoder_out):
             if self.beam_loss == "risk":  # a search that decodes as fairseq-generate does
-                src_len = sample["net_input"]["src_tokens"].size(1)
-                max_positions = getattr(unwrapped(model), "max_decoder_positions", lambda: None)()
+                max_len = training_search_max_len(model, sample["net_input"], self.max_len_a, self.max_len_b)
                 return unroll_beam_search_to_eos(
                     decoder, encoder_out, encoder.reorder_encoder_out, target.size(0), self.padding_idx, bos, self.eos,
-                    search, search_max_len(src_len, self.max_len_a, self.max_len_b, max_positions), self.lenpen,
-                    grad_observer=stats, device=target.device)
+                    search, max_len, self.lenpen, grad_observer=stats, device=target.device)
             return unroll_beam_search(decoder, encoder_out, encoder.reorder_encoder_out, target, self.padding_idx,
                                       bos, search, grad_observer=stats)
 
         if run_beam:
-            net_output, beam = self._forward_with_beam_search(model, sample["net_input"], beam_search, bos)
+            net_output, beam = forward_with_beam_search(model, sample["net_input"], beam_search, bos,
+                                                        unroll_kind(model))
         else:
             net_output = model(**sample["net_input"])
-        lprobs = model.get_normalized_probs(net_output, log_probs=True)
-        vocab = lprobs.shape[-1]
-        mask = target.ne(self.padding_idx)
-        gold = lprobs.gather(-1, target.unsqueeze(-1)).squeeze(-1)
-        tf_loss, tf_nll = smoothed_nll(gold, lprobs.sum(-1), mask, self.label_smoothing, vocab)
+        tf_loss, tf_nll, mask, vocab = teacher_forcing_loss(model, net_output, target, self.padding_idx,
+                                                            self.label_smoothing)
         risk = None
         if run_beam and self.beam_loss == "risk":  # the finished hypotheses, read up to their EOS
             costs = sentence_bleu_costs(beam.tokens, target, self.eos, self.padding_idx)
             risk = expected_risk(beam.scores, costs, self.beam_loss_temperature)  # (batch,)
-            # per target token, as the teacher-forcing term (per sentence with --sentence-avg)
-            beam_loss = (risk if self.sentence_avg else risk * mask.sum(-1)).sum()
+            beam_loss = weighted_risk(risk, mask, self.sentence_avg)
             beam_nll = beam_loss.new_zeros(())  # no gold path in a search that stops at EOS
         elif run_beam:
             beam_loss, beam_nll = smoothed_nll(beam.gold_lprobs, beam.smooth_lprobs, mask, self.label_smoothing, vocab)

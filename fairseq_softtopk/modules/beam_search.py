@@ -45,7 +45,7 @@ from .beam_search_config import SELECTION_GRADS, BeamSearchConfig, GradientObser
 from .beam_selection import near_ties, relative_scale, select_beams
 
 __all__ = ["SELECTION_GRADS", "BeamSearchConfig", "BeamSearchOutput", "GradientObserver", "mix_embeddings",
-           "mix_state", "unroll_beam_search"]
+           "mix_rows", "mix_state", "unroll_beam_search"]
 
 
 class BeamSearchOutput(NamedTuple):
@@ -84,19 +84,22 @@ class BeamSearchOutput(NamedTuple):
     scale_probe: Optional[Tensor] = None
 
 
-def mix_state(state: NamedTuple, weights: Tensor) -> NamedTuple:
-    """New beam states as weighted sums of the old ones.
+def mix_rows(tensor: Tensor, weights: Tensor) -> Tensor:
+    """One state tensor of the new beams, as weighted sums of the old beams' rows.
 
     Args:
-        state: NamedTuple of ``(batch * beam, ...)`` tensors.
+        tensor: ``(batch * beam, ...)``.
         weights: ``(batch, beam_old, beam_new)``; new ``l`` = ``sum_i weights[:, i, l] * old i``.
     """
     batch, beam, _ = weights.shape
-    mixed = []
-    for tensor in state:
-        flat = tensor.reshape(batch, beam, -1)  # B x k x (rest)
-        mixed.append(torch.bmm(weights.transpose(1, 2).to(flat.dtype), flat).reshape(tensor.shape))
-    return type(state)(*mixed)
+    flat = tensor.reshape(batch, beam, -1)  # B x k x (rest)
+    return torch.bmm(weights.transpose(1, 2).to(flat.dtype), flat).reshape(tensor.shape)
+
+
+def mix_state(state: NamedTuple, weights: Tensor) -> NamedTuple:
+    """New beam states as weighted sums of the old ones (:func:`mix_rows` of every tensor of ``state``, a
+    NamedTuple of ``(batch * beam, ...)`` tensors)."""
+    return type(state)(*(mix_rows(tensor, weights) for tensor in state))
 
 
 def mix_embeddings(embeddings: Tensor, tokens: Tensor, A: Tensor) -> Tensor:

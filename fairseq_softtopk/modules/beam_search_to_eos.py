@@ -100,9 +100,7 @@ def unroll_beam_search_to_eos(decoder, encoder_out, reorder_encoder_out, batch: 
     counts = SearchCounts()
     sharpness_sum = near_tie_sum = None
     sharpness_count = None
-    steps = 0
-    for t in range(max_len + 1):
-        steps = t + 1
+    for t in range(max_len + 1):  # always ends at a break: every sentence done, or step max_len
         with torch.profiler.record_function("softtopk::beam_step"):
             lprobs, new_state = decoder.step(inputs, state, enc)
             V = lprobs.shape[-1]
@@ -149,6 +147,7 @@ def unroll_beam_search_to_eos(decoder, encoder_out, reorder_encoder_out, batch: 
             near_tie_sum = near_tie_sum + (step.near_tie & live).sum()
             records.append(StepRecord(step.best_cand // V, step.best_cand % V, cum, None, None, step.sharpness, None))
             inputs, state = step.inputs, step.state
+    steps = len(records) + 1  # the last step only finished hypotheses
     tokens, lengths = _finished_tokens(records, fin_steps, fin_beams, torch.isfinite(fin_scores), steps, pad, eos)
     order = fin_scores.detach().argsort(dim=1, descending=True)
     return FinishedBeams(fin_scores.gather(1, order), tokens.gather(1, order.unsqueeze(-1).expand_as(tokens)),

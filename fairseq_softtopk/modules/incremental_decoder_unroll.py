@@ -26,6 +26,8 @@ from typing import Dict, List, NamedTuple, Optional
 import torch
 from torch import Tensor, nn
 
+from .beam_search import mix_rows
+
 __all__ = ["IncrementalDecoderState", "IncrementalDecoderUnroll", "incremental_unroll_missing"]
 
 IncrementalCache = Dict[str, Dict[str, Optional[Tensor]]]
@@ -51,11 +53,10 @@ def _cache_owners(decoder: nn.Module) -> List[nn.Module]:
 def incremental_unroll_missing(decoder) -> List[str]:
     """What ``decoder`` lacks for :class:`IncrementalDecoderUnroll`; [] if nothing.
 
-    It needs fairseq's incremental decoding (a ``FairseqIncrementalDecoder``), an
-    ``embed_tokens`` lookup (with a ``weight``) through which every step's token enters, log-probabilities
-    (``get_normalized_probs``, used with an adaptive softmax), and caches whose first dimension is the beam: those of fairseq's
-    ``MultiheadAttention`` (a module whose cache layout is unknown, such as fairseq's LSTM decoder's,
-    is named).
+    It needs fairseq's incremental decoding (a ``FairseqIncrementalDecoder``), an ``embed_tokens`` lookup
+    (with a ``weight``) through which every step's token enters, and caches whose first dimension is the
+    beam: those of fairseq's ``MultiheadAttention`` (a module whose cache layout is unknown, such as
+    fairseq's LSTM decoder's, is named).
     """
     from fairseq.models import FairseqIncrementalDecoder
 
@@ -160,8 +161,6 @@ class IncrementalDecoderUnroll:
             cache = {key: dict(value) for key, value in state.cache.items()}
             self.decoder.reorder_incremental_state_scripting(cache, order)
             return IncrementalDecoderState(cache, state.length)
-        batch, beam, _ = weights.shape
-        mix = weights.transpose(1, 2)  # B x k_new x k_old
         cache = {}
         for key, buffers in state.cache.items():
             if key not in self.known_keys:  # a layout we do not know: mixing along dim 0 could be wrong
@@ -177,7 +176,6 @@ class IncrementalDecoderUnroll:
                 elif not tensor.is_floating_point():
                     raise ValueError(f"cannot mix the cached {name} ({tensor.dtype}) of {key} over beams")
                 else:
-                    flat = tensor.reshape(batch, beam, -1)
-                    mixed[name] = torch.bmm(mix.to(flat.dtype), flat).reshape(tensor.shape)
+                    mixed[name] = mix_rows(tensor, weights)
             cache[key] = mixed
         return IncrementalDecoderState(cache, state.length)
