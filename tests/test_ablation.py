@@ -5,6 +5,8 @@ reports, end to end) and of the scoring and paired bootstrap (experiments.scorin
 import json
 import logging
 import random
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -145,6 +147,32 @@ def test_misspelt_config_flags_are_named_with_their_section_before_any_run(tmp_p
                        "--set", "arms.hard.topk-modee=hard"])
     assert exit_info.value.code == 2
     assert "--topk-modee (set in" in capsys.readouterr().err and not work.exists()
+
+
+BEAMGRAD_INSTALL = "pip install --no-build-isolation beamgrad==2.3.0"
+
+
+def test_requesting_only_the_beamgrad_arm_without_beamgrad_is_an_error_naming_it(tmp_path, monkeypatch, capsys):
+    """Without beamgrad, an ablation of the beamgrad arm alone (the baseline is always added) refuses before
+    anything runs, naming the arm and the install command; with beamgrad importable the arm is kept."""
+    config_path = REPO / "configs" / "multi30k_en_de_risk_ablation.yaml"
+    data_bin, work = _fake_data_bin(tmp_path / "bin"), tmp_path / "work"
+    monkeypatch.setitem(sys.modules, "beamgrad", None)  # import beamgrad raises ImportError
+    with pytest.raises(ValueError) as error:
+        run_ablation(load_config(config_path), data_bin, work, arms=["beamgrad_mrt"])
+    message = str(error.value)
+    assert "none of the requested arms can run here: arm 'beamgrad_mrt': " in message
+    assert "needs the optional package beamgrad" in message and BEAMGRAD_INSTALL in message
+    assert not work.exists()
+    with pytest.raises(SystemExit) as exit_info:
+        ablation_cli.main([str(config_path), "--data-bin", str(data_bin), "--work-dir", str(work),
+                           "--arms", "beamgrad_mrt"])
+    assert exit_info.value.code == 2 and BEAMGRAD_INSTALL in capsys.readouterr().err and not work.exists()
+    config = load_config(config_path)
+    assert ablation_runner.select_arms(config, ["tf", "beamgrad_mrt"]) == (["tf"], {
+        "beamgrad_mrt": message.split("arm 'beamgrad_mrt': ", 1)[1]})
+    monkeypatch.setitem(sys.modules, "beamgrad", types.ModuleType("beamgrad"))
+    assert ablation_runner.select_arms(config, ["beamgrad_mrt"]) == (["tf", "beamgrad_mrt"], {})
 
 
 def test_a_work_directory_with_other_flags_names_each_flag_with_both_values(tmp_path):
@@ -519,6 +547,30 @@ def test_runs_side_by_side_and_quiet_give_the_same_table(micro, tmp_path, capsys
     for arm in ARMS:
         assert f"seed1/{arm}: epoch 1, update 8: valid loss" in printed
         assert "train_inner" in (tmp_path / "work" / "seed1" / arm / "train.log").read_text()
+
+
+@pytest.mark.slow
+def test_without_beamgrad_its_arm_is_skipped_and_reported_and_the_others_train(micro, tmp_path, monkeypatch, caplog):
+    """``--arms tf mrt`` where mrt's criterion is beamgrad_risk and beamgrad is missing: one warning before
+    anything runs, tf trains, mrt gets no run directory, and results.json/results.md name it with the reason."""
+    root, _, _ = micro
+    config = load_config(root / "finetune.yaml", ["arms.mrt={criterion: beamgrad_risk, teacher-forcing-ratio: 0.23}"])
+    work = tmp_path / "work"
+    monkeypatch.setitem(sys.modules, "beamgrad", None)  # import beamgrad raises ImportError
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    with caplog.at_level(logging.INFO, logger="ablation"):
+        results = run_ablation(config, root / "bin", work, ref_dir=root / "raw", arms=["tf", "mrt"],
+                               pretrained=root / "work" / "pretrain" / "checkpoint_last.pt", bootstrap_samples=50)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and warnings[0].startswith("skipping arm(s) mrt: ") and BEAMGRAD_INSTALL in warnings[0]
+    assert caplog.text.index("skipping arm(s) mrt") < caplog.text.index("training ")  # before anything ran
+    assert sorted(p.name for p in (work / "seed1").iterdir()) == ["tf"]
+    assert (work / "seed1" / "tf" / "done.json").exists()
+    on_disk = json.loads((work / "results.json").read_text())
+    assert on_disk["arms"] == results["arms"] == ["tf"] and set(on_disk["summary"]) == {"tf"}
+    reason = on_disk["skipped"]["mrt"]
+    assert list(on_disk["skipped"]) == ["mrt"] and BEAMGRAD_INSTALL in reason and "import beamgrad: " in reason
+    assert f"- `mrt`: {reason}" in (work / "results.md").read_text()
 
 
 def test_a_run_started_with_an_old_option_name_is_the_same_run():

@@ -15,7 +15,9 @@ half-finished arm resumes from its ``checkpoint_last.pt``. A work directory refu
 continue a run whose fairseq-train arguments have changed (naming each flag, earlier and new
 value). Before anything runs, every flag of every stage and arm is checked against
 fairseq-train's parser (with this package as ``--user-dir``): an unknown flag is named with
-the config section that sets it.
+the config section that sets it. A requested arm that cannot train here (``--criterion
+beamgrad_risk`` without the optional package beamgrad) is skipped then, with a warning naming
+the install command, and listed in the report; a request of such arms only is an error.
 
 Example (``DIR`` as written by ``data_prep/prepare_multi30k.sh --out DIR``: ``DIR/bin``
 and ``DIR/raw``)::

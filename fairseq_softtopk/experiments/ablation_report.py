@@ -4,7 +4,7 @@ bootstrap against the baseline and the ``compare_to`` arms) and its ``results.md
 
 import json
 from pathlib import Path
-from typing import Dict, Optional, Sequence
+from typing import Dict, Mapping, Optional, Sequence
 
 from .ablation_config import flags_to_args, stage_flags
 from .fairseq_commands import PACKAGE_DIR
@@ -27,10 +27,11 @@ def _mean_sd(values: Sequence[float]) -> tuple:
     return round(statistics.fmean(values), 2), round(statistics.stdev(values), 2) if len(values) > 1 else 0.0
 
 
-def summarise(config: dict, runs: dict, arms: Sequence[str], seeds: Sequence[int], bootstrap_samples: int) -> dict:
+def summarise(config: dict, runs: dict, arms: Sequence[str], seeds: Sequence[int], bootstrap_samples: int,
+              skipped: Optional[Mapping[str, str]] = None) -> dict:
     """Scores per arm/seed/subset, mean and spread over seeds, and paired bootstrap of every
     arm against the baseline of the same seed (``bootstrap``) and against each of the config's
-    ``compare_to`` arms (``bootstrap_vs``)."""
+    ``compare_to`` arms (``bootstrap_vs``); ``skipped``: requested arms that did not run, arm -> reason."""
     from .scoring import paired_bootstrap
 
     baseline = config["baseline"]
@@ -64,7 +65,8 @@ def summarise(config: dict, runs: dict, arms: Sequence[str], seeds: Sequence[int
     bootstrap = against.pop(baseline)
     return {
         "description": " ".join(str(config.get("description", "")).split()), "config": display_path(config["path"]),
-        "stage": config["stage"], "baseline": baseline, "arms": list(arms), "seeds": list(seeds),
+        "stage": config["stage"], "baseline": baseline, "arms": list(arms), "skipped": dict(skipped or {}),
+        "seeds": list(seeds),
         "arm_flags": {arm: flags_to_args(config["arms"][arm]) for arm in arms},
         "common_flags": flags_to_args(stage_flags(config)), "eval": config.get("eval") or {},
         "signatures": signatures, "scores": scores, "summary": summary, "bootstrap": bootstrap,
@@ -105,6 +107,9 @@ def results_markdown(results: dict) -> str:
              f"Seeds: {', '.join(map(str, results['seeds']))}" + (" (mean ± sd over seeds; one p per seed)"
                                                                    if multi else "")
              + f". {pretraining}Baseline arm: `{base}`. Every arm: checkpoint_last after the same update budget.", ""]
+    skipped = results.get("skipped") or {}  # absent from results.json written before arms were skipped
+    if skipped:
+        lines += ["Skipped arms (requested, not run):", "", *(f"- `{arm}`: {why}" for arm, why in skipped.items()), ""]
     rows = ["pretrained"] * ("pretrained" in results["summary"]) + results["arms"]
     spread, p = ("(mean ± sd)", "p per seed") if multi else ("[95% CI]", "p")
     subsets = list(results["summary"][results["arms"][0]])

@@ -11,7 +11,7 @@ import resource
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .ablation_config import EVAL_KEYS, check_train_flags, flags_to_args, stage_flags
 from .ablation_plot import plot_curves
@@ -258,20 +258,45 @@ def evaluate_run(run_dir: Path, data_bin: Path, ref_dir: Optional[Path], eval_cf
     return subsets
 
 
-def select_arms(config: dict, arms: Optional[Sequence[str]]) -> List[str]:
-    """The arms to run, baseline first (added if missing)."""
+def unavailable_arms(config: dict, arms: Sequence[str]) -> Dict[str, str]:
+    """The arms of ``arms`` that cannot train here, each with the reason: those of ``--criterion
+    beamgrad_risk`` where the optional package beamgrad does not import."""
+    needing = [arm for arm in arms if stage_flags(config, arm).get("criterion") == "beamgrad_risk"]
+    if not needing:
+        return {}
+    from fairseq_softtopk.criterions.beamgrad_risk import import_beamgrad
+
+    try:
+        import_beamgrad()
+    except ImportError as error:
+        return dict.fromkeys(needing, f"{error}; import beamgrad: {error.__cause__}")
+    return {}
+
+
+def select_arms(config: dict, arms: Optional[Sequence[str]]) -> Tuple[List[str], Dict[str, str]]:
+    """The arms to run, baseline first (added if missing), and the requested arms left out because
+    they cannot train here (:func:`unavailable_arms`: arm -> reason); ``ValueError`` where that
+    leaves none of the requested arms, or not the baseline."""
     chosen = list(arms or config.get("default_arms") or config["arms"])
     unknown = [a for a in chosen if a not in config["arms"]]
     if unknown:
         raise ValueError(f"unknown arms {unknown}; {config['path']} defines {sorted(config['arms'])}")
     baseline = config["baseline"]
-    return [baseline] + [a for a in dict.fromkeys(chosen) if a != baseline]
+    skipped = unavailable_arms(config, list(dict.fromkeys([baseline, *chosen])))
+    if baseline in skipped:
+        raise ValueError(f"the baseline arm {baseline!r} cannot run here: {skipped[baseline]}")
+    if all(arm in skipped for arm in chosen):  # the baseline alone was not asked for
+        raise ValueError("none of the requested arms can run here: " +
+                         "; ".join(f"arm {arm!r}: {why}" for arm, why in skipped.items()))
+    return [baseline] + [a for a in dict.fromkeys(chosen) if a not in (baseline, *skipped)], skipped
 
 
 def run_ablation(config: dict, data_bin, work_dir, ref_dir=None, seeds: Sequence[int] = (1,),
                  arms: Optional[Sequence[str]] = None, pretrained=None, bootstrap_samples: int = 1000,
                  verbose: bool = True, jobs: int = 1, command: Optional[str] = None) -> dict:
-    """Pretrains (if needed), trains and evaluates every arm and seed, writes the report.
+    """Pretrains (if needed), trains and evaluates every arm and seed, writes the report. A requested
+    arm that cannot train here (:func:`unavailable_arms`) is skipped before anything runs, with a
+    warning, and the report names it with the reason.
 
     Args:
         config: from :func:`.ablation_config.load_config`, stage ``finetune`` or ``scratch``.
@@ -295,7 +320,9 @@ def run_ablation(config: dict, data_bin, work_dir, ref_dir=None, seeds: Sequence
     check_train_flags(config)  # every stage and arm, before the first one trains
     pair = language_pair(data_bin, stage_flags(config))
     eval_cfg = config.get("eval") or {}
-    arms = select_arms(config, arms)
+    arms, skipped = select_arms(config, arms)
+    for why in dict.fromkeys(skipped.values()):
+        logger.warning("skipping arm(s) %s: %s", ", ".join(a for a, w in skipped.items() if w == why), why)
     runs: Dict[str, dict] = {}
     start_ckpt = None
 
@@ -339,7 +366,7 @@ def run_ablation(config: dict, data_bin, work_dir, ref_dir=None, seeds: Sequence
         done = [future.result() for future in finetuned]
     for (seed, arm), result in zip(order, done):
         runs.setdefault(arm, {})[str(seed)] = result
-    results = summarise(config, runs, arms, list(seeds), bootstrap_samples)
+    results = summarise(config, runs, arms, list(seeds), bootstrap_samples, skipped)
     results.update({"command": command, "commit": source_commit(),
                     "data_bin": str(data_bin), "work_dir": str(work_dir), "pretrain_per_seed": per_seed,
                     "pretrained_checkpoint": str(start_ckpt) if start_ckpt else None})
