@@ -68,14 +68,14 @@ def test_minus_inf_scores_count_as_padding(rng, normalizer):
     torch.testing.assert_close(with_inf, with_mask)
 
 
-@pytest.mark.parametrize("normalizer", ["soft_topk", "hard_topk"])
+@pytest.mark.parametrize("normalizer", ["soft_topk", "hard_topk", "sparse_topk"])
 @pytest.mark.parametrize("k", [6, 7, 50])
 def test_topk_with_k_at_least_length_is_softmax(rng, normalizer, k):
     scores = _scores(rng, 3, 4, 6)
     torch.testing.assert_close(normalize_attention(scores, normalizer=normalizer, k=k), F.softmax(scores, -1))
 
 
-@pytest.mark.parametrize("normalizer", ["soft_topk", "hard_topk"])
+@pytest.mark.parametrize("normalizer", ["soft_topk", "hard_topk", "sparse_topk"])
 def test_topk_falls_back_to_softmax_per_row(rng, normalizer):
     # scores 0, 0.25, ..., 1.75 in random order: no near-ties, flat enough for softmax to spread
     scores = torch.stack([torch.randperm(8, generator=rng) for _ in range(6)]).double() * 0.25
@@ -109,6 +109,31 @@ def test_soft_topk_tends_to_hard_topk_as_epsilon_vanishes(rng):
     assert all(later < earlier for earlier, later in zip(masses, masses[1:]))
     assert masses[-1] < 1e-12
     torch.testing.assert_close(soft, hard, atol=1e-9, rtol=0)
+
+
+def test_sparse_topk_is_softmax_plus_log_of_the_sparse_indicator_with_exact_zeros(rng):
+    """sparse_topk = softmax(s + log A), A = sparse_soft_topk(s, k, regularization=epsilon) computed
+    directly; positions with A = 0 get weight exactly 0 (and no gradient), the others keep a weight."""
+    from fairseq_softtopk.ops import sparse_soft_topk
+
+    scores = _scores(rng, 5, 3, 12).requires_grad_()
+    pad = _padding(rng, 5, 12, min_valid=K + 1)  # (5, 1, 12): every row has more than K positions
+    weights = normalize_attention(scores, pad, normalizer="sparse_topk", k=K, epsilon=0.5)
+    pad = pad.expand(5, 3, 12)
+    a = sparse_soft_topk(scores.detach(), K, regularization=0.5, mask=pad)
+    expected = F.softmax(scores.detach() + torch.log(a), -1)
+    torch.testing.assert_close(weights.detach(), expected)
+    assert bool((weights[a == 0] == 0).all()) and bool((weights[a > 0] > 0).all())
+    assert int((a == 0).sum()) > int(pad.sum())  # exact zeros beyond the padding
+    weights.square().sum().backward()
+    assert bool((scores.grad[a == 0] == 0).all())
+
+
+def test_sparse_topk_equals_hard_topk_below_the_smallest_gap(rng):
+    scores = torch.stack([torch.randperm(10, generator=rng) for _ in range(6)]).double() * 0.5
+    hard = normalize_attention(scores, normalizer="hard_topk", k=3)
+    torch.testing.assert_close(normalize_attention(scores, normalizer="sparse_topk", k=3, epsilon=0.1), hard,
+                               atol=0, rtol=0)
 
 
 def test_hard_topk_with_k1_is_one_hot_argmax(rng):
@@ -235,7 +260,7 @@ def test_softmax_ignores_k_and_epsilon(rng):
                                F.softmax(scores, -1))
 
 
-@pytest.mark.parametrize("name", ["softmax", "soft_topk", "hard_topk", "sparsemax", "entmax15"])
+@pytest.mark.parametrize("name", ["softmax", "soft_topk", "hard_topk", "sparse_topk", "sparsemax", "entmax15"])
 def test_repr_with_a_fairseq_choice_member_as_name(name):
     """fairseq passes ChoiceEnum members; the module's repr (fairseq logs the model) must be text."""
     from fairseq.dataclass import ChoiceEnum

@@ -24,7 +24,7 @@ from conftest import run_fairseq, word_dictionary
 from fairseq_softtopk.dispatch_count import DispatchCounter
 from fairseq_softtopk.modules.attention_normalizer import ATTENTION_NORMALIZERS
 from fairseq_softtopk.modules.beam_search import unroll_beam_search
-from fairseq_softtopk.ops import COSTS, soft_topk, sorted_soft_topk
+from fairseq_softtopk.ops import COSTS, soft_topk, sorted_soft_topk, sorted_sparse_soft_topk, sparse_soft_topk
 
 pytestmark = pytest.mark.cuda
 
@@ -72,6 +72,22 @@ def test_operators_give_the_cpu_values_and_gradients(rng, operator, cost, fixed)
     (cpu, cpu_grads), (gpu, gpu_grads) = _on_both(
         lambda v, m: operator(v, 5, epsilon=0.1, cost=cost, fixed_iterations=fixed, max_iter=60, tol=1e-9, mask=m),
         x, mask)
+    torch.testing.assert_close(gpu, cpu, atol=1e-9, rtol=1e-7)
+    torch.testing.assert_close(gpu_grads[0], cpu_grads[0], atol=1e-8, rtol=1e-6)
+
+
+@pytest.mark.parametrize("operator", [sparse_soft_topk, sorted_sparse_soft_topk])
+def test_sparse_operators_give_the_cpu_values_and_gradients(rng, operator):
+    x = torch.randn(4, 300, generator=rng, dtype=torch.float64)
+    x[1, :5] = x[1, 5]  # ties
+    mask = torch.zeros(4, 300, dtype=torch.bool)
+    mask[2, :40] = True
+    for options in (dict(), dict(largest=False), dict(hard=True)):
+        (cpu, cpu_grads), (gpu, gpu_grads) = _on_both(lambda v: operator(v, 5, regularization=0.3, **options), x)
+        torch.testing.assert_close(gpu, cpu, atol=1e-9, rtol=1e-7)
+        if cpu_grads[0] is not None:
+            torch.testing.assert_close(gpu_grads[0], cpu_grads[0], atol=1e-8, rtol=1e-6)
+    (cpu, cpu_grads), (gpu, gpu_grads) = _on_both(lambda v, m: operator(v, 5, regularization=0.3, mask=m), x, mask)
     torch.testing.assert_close(gpu, cpu, atol=1e-9, rtol=1e-7)
     torch.testing.assert_close(gpu_grads[0], cpu_grads[0], atol=1e-8, rtol=1e-6)
 

@@ -113,7 +113,7 @@ def test_without_the_probe_the_capped_gradient_changes_with_the_loss_scale(dicti
     assert float(difference.norm() / flat.norm()) > 0.01
 
 
-@pytest.mark.parametrize("normalizer", ["soft_topk", "hard_topk"])
+@pytest.mark.parametrize("normalizer", ["soft_topk", "hard_topk", "sparse_topk"])
 def test_topk_attention_gradients_scale_exactly_with_the_loss(dictionary, rng, normalizer):
     """Teacher forcing (p = 1) with top-k attention in the LSTM and in the transformer's encoder-decoder
     and self-attention, and soft beam search on a top-k attention LSTM."""

@@ -9,6 +9,11 @@ that sum to 1 and are exactly 0 on padding:
   place of the hard one, ``softmax(s + log A)`` (Xie et al., NeurIPS 2020, appendix C.3): the
   top-k scores are promoted, the rest pushed towards 0, and the map stays differentiable.
   As ``epsilon -> 0``, ``A`` tends to the hard indicator and ``soft_topk`` to ``hard_topk``;
+* ``sparse_topk``: ``softmax(s + log A)`` with the *sparse* soft top-k indicator
+  ``A = sparse_soft_topk(s, k, regularization=epsilon)`` (quadratic instead of entropic
+  regularisation, Sander et al. 2023): positions more than ``epsilon`` below the threshold get
+  ``A = 0`` and so weight exactly 0; at most ``k`` plus the positions within ``epsilon`` of the
+  threshold keep a weight;
 * ``sparsemax`` and ``entmax15`` (Martins & Astudillo 2016; Peters et al. 2019), from the
   ``entmax`` package: sparse without a fixed k.
 
@@ -23,14 +28,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fairseq_softtopk.ops import soft_topk
+from fairseq_softtopk.ops import soft_topk, sparse_soft_topk
 
 __all__ = ["ATTENTION_NORMALIZERS", "TOPK_NORMALIZERS", "AttentionNormalizer", "normalize_attention"]
 
 #: Names accepted by :func:`normalize_attention` and :class:`AttentionNormalizer`.
-ATTENTION_NORMALIZERS = ("softmax", "soft_topk", "hard_topk", "sparsemax", "entmax15")
+ATTENTION_NORMALIZERS = ("softmax", "soft_topk", "hard_topk", "sparse_topk", "sparsemax", "entmax15")
 #: The normalisers that need ``k`` (and fall back to softmax on rows with ``k`` or fewer positions).
-TOPK_NORMALIZERS = ("soft_topk", "hard_topk")
+TOPK_NORMALIZERS = ("soft_topk", "hard_topk", "sparse_topk")
 
 # sparsemax gives 0 to any score below (row max - 1), entmax15 to any below (row max - 2), so
 # padding set this far below the row's largest valid score gets 0 and leaves the threshold alone.
@@ -43,7 +48,7 @@ def check_normalizer_options(normalizer: str, k: Optional[int], epsilon: float) 
         raise ValueError(f"unknown attention normalizer {normalizer!r}; choose one of {ATTENTION_NORMALIZERS}")
     if normalizer in TOPK_NORMALIZERS and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
         raise ValueError(f"the {normalizer} attention normalizer needs an integer k >= 1, got k={k!r}")
-    if normalizer == "soft_topk" and not (isinstance(epsilon, (int, float)) and 0 < epsilon < math.inf):
+    if normalizer in ("soft_topk", "sparse_topk") and not (isinstance(epsilon, (int, float)) and 0 < epsilon < math.inf):
         raise ValueError(f"the soft_topk attention normalizer needs a finite epsilon > 0, got {epsilon!r}")
 
 
@@ -61,11 +66,12 @@ def normalize_attention(scores: Tensor, key_padding_mask: Optional[Tensor] = Non
             ``(batch, 1, src_len)`` for ``(batch, tgt_len, src_len)`` scores); True marks
             padding, which gets weight exactly 0 and no gradient.
         normalizer: one of :data:`ATTENTION_NORMALIZERS` (see the module docstring).
-        k: number of positions the top-k normalisers keep; needed by ``soft_topk`` and
-            ``hard_topk``, ignored by the others. Rows with at most ``k`` non-excluded
-            positions get plain softmax.
-        epsilon: entropic regularisation of ``soft_topk``, in the units of the scores
-            (``A_i = sigmoid((s_i - t) / epsilon)``); ignored by the others.
+        k: number of positions the top-k normalisers keep; needed by ``soft_topk``,
+            ``hard_topk`` and ``sparse_topk``, ignored by the others. Rows with at most ``k``
+            non-excluded positions get plain softmax.
+        epsilon: in the units of the scores: the entropic regularisation of ``soft_topk``
+            (``A_i = sigmoid((s_i - t) / epsilon)``) or the quadratic one of ``sparse_topk``
+            (``A_i = clip((s_i - t) / epsilon, 0, 1)``); ignored by the others.
         tol: marginal tolerance of the soft top-k solver.
         max_iter: iteration cap of the soft top-k solver.
 
@@ -90,6 +96,8 @@ def normalize_attention(scores: Tensor, key_padding_mask: Optional[Tensor] = Non
         weights = _hard_topk_attention(x, excluded, empty_row, k)
     elif normalizer == "soft_topk":
         weights = _soft_topk_attention(x, excluded, empty_row, k, epsilon, tol, max_iter)
+    elif normalizer == "sparse_topk":
+        weights = _soft_topk_attention(x, excluded, empty_row, k, epsilon, tol, max_iter, sparse=True)
     else:
         weights = _sparse_attention(x, excluded, sparse_mapping(normalizer))
     weights = weights.masked_fill(excluded | empty_row, 0.0)
@@ -141,18 +149,24 @@ def _hard_topk_attention(x: Tensor, excluded: Tensor, empty_row: Tensor, k: int)
 
 
 def _soft_topk_attention(x: Tensor, excluded: Tensor, empty_row: Tensor, k: int, epsilon: float,
-                         tol: float, max_iter: int) -> Tensor:
-    """``softmax(x + log A)`` with ``A`` the SOFT top-k indicator (``log A = 0`` on fallback rows)."""
+                         tol: float, max_iter: int, sparse: bool = False) -> Tensor:
+    """``softmax(x + log A)`` with ``A`` the SOFT top-k indicator, or with ``sparse`` the sparse soft top-k
+    indicator at ``regularization = epsilon`` (``log A = 0`` on fallback rows)."""
     n = x.shape[-1]
     rows, rows_excluded = x.reshape(-1, n), excluded.reshape(-1, n)  # (rows, src_len)
     selecting = (~rows_excluded).sum(-1) > k  # rows with more than k candidates
     log_a = torch.zeros_like(rows)
+
+    def indicator(scores: Tensor, mask: Tensor) -> Tensor:
+        if sparse:
+            return sparse_soft_topk(scores, k, regularization=epsilon, mask=mask)
+        return soft_topk(scores, k, epsilon=epsilon, mask=mask, tol=tol, max_iter=max_iter)
+
     if bool(selecting.all()):
-        log_a = _safe_log(soft_topk(rows, k, epsilon=epsilon, mask=rows_excluded, tol=tol, max_iter=max_iter))
+        log_a = _safe_log(indicator(rows, rows_excluded))
     elif bool(selecting.any()):
         index = selecting.nonzero().squeeze(1)
-        a = soft_topk(rows.index_select(0, index), k, epsilon=epsilon, mask=rows_excluded.index_select(0, index),
-                      tol=tol, max_iter=max_iter)
+        a = indicator(rows.index_select(0, index), rows_excluded.index_select(0, index))
         log_a = log_a.index_copy(0, index, _safe_log(a))
     return _masked_softmax(x + log_a.view_as(x), excluded, empty_row)
 
@@ -184,8 +198,8 @@ class AttentionNormalizer(nn.Module):
 
     Args:
         name: one of :data:`ATTENTION_NORMALIZERS`.
-        k: positions kept by ``soft_topk``/``hard_topk`` (required by them, ignored by the others).
-        epsilon: SOFT top-k regularisation in score units (``soft_topk`` only).
+        k: positions kept by ``soft_topk``/``hard_topk``/``sparse_topk`` (required by them, ignored by the others).
+        epsilon: regularisation in score units: entropic for ``soft_topk``, quadratic for ``sparse_topk``.
         tol: soft top-k solver tolerance.
         max_iter: soft top-k solver iteration cap.
 
@@ -224,6 +238,6 @@ class AttentionNormalizer(nn.Module):
                                    epsilon=self.epsilon, tol=self.tol, max_iter=self.max_iter)
 
     def extra_repr(self) -> str:
-        if self.name == "soft_topk":
+        if self.name in ("soft_topk", "sparse_topk"):
             return f"{self.name}, k={self.k}, epsilon={self.epsilon}"
         return f"{self.name}, k={self.k}" if self.name == "hard_topk" else self.name

@@ -9,6 +9,10 @@ enters an operator, per row (soft beam search's remedy for gradients compounding
 ``candidate_window`` bounds which candidates can carry a non-negligible part of a sorted soft
 top-k (the operator's solver and soft beam search both cut their candidates with it).
 A solve that misses its tolerance emits :class:`SoftTopKConvergenceWarning`.
+
+``sparse_soft_topk`` and ``sorted_sparse_soft_topk`` are their quadratically regularised
+counterparts (Sander et al., ICML 2023; Blondel et al., AISTATS 2018): the same selections with
+exact zeros, an exact threshold (unsorted) or Newton to a tolerance (sorted), implicit backward.
 """
 
 from ._common import COSTS, SoftTopKConvergenceWarning, SolverInfo
@@ -17,6 +21,8 @@ from .gradient_cap import RowGradientCapFunction, cap_row_grad_norm
 from .sinkhorn import sinkhorn_log
 from .soft_topk import SoftTopKFunction, soft_topk
 from .sorted_soft_topk import SortedSoftTopKFunction, sorted_soft_topk
+from .sorted_sparse_soft_topk import SortedSparseSoftTopKFunction, sorted_sparse_soft_topk
+from .sparse_soft_topk import SparseSoftTopKFunction, sparse_soft_topk
 
 __all__ = [
     "COSTS",
@@ -25,9 +31,13 @@ __all__ = [
     "SoftTopKConvergenceWarning",
     "SoftTopKFunction",
     "SortedSoftTopKFunction",
+    "SortedSparseSoftTopKFunction",
+    "SparseSoftTopKFunction",
     "candidate_window",
     "cap_row_grad_norm",
     "sinkhorn_log",
     "soft_topk",
     "sorted_soft_topk",
+    "sorted_sparse_soft_topk",
+    "sparse_soft_topk",
 ]

@@ -1,0 +1,111 @@
+"""Sorted sparse soft top-k: the sorted top-k of quadratically regularised OT, with exact zeros.
+
+The transport problem of :func:`~fairseq_softtopk.ops.sorted_soft_topk` (the n valid scores against
+the anchors ``k, k-1, ..., 0``; one element per rank, ``n - k`` to the rest) with the regulariser
+``(lambda / 2) ||P||^2`` instead of the entropy (Blondel, Seguy and Rolet, AISTATS 2018). Each
+element's row of the plan is a Euclidean projection onto the simplex, so most entries are exactly 0:
+an element shares ranks only with the elements within about ``lambda`` of it, and elements far below
+the k-th best give everything to the rest anchor. :mod:`.quadratic_semi_dual` solves the semi-dual
+by Newton steps; the backward pass differentiates its optimality condition (implicit function
+theorem), one ``(k + 1) x (k + 1)`` solve per row.
+"""
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ._common import SolverInfo, check_inputs, hard_topk_indices, oriented_rows, prepare_scores, restore_shape, \
+    warn_if_unconverged
+from .quadratic_semi_dual import anchor_values, quadratic_newton_solve, solve_support_hessian
+from .sparse_soft_topk import check_regularization
+
+
+class SortedSparseSoftTopKFunction(torch.autograd.Function):
+    """Sorted sparse soft top-k from a solved plan; backward by implicit differentiation (O(n k^2))."""
+
+    @staticmethod
+    def forward(z: Tensor, P: Tensor, support: Tensor, regularization: Tensor) -> Tensor:
+        return P[..., :-1]  # (rows, n, k): the ranks' columns, a view of the plan
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, _, support, regularization = inputs
+        ctx.save_for_backward(support, regularization)
+        ctx.mark_non_differentiable(support)
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor):
+        # In units of lambda (x = z / lambda), P_i = proj_simplex(x_i y + b) with J_i = diag(s_i) - s_i s_i^T / |s_i|
+        # its Jacobian, and sum_i P_i = nu defines b(x). With G_i the output gradient padded by 0 (rest anchor):
+        #   dL/dx_i = y^T J_i (G_i + db/dx_i-terms) = y^T J_i (G_i - w),   H w = sum_i J_i G_i,   H = sum_i J_i,
+        # since H db = -sum_i J_i y dx_i (differentiating the marginals) and J, H are symmetric.
+        support, regularization = ctx.saved_tensors
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None
+        s = support.to(grad_output.dtype if grad_output.dtype == torch.float64 else torch.float32)
+        size = s.sum(-1, keepdim=True).clamp_min(1.0)
+        G = torch.cat([grad_output.to(s.dtype), grad_output.new_zeros(grad_output.shape[:-1] + (1,)).to(s.dtype)],
+                      dim=-1)
+
+        def apply_J(a: Tensor) -> Tensor:
+            return s * (a - (s * a).sum(-1, keepdim=True) / size)
+
+        w = solve_support_hessian(support, apply_J(G).sum(1).double()).to(s.dtype)  # (rows, k + 1)
+        y = anchor_values(G.shape[-1] - 1, s)
+        grad_z = (apply_J(G - w.unsqueeze(1)) * y).sum(-1) / regularization.to(s.dtype)
+        return grad_z, None, None, None
+
+
+def sorted_sparse_soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = True,
+                            regularization: float = 0.1, mask: Optional[Tensor] = None, tol: float = 1e-6,
+                            max_iter: int = 50, hard: bool = False, return_info: bool = False, warn: bool = True,
+                            fixed_iterations: bool = False):
+    """Sorted sparse soft top-k: "which element has rank r" for the k best ranks, with exact zeros.
+
+    The quadratically regularised counterpart of :func:`~fairseq_softtopk.ops.sorted_soft_topk`:
+    the same marginals (each column sums to 1, each entry's row to at most 1) and the same limits
+    (the hard permutation slice as ``regularization -> 0``; the uniform ``1 / n`` per rank as it
+    grows), but the plan is sparse: an entry shares ranks only with entries within about
+    ``regularization`` of it, and entries well below the k-th best are exactly 0 on every rank.
+
+    Args:
+        scores: ``(*, n, *)`` floating tensor (float16/bfloat16 are solved in float32).
+        k: number of ranks, ``1 <= k <=`` valid entries per row.
+        dim: dimension holding the ``n`` candidates.
+        largest: rank 0 is the largest (True) or the smallest (False) score.
+        regularization: ``lambda > 0``, in the units of the scores (the temperature of the quadratic
+            regulariser; ``epsilon`` of the entropic operator plays the same part).
+        mask: optional bool tensor of ``scores``' shape, True = excluded; ``-inf`` entries
+            (``+inf`` with ``largest=False``) are excluded too. Excluded entries get exactly 0.
+        tol: relative marginal error at which Newton stops (see :class:`SolverInfo`); once the
+            supports are found a Newton step is exact, so a small ``tol`` costs little.
+        max_iter: Newton iterations at most.
+        hard: return the exact permutation slices (no gradient through the selection).
+        return_info: also return a :class:`SolverInfo`.
+        warn: emit a :class:`SoftTopKConvergenceWarning` when the solve misses ``tol``.
+        fixed_iterations: exactly ``max_iter`` Newton iterations (each trying the step sizes 1, 1/2,
+            1/4, 1/8) with on-device convergence masks and no host synchronisation; the data are not
+            checked, no warning is emitted, and ``info``'s fields are 0-dim tensors.
+
+    Returns:
+        ``(*, n, *, k)`` tensor in ``scores``' dtype (the rank dimension appended last, ``n`` at
+        ``dim``); with ``return_info=True``, ``(tensor, info)``.
+    """
+    check_regularization(regularization, 2)
+    check_inputs(scores, k, regularization, mask, "linear", tol, max_iter, dim)
+    with torch.profiler.record_function("softtopk::sorted_sparse_soft_topk"):
+        prep = prepare_scores(scores, k, dim, largest, regularization, mask, "linear", n_anchor_steps=k,
+                              checks=not fixed_iterations)
+        if hard:
+            idx = hard_topk_indices(prep.z, k, prep.valid, largest=True)  # (rows, k)
+            out = torch.zeros(*prep.z.shape, k, dtype=prep.z.dtype, device=prep.z.device)
+            out.scatter_(1, idx.unsqueeze(1), 1.0)
+            info = SolverInfo(True, 0, 0.0)
+        else:
+            P, support, info = quadratic_newton_solve(prep, k, tol, max_iter, fixed_iterations)
+            out = SortedSparseSoftTopKFunction.apply(oriented_rows(scores, dim, prep), P, support, prep.grad_eps)
+        out = restore_shape(out, scores, dim, extra=(k,)).to(scores.dtype)
+    if warn and not fixed_iterations:
+        warn_if_unconverged(info, "sorted_sparse_soft_topk", tol, max_iter)
+    return (out, info) if return_info else out

@@ -1,0 +1,115 @@
+"""Sparse soft top-k: the top-k mask with quadratic regularisation, which has exact zeros.
+
+Sander, Puigcerver, Djolonga, Peyre and Blondel (ICML 2023), "Fast, Differentiable and Sparse
+Top-k: a Convex Analysis Perspective", with ``p = 2``: the mask
+
+    y = argmax_{0 <= y <= 1, sum y = k}  <x, y> - (lambda / 2) ||y||^2  =  clip((x - tau) / lambda, 0, 1),
+
+the Euclidean projection of ``x / lambda`` onto the capped simplex. It is the quadratically
+regularised counterpart of :func:`~fairseq_softtopk.ops.soft_topk` (whose entropic mask is a
+sigmoid of ``(x - t) / epsilon``): the same transport problem between the scores and the anchors
+``{1, 0}`` with a quadratic instead of an entropic regulariser (at ``lambda / 2`` in the plan's
+count units). Entries more than ``lambda`` below the threshold get exactly 0, those above it exactly 1.
+
+The threshold is exact (:func:`.simplex_projection.capped_simplex_threshold`: a sort and a search
+over breakpoints, no iteration, no host synchronisation). The backward pass is closed-form: with
+``F`` the entries strictly inside ``(0, 1)``, ``dy/dx = (diag(1_F) - 1_F 1_F^T / |F|) / lambda``.
+"""
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ._common import check_inputs, hard_topk_indices, oriented_rows, prepare_scores, restore_shape
+from .simplex_projection import capped_simplex_threshold
+
+
+def check_regularization(regularization: float, p: float) -> None:
+    """Raises ``ValueError`` naming the problem for a bad ``regularization`` or ``p``."""
+    if not (isinstance(regularization, (int, float)) and not isinstance(regularization, bool)
+            and regularization > 0 and regularization != float("inf")):
+        raise ValueError(f"regularization must be a finite number > 0, got {regularization!r}")
+    if p != 2:
+        raise ValueError(f"p={p!r} is not supported: only p=2 (the quadratic regulariser, exact threshold) "
+                         f"is implemented")
+
+
+class SparseSoftTopKFunction(torch.autograd.Function):
+    """The capped-simplex projection's mask from its solved threshold; closed-form backward."""
+
+    @staticmethod
+    def forward(z: Tensor, shifted: Tensor, regularization: Tensor) -> Tensor:
+        return shifted.clamp(0.0, 1.0)  # shifted = (z - tau) / lambda, -inf where excluded
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, _, regularization = inputs
+        ctx.save_for_backward(output, regularization)
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor):
+        # y = clip((z - tau) / lambda, 0, 1) with tau(z) keeping sum y = k: on the free entries F,
+        # dy_i/dz_j = (delta_ij - 1/|F|) / lambda, elsewhere 0 (the Jacobian is symmetric).
+        y, regularization = ctx.saved_tensors
+        grad_z = None
+        if ctx.needs_input_grad[0]:
+            free = ((y > 0) & (y < 1)).to(y.dtype)
+            g = grad_output.to(y.dtype) * free
+            mean = g.sum(-1, keepdim=True) / free.sum(-1, keepdim=True).clamp_min(1.0)
+            grad_z = free * (g - mean) / regularization
+        return grad_z, None, None
+
+
+def sparse_soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = True, regularization: float = 0.1,
+                     p: float = 2, mask: Optional[Tensor] = None, hard: bool = False) -> Tensor:
+    """Sparse soft top-k mask: a differentiable ``torch.topk`` indicator with exact zeros and ones.
+
+    Returns ``clip((x - tau) / regularization, 0, 1)`` along ``dim``, ``tau`` such that it sums
+    to ``k``: the projection of ``x / regularization`` onto ``{0 <= y <= 1, sum y = k}``
+    (Sander et al., ICML 2023, ``p = 2``). Entries farther than ``regularization`` below the
+    threshold get exactly 0 (and gradient 0), entries above it exactly 1; as ``regularization
+    -> 0`` it becomes the hard top-k indicator, and as it grows, the uniform ``k / n``. Tied scores
+    get equal values. Unlike :func:`~fairseq_softtopk.ops.soft_topk` there is no tolerance: the
+    threshold is exact up to rounding.
+
+    Args:
+        scores: ``(*, n, *)`` floating tensor (float16/bfloat16 are solved in float32).
+        k: number of entries to select, ``1 <= k <=`` valid entries per row.
+        dim: dimension holding the ``n`` candidates.
+        largest: select the largest (True) or the smallest (False) scores.
+        regularization: ``lambda > 0``, in the units of the scores: entries within ``lambda``
+            of the threshold share the selection.
+        p: the regulariser's exponent; only ``2`` is implemented.
+        mask: optional bool tensor of ``scores``' shape, True = excluded. Entries equal to
+            ``-inf`` (``+inf`` when ``largest=False``) are excluded too. Excluded entries get
+            exactly 0 and zero gradient.
+        hard: return the exact top-k indicator instead (no gradient).
+
+    Returns:
+        Tensor of ``scores``' shape and dtype, values in ``[0, 1]`` summing to ``k`` along ``dim``.
+
+    Raises:
+        ValueError: bad arguments, NaN scores, ``+inf`` (``-inf`` with ``largest=False``), or fewer
+        than ``k`` valid entries in a row.
+
+    Example::
+
+        >>> sparse_soft_topk(torch.tensor([3.0, 1.0, 2.0, 0.0]), k=2, regularization=0.5)
+        tensor([1., 0., 1., 0.])
+        >>> sparse_soft_topk(torch.tensor([3.0, 1.0, 1.2, 0.0]), k=2, regularization=0.5)
+        tensor([1.0000, 0.3000, 0.7000, 0.0000])
+    """
+    check_regularization(regularization, p)
+    check_inputs(scores, k, regularization, mask, "linear", 1.0, 1, dim)
+    with torch.profiler.record_function("softtopk::sparse_soft_topk"):
+        prep = prepare_scores(scores, k, dim, largest, regularization, mask, "linear", n_anchor_steps=1)
+        if hard:
+            idx = hard_topk_indices(prep.z, k, prep.valid, largest=True)
+            out = torch.zeros_like(prep.z).scatter_(-1, idx, 1.0)
+        else:
+            x = torch.where(prep.valid, prep.z / prep.eps, -torch.inf)
+            tau = capped_simplex_threshold(x, torch.full_like(prep.eps, k))
+            out = SparseSoftTopKFunction.apply(oriented_rows(scores, dim, prep), x - tau, prep.grad_eps)
+        out = restore_shape(out, scores, dim).to(scores.dtype)
+    return out

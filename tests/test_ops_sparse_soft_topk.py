@@ -1,0 +1,264 @@
+"""sparse_soft_topk and sorted_sparse_soft_topk (quadratic regularisation): values against a generic QP
+solver (cvxpy), gradients by float64 gradcheck, the limits, exact zeros, ties, masks, bad input, the
+device check and loss scaling."""
+
+import math
+
+import cvxpy as cp
+import numpy as np
+import pytest
+import torch
+
+from device_check import package_device_check
+from fairseq_softtopk.ops import sorted_sparse_soft_topk, sparse_soft_topk
+
+_QP_TOL = dict(tol_gap_abs=1e-12, tol_gap_rel=1e-12, tol_feas=1e-12)
+
+
+def qp_sparse_topk(x: np.ndarray, k: int, regularization: float) -> np.ndarray:
+    """argmax <x, y> - (lambda/2)|y|^2 over {0 <= y <= 1, sum y = k}, by a generic QP solver."""
+    y = cp.Variable(len(x))
+    cp.Problem(cp.Maximize(x @ y - regularization / 2 * cp.sum_squares(y)),
+               [y >= 0, y <= 1, cp.sum(y) == k]).solve(solver="CLARABEL", **_QP_TOL)
+    return y.value
+
+
+def qp_sorted_sparse_topk(x: np.ndarray, k: int, regularization: float) -> np.ndarray:
+    """The quadratically regularised OT between x (mass 1 each) and the anchors k, ..., 0 (mass 1 each,
+    n - k for the last) with cost -x_i y_r, by a generic QP solver: the plan's first k columns."""
+    n = len(x)
+    anchors = np.arange(k, -1, -1.0)
+    plan = cp.Variable((n, k + 1), nonneg=True)
+    cost = -np.outer(x, anchors)
+    cp.Problem(cp.Minimize(cp.sum(cp.multiply(cost, plan)) + regularization / 2 * cp.sum_squares(plan)),
+               [cp.sum(plan, axis=1) == 1, cp.sum(plan, axis=0) == np.r_[np.ones(k), n - k]]
+               ).solve(solver="CLARABEL", **_QP_TOL)
+    return plan.value[:, :k]
+
+
+@pytest.mark.parametrize("regularization", [0.05, 0.3, 1.0, 5.0])
+@pytest.mark.parametrize("largest", [True, False])
+def test_sparse_topk_equals_the_qp(rng, regularization, largest):
+    x = torch.randn(3, 15, generator=rng, dtype=torch.float64)
+    ours = sparse_soft_topk(x, 4, regularization=regularization, largest=largest)
+    sign = 1.0 if largest else -1.0
+    ref = np.stack([qp_sparse_topk(sign * row.numpy(), 4, regularization) for row in x])
+    np.testing.assert_allclose(ours.numpy(), ref, atol=1e-7, rtol=0)
+    torch.testing.assert_close(ours.sum(-1), torch.full((3,), 4.0, dtype=torch.float64), atol=1e-12, rtol=0)
+    # exact zeros and ones where the QP's solution is at its bounds
+    assert bool((ours[torch.from_numpy(ref) < 1e-9] == 0).all())
+    assert bool((ours[torch.from_numpy(ref) > 1 - 1e-9] == 1).all())
+
+
+@pytest.mark.parametrize("regularization", [0.05, 0.3, 1.0, 5.0])
+@pytest.mark.parametrize("largest", [True, False])
+def test_sorted_sparse_topk_equals_the_qp(rng, regularization, largest):
+    x = torch.randn(3, 12, generator=rng, dtype=torch.float64)
+    ours, info = sorted_sparse_soft_topk(x, 3, regularization=regularization, largest=largest, tol=1e-12,
+                                         return_info=True)
+    assert info.converged and info.marginal_error <= 1e-12
+    sign = 1.0 if largest else -1.0
+    ref = np.stack([qp_sorted_sparse_topk(sign * row.numpy(), 3, regularization) for row in x])
+    np.testing.assert_allclose(ours.numpy(), ref, atol=1e-7, rtol=0)
+    # the plan is sparse exactly where the QP's is: the zeros are exact, not small
+    np.testing.assert_array_equal((ours == 0).numpy(), ref < 1e-7)
+    torch.testing.assert_close(ours.sum(1), torch.ones(3, 3, dtype=torch.float64), atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("largest", [True, False])
+def test_gradcheck_sparse_topk(rng, largest):
+    x = torch.randn(3, 10, generator=rng, dtype=torch.float64, requires_grad=True)
+    mask = torch.zeros(3, 10, dtype=torch.bool)
+    mask[0, :3] = True
+    assert torch.autograd.gradcheck(
+        lambda v: sparse_soft_topk(v, 3, regularization=0.7, largest=largest, mask=mask), (x,))
+
+
+@pytest.mark.parametrize("regularization", [0.2, 1.0, 4.0])
+@pytest.mark.parametrize("largest", [True, False])
+def test_gradcheck_sorted_sparse_topk(rng, regularization, largest):
+    x = torch.randn(2, 9, generator=rng, dtype=torch.float64, requires_grad=True)
+    mask = torch.zeros(2, 9, dtype=torch.bool)
+    mask[1, :2] = True
+    assert torch.autograd.gradcheck(
+        lambda v: sorted_sparse_soft_topk(v, 3, regularization=regularization, largest=largest, mask=mask,
+                                          tol=1e-13), (x,), atol=1e-7)
+
+
+def test_gradcheck_sorted_when_k_equals_valid_count(rng):
+    """No rest anchor: a sparse soft sort of the valid entries."""
+    x = torch.randn(1, 6, generator=rng, dtype=torch.float64, requires_grad=True)
+    mask = torch.tensor([[False, False, False, False, True, True]])
+    out = sorted_sparse_soft_topk(x, 4, regularization=0.8, mask=mask, tol=1e-13)
+    torch.testing.assert_close(out.sum(-1)[0, :4], torch.ones(4, dtype=torch.float64))
+    assert torch.autograd.gradcheck(
+        lambda v: sorted_sparse_soft_topk(v, 4, regularization=0.8, mask=mask, tol=1e-13), (x,), atol=1e-7)
+
+
+def _hard_permutation(x: torch.Tensor, k: int) -> torch.Tensor:
+    return torch.zeros(*x.shape, k, dtype=x.dtype).scatter_(-2, x.topk(k).indices.unsqueeze(-2), 1.0)
+
+
+def test_small_regularization_gives_hard_topk_exactly(rng):
+    x = torch.randn(4, 50, generator=rng, dtype=torch.float64)
+    gaps = x.sort(-1).values.diff(dim=-1).amin()
+    small = float(gaps) / 4  # below every gap between scores: no two entries share a rank or the threshold
+    torch.testing.assert_close(sparse_soft_topk(x, 5, regularization=small), sparse_soft_topk(x, 5, hard=True),
+                               atol=0, rtol=0)
+    out, info = sorted_sparse_soft_topk(x, 5, regularization=small, return_info=True)
+    torch.testing.assert_close(out, _hard_permutation(x, 5), atol=0, rtol=0)
+    assert info.n_iter == 0  # the hard thresholds are the exact solution there
+
+
+@pytest.mark.parametrize("n, k", [(30, 4), (200, 10)])
+def test_large_regularization_tends_to_uniform(rng, n, k):
+    x = torch.randn(2, n, generator=rng, dtype=torch.float64)
+    for regularization in (1e2, 1e4):
+        unsorted = sparse_soft_topk(x, k, regularization=regularization)
+        # exactly k/n + (x_i - mean x) / lambda once every entry is strictly inside (0, 1)
+        torch.testing.assert_close(unsorted, k / n + (x - x.mean(-1, keepdim=True)) / regularization,
+                                   atol=1e-12, rtol=0)
+        sorted_ = sorted_sparse_soft_topk(x, k, regularization=regularization, tol=1e-10)
+        # each entry deviates from 1/n by O(|x| k / lambda)
+        assert float((sorted_ - 1.0 / n).abs().max()) <= 10.0 * k * float(x.abs().max()) / regularization
+    assert int((sorted_ == 0).sum()) == 0  # near uniform: nothing is exactly 0 any more
+
+
+def test_exact_zeros_at_training_scale(rng):
+    """At the regularisation used for beam search (0.1 nats) over log-probability-like scores, almost every
+    candidate is exactly 0 on every rank; the support is what a sparse mixing pays for."""
+    logits = torch.randn(8, 5000, generator=rng) * 3.0
+    scores = torch.log_softmax(logits, -1)
+    out = sorted_sparse_soft_topk(scores, 5, regularization=0.1)
+    support = (out > 0).any(-1).sum(-1)
+    assert int(support.max()) <= 20 and int(support.min()) >= 5
+    unsorted = sparse_soft_topk(scores, 5, regularization=0.1)
+    assert int((unsorted > 0).sum(-1).max()) <= 20
+
+
+def test_ties_get_equal_values(rng):
+    x = torch.tensor([[2.0, 1.0, 1.0, 1.0, -1.0]], dtype=torch.float64)
+    unsorted = sparse_soft_topk(x, 2, regularization=1e-3)
+    torch.testing.assert_close(unsorted, torch.tensor([[1.0, 1 / 3, 1 / 3, 1 / 3, 0.0]], dtype=torch.float64))
+    ranks = sorted_sparse_soft_topk(torch.tensor([2.0, 2.0, 0.0, -3.0], dtype=torch.float64), 2,
+                                    regularization=1e-3)
+    torch.testing.assert_close(ranks[:2], torch.full((2, 2), 0.5, dtype=torch.float64), atol=1e-12, rtol=0)
+    assert bool((ranks[2:] == 0).all())
+
+
+@pytest.mark.parametrize("operator", [sparse_soft_topk, sorted_sparse_soft_topk])
+def test_mask_and_negative_infinity_equal_truncation(rng, operator):
+    x = torch.randn(2, 9, generator=rng, dtype=torch.float64, requires_grad=True)
+    mask = torch.zeros(2, 9, dtype=torch.bool)
+    mask[:, 6:] = True
+    out = operator(x, 2, regularization=0.6, mask=mask)
+    torch.testing.assert_close(out[:, :6], operator(x[:, :6], 2, regularization=0.6))
+    assert bool((out[:, 6:] == 0).all())
+    weights = torch.randn(out.shape, generator=rng, dtype=torch.float64)
+    (out * weights).sum().backward()
+    assert bool((x.grad[:, 6:] == 0).all())
+    torch.testing.assert_close(operator(x.detach().masked_fill(mask, -math.inf), 2, regularization=0.6),
+                               out.detach())
+
+
+@pytest.mark.parametrize("operator", [sparse_soft_topk, sorted_sparse_soft_topk])
+def test_rows_independent_and_dim_argument(rng, operator):
+    x = torch.randn(3, 7, 2, generator=rng, dtype=torch.float64)
+    out = operator(x, 2, dim=1, regularization=0.4)
+    for b in range(3):
+        for c in range(2):
+            torch.testing.assert_close(out[b, :, c], operator(x[b, :, c], 2, regularization=0.4))
+
+
+@pytest.mark.parametrize("operator", [sparse_soft_topk, sorted_sparse_soft_topk])
+def test_errors_name_the_problem(operator):
+    with pytest.raises(ValueError, match="exceeds the number of valid"):
+        operator(torch.randn(4), 5)
+    with pytest.raises(ValueError, match="exceeds the number of valid"):
+        operator(torch.tensor([0.0, -math.inf, 1.0]), 3)
+    with pytest.raises(ValueError, match="NaN"):
+        operator(torch.tensor([0.0, float("nan"), 1.0]), 1)
+    with pytest.raises(ValueError, match="inf"):
+        operator(torch.tensor([0.0, math.inf, 1.0]), 1)
+    with pytest.raises(ValueError, match="regularization"):
+        operator(torch.randn(4), 2, regularization=0.0)
+    with pytest.raises(ValueError, match="regularization"):
+        operator(torch.randn(4), 2, regularization=math.inf)
+    with pytest.raises(ValueError, match="k must be"):
+        operator(torch.randn(4), 0)
+    with pytest.raises(ValueError, match="mask shape"):
+        operator(torch.randn(4), 2, mask=torch.zeros(3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="floating"):
+        operator(torch.arange(4), 2)
+
+
+def test_only_p_2_is_implemented():
+    with pytest.raises(ValueError, match="p=1.333"):
+        sparse_soft_topk(torch.randn(4), 2, p=4 / 3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("operator", [sparse_soft_topk, sorted_sparse_soft_topk])
+def test_dtypes(rng, operator, dtype):
+    x = torch.randn(3, 40, generator=rng, dtype=torch.float64)
+    ref = operator(x.to(dtype).double(), 3, regularization=0.5)
+    out = operator(x.to(dtype), 3, regularization=0.5)
+    assert out.dtype == dtype
+    tol = {torch.float16: 2e-3, torch.bfloat16: 1e-2}.get(dtype, 1e-6)
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=0)
+
+
+def test_float32_threshold_keeps_its_precision_at_a_million_entries(rng):
+    """The threshold's prefix sums only pick the segment; its value comes from direct sums."""
+    x = torch.randn(2, 1_000_000, generator=rng)
+    for regularization in (1e-3, 0.1, 1.0):
+        out = sparse_soft_topk(x, 50, regularization=regularization)
+        torch.testing.assert_close(out.double().sum(-1), torch.full((2,), 50.0, dtype=torch.float64),
+                                   atol=1e-3, rtol=0)
+
+
+def test_fixed_iterations_equal_the_default_solve(rng):
+    x = torch.randn(4, 60, generator=rng, dtype=torch.float64)
+    default = sorted_sparse_soft_topk(x, 5, regularization=0.5, tol=1e-12)
+    fixed, info = sorted_sparse_soft_topk(x, 5, regularization=0.5, tol=1e-12, max_iter=10, fixed_iterations=True,
+                                          return_info=True)
+    assert bool(info.converged)
+    torch.testing.assert_close(fixed, default, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("operator", [sparse_soft_topk, sorted_sparse_soft_topk])
+def test_device_check_forward_and_backward(rng, operator):
+    """Every tensor the operators create (forward and backward) takes the data's device and dtype."""
+    x = torch.randn(3, 40, generator=rng, dtype=torch.float64).requires_grad_()
+    mask = torch.zeros(3, 40, dtype=torch.bool)
+    mask[1, :7] = True
+    with_inf = x.detach().clone()
+    with_inf[2, 3] = -math.inf
+    with package_device_check():
+        for options in (dict(), dict(mask=mask), dict(largest=False), dict(hard=True)):
+            out = operator(x, 4, regularization=0.3, **options)
+            if out.requires_grad:
+                (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).reshape(out.shape)).sum().backward()
+        operator(with_inf.requires_grad_(), 4, regularization=0.3).square().sum().backward()
+        operator(x.detach().half(), 2, regularization=0.3)
+        if operator is sorted_sparse_soft_topk:
+            operator(x.detach(), 4, regularization=0.3, fixed_iterations=True, max_iter=5)
+    assert x.grad is not None and with_inf.grad is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("operator", [sparse_soft_topk, sorted_sparse_soft_topk])
+def test_gradients_scale_exactly_with_the_loss(rng, operator, dtype):
+    """fp16/amp loss scaling multiplies the upstream gradient by a power of two: the selection's gradient
+    must scale by exactly the same factor (no clamp, no normalisation of the incoming gradient)."""
+    x = (torch.randn(4, 50, generator=rng) * 2).to(dtype)
+    weights = torch.randn(4, 50, 3, generator=rng)[..., : 3 if operator is sorted_sparse_soft_topk else 1]
+    weights = weights.reshape(4, 50, -1).squeeze(-1).to(dtype) if operator is sparse_soft_topk else weights.to(dtype)
+    grads = []
+    for scale in (1.0, 1024.0):
+        leaf = x.clone().requires_grad_()
+        out = operator(leaf, 3, regularization=0.5)
+        (out * weights * scale).sum().backward()
+        grads.append(leaf.grad / scale)
+    assert bool((grads[0] != 0).any())
+    torch.testing.assert_close(grads[1], grads[0], atol=0, rtol=0)
