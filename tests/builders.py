@@ -92,6 +92,8 @@ CRITERION_MODES = {
     "relative_epsilon": {"topk_epsilon_relative": 0.5},
     "epsilon_schedule": {"topk_epsilon_start": 0.4, "topk_epsilon_anneal_updates": 10},
     "risk": {"beam_loss": "risk"},
+    "quadratic": {"topk_regularizer": "quadratic"},
+    "quadratic_fixed_iterations": {"topk_regularizer": "quadratic", "topk_fixed_iterations": True, "topk_max_iter": 12},
 }
 
 

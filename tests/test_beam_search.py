@@ -230,7 +230,7 @@ def test_compact_rows_lists_the_true_columns_of_each_row(rng):
 
 def test_drop_negligible_keeps_every_rank_within_the_budget(rng):
     from fairseq_softtopk.modules.beam_selection import drop_negligible
-    from fairseq_softtopk.ops import sorted_soft_topk
+    from fairseq_softtopk.ops import sorted_soft_topk, sorted_sparse_soft_topk
 
     scores = torch.randn(5, 400, generator=rng, dtype=torch.float64) * 2
     A = sorted_soft_topk(scores, 4, epsilon=0.1, tol=1e-10)
@@ -254,17 +254,19 @@ def test_mix_embeddings_is_the_weighted_sum_of_token_embeddings(rng):
         assert torch.autograd.gradcheck(lambda e, a: mix_embeddings(e, tokens, a), (embeddings, A))
 
 
-def reference_soft_beam_search(decoder, enc, target, k, epsilon, relative=0.0):
+def reference_soft_beam_search(decoder, enc, target, k, epsilon, relative=0.0, quadratic=False):
     """Algorithm 2 of the paper written out for one sentence, densely (no window, no dropped
     candidates): A over all k*V candidates; beam l's input is sum_{i,j} A[(i,j), l] E[j], its state
     sum_i (sum_j A[(i,j), l]) h_i, its score and predecessor those of argmax_c A[c, l].
     With ``relative`` > 0, each step's epsilon is max(epsilon, relative * mean gap of the k + 1 best
-    scores), a constant of the backward pass (a Python float).
+    scores), a constant of the backward pass (a Python float). With ``quadratic``, A is the sorted sparse
+    soft top-k (``regularization = epsilon``) of all k*V candidates, and a beam whose largest weight is shared
+    follows the best-scored of those candidates.
 
     Returns ``(gold, final_scores, tokens)``: gold-token log-probs along the backtracked best
     beam ``(T,)``, final cumulative scores ``(k,)`` and final beam sequences ``(k, T)``.
     """
-    from fairseq_softtopk.ops import sorted_soft_topk
+    from fairseq_softtopk.ops import sorted_soft_topk, sorted_sparse_soft_topk
 
     T = len(target)
     E = decoder.embedding_matrix()
@@ -283,14 +285,21 @@ def reference_soft_beam_search(decoder, enc, target, k, epsilon, relative=0.0):
         if relative > 0:
             best = sorted(scores.tolist(), reverse=True)[:k + 1]
             step_epsilon = max(epsilon, relative * (best[0] - best[k]) / k)
-        A = sorted_soft_topk(scores.unsqueeze(0), k, epsilon=step_epsilon, tol=1e-12)[0]  # (k*V, k)
+        if quadratic:
+            A = sorted_sparse_soft_topk(scores.unsqueeze(0), k, regularization=step_epsilon, tol=1e-12)[0]
+        else:
+            A = sorted_soft_topk(scores.unsqueeze(0), k, epsilon=step_epsilon, tol=1e-12)[0]  # (k*V, k)
         next_inputs, next_states, pred, tok, next_cum = [], [], [], [], []
         for l in range(k):
             w = A[:, l].reshape(k, V)
             next_inputs.append((w.sum(0).unsqueeze(1) * E).sum(0))
             beam_w = w.sum(1)
             next_states.append([(beam_w.view(-1, *[1] * (x.dim() - 1)) * x).sum(0) for x in new_state])
-            c = int(A[:, l].argmax())
+            if quadratic:  # exact ties of the largest weight (structural there) go to the best score
+                tied = A[:, l] >= A[:, l].max() - 16 * torch.finfo(A.dtype).eps
+                c = int(torch.where(tied, scores, -float("inf")).argmax())
+            else:
+                c = int(A[:, l].argmax())
             pred.append(c // V)
             tok.append(c % V)
             next_cum.append(scores[c])
@@ -461,3 +470,78 @@ def test_fixed_iterations_selection_is_one_graph_without_host_syncs(rng):
     default = BeamSearchConfig(beam=3, epsilon=0.1)
     torch._dynamo.reset()
     assert torch._dynamo.explain(selection(default))(scores).graph_break_count > 0
+
+
+@pytest.mark.parametrize("regularization", [0.3, 1.0])
+def test_quadratic_soft_mode_equals_the_written_out_algorithm_with_the_sparse_operator(rng, regularization):
+    """--topk-regularizer quadratic: the search mixes only the candidates of the sparse plan's support; the
+    dense algorithm over all k*V candidates gives the same beams and scores."""
+    decoder = TinyDecoder(6, seed=5).double()
+    enc = torch.randn(2, 6, generator=rng, dtype=torch.float64)
+    target = torch.tensor([[2, 3, 4, 2, 5], [4, 4, 3, 5, PAD]])
+    k = 3
+    with torch.no_grad():
+        out = run(decoder, enc, target, beam=k, mode="soft", epsilon=regularization, tol=1e-12,
+                  regularizer="quadratic")
+        assert float(out.sharpness[:, 1:].min()) < 0.9  # really soft selections
+        for b, length in enumerate([5, 4]):
+            gold, final, tokens = reference_soft_beam_search(decoder, enc[b:b + 1], target[b, :length].tolist(), k,
+                                                             regularization, quadratic=True)
+            torch.testing.assert_close(out.gold_lprobs[b, :length], gold, atol=1e-9, rtol=0)
+            if length == target.shape[1]:
+                torch.testing.assert_close(out.final_scores[b], final, atol=1e-9, rtol=0)
+                assert out.tokens[b].tolist() == tokens
+
+
+def test_quadratic_search_on_the_support_equals_the_search_on_every_candidate(rng):
+    """The sync-free search keeps every candidate (nothing dropped); the default keeps the support only: the
+    candidates dropped weigh exactly 0, so beams, losses and gradients agree."""
+    decoder = TinyDecoder(9).double()
+    enc = torch.randn(2, 6, generator=rng, dtype=torch.float64)
+    target = torch.tensor([[2, 3, 4, 2, 5], [4, 4, 3, PAD, PAD]])
+    options = dict(beam=3, mode="soft", epsilon=0.5, tol=1e-12, regularizer="quadratic")
+    grad_support, support = _embedding_grad(decoder, enc, target, **options)
+    grad_every, every = _embedding_grad(decoder, enc, target, fixed_iterations=True, max_iter=20, **options)
+    assert torch.equal(every.tokens, support.tokens)
+    torch.testing.assert_close(every.gold_lprobs, support.gold_lprobs, atol=1e-12, rtol=0)
+    torch.testing.assert_close(grad_every, grad_support, atol=1e-12, rtol=1e-10)
+    assert int(every.n_unconverged) == 0
+
+
+def test_quadratic_soft_mode_is_hard_mode_below_the_score_gaps(setup):
+    decoder, enc, target = setup
+    with torch.no_grad():
+        hard = run(decoder, enc, target, beam=3, mode="hard")
+        sparse = run(decoder, enc, target, beam=3, mode="soft", epsilon=1e-7, regularizer="quadratic")
+    assert torch.equal(sparse.tokens, hard.tokens)
+    torch.testing.assert_close(sparse.gold_lprobs, hard.gold_lprobs, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("regularization", [1.0, 0.3])
+def test_quadratic_soft_search_gradient_matches_finite_differences(rng, regularization):
+    decoder = TinyDecoder(7).double()
+    enc = torch.randn(2, 6, generator=rng, dtype=torch.float64)
+    target = torch.tensor([[2, 3, 4, 2], [4, 4, 3, PAD]])
+    weight = decoder.out.weight
+    start = weight.detach().clone()
+    direction = torch.randn(start.shape, generator=rng, dtype=torch.float64)
+
+    def loss_at(w):
+        with torch.no_grad():
+            weight.copy_(w)
+        return -run(decoder, enc, target, beam=3, mode="soft", epsilon=regularization, tol=1e-13,
+                    regularizer="quadratic").gold_lprobs.sum()
+
+    decoder.zero_grad()
+    loss_at(start).backward()
+    analytic = float((weight.grad * direction).sum())
+    h = 1e-6
+    numeric = (float(loss_at(start + h * direction)) - float(loss_at(start - h * direction))) / (2 * h)
+    assert analytic != 0 and analytic == pytest.approx(numeric, rel=1e-6, abs=1e-8)
+
+
+def test_quadratic_regularizer_needs_the_linear_cost_and_no_compile():
+    with pytest.raises(ValueError, match="quadratic regularizer needs the linear cost"):
+        BeamSearchConfig(regularizer="quadratic", cost="paper")
+    with pytest.raises(ValueError, match="regularizer must be one of"):
+        BeamSearchConfig(regularizer="l2")

@@ -62,7 +62,8 @@ def _sharp_case(dictionary, rng, **options):
 
 
 @pytest.mark.parametrize("mode", [{}, {"topk_fixed_iterations": True, "topk_max_iter": 30},
-                                  {"topk_candidate_pool": 12}], ids=["default", "fixed_iterations", "pool"])
+                                  {"topk_candidate_pool": 12}, {"topk_regularizer": "quadratic"}],
+                         ids=["default", "fixed_iterations", "pool", "quadratic"])
 @pytest.mark.parametrize("selection_grad", ["capped", "full", "none"])
 def test_soft_beam_search_gradients_scale_exactly_with_the_loss(dictionary, rng, selection_grad, mode):
     model, criterion, sample = _sharp_case(dictionary, rng, topk_grad=selection_grad, **mode)
@@ -78,8 +79,9 @@ def test_hard_beam_search_gradients_scale_exactly_with_the_loss(dictionary, rng)
 
 @pytest.mark.parametrize("mode", [{"topk_grad": "capped"}, {"topk_grad": "full"}, {"topk_mode": "hard"},
                                   {"topk_candidate_pool": 12}, {"topk_fixed_iterations": True, "topk_max_iter": 30},
-                                  {"beam_loss": "risk"}, {"beam_loss": "risk", "topk_mode": "hard"}],
-                         ids=["capped", "full", "hard", "pool", "fixed_iterations", "risk", "hard_risk"])
+                                  {"beam_loss": "risk"}, {"beam_loss": "risk", "topk_mode": "hard"},
+                                  {"topk_regularizer": "quadratic"}],
+                         ids=["capped", "full", "hard", "pool", "fixed_iterations", "risk", "hard_risk", "quadratic"])
 @pytest.mark.parametrize("architecture", ["softtopk_transformer", "transformer"])
 def test_transformer_beam_search_gradients_scale_exactly_with_the_loss(dictionary, rng, architecture, mode):
     """The Transformer path (caches mixed over beams, the decoder driven on soft embeddings) under loss scaling."""

@@ -89,6 +89,12 @@ def test_sentence_avg_counts_sentences_and_p_one_skips_the_search(dictionary, rn
                                           ({"topk_fixed_iterations": True, "topk_mode": "hard"},
                                            "fixed-iterations is an option of --topk-mode soft"),
                                           ({"topk_compile": "default"}, "topk-compile needs --topk-fixed-iterations"),
+                                          ({"topk_regularizer": "quadratic", "topk_mode": "hard"},
+                                           "regularizer quadratic is an option of --topk-mode soft"),
+                                          ({"topk_regularizer": "quadratic", "topk_cost": "paper"}, "topk-cost linear"),
+                                          ({"topk_regularizer": "quadratic", "topk_fixed_iterations": True,
+                                            "topk_compile": "default"}, "not available with --topk-regularizer"),
+                                          ({"topk_regularizer": "l2"}, "topk-regularizer must be one of"),
                                           ({"topk_compile": "default", "topk_fixed_iterations": True,
                                             "topk_epsilon_start": 0.3, "topk_epsilon_anneal_updates": 5},
                                            "does not go with an epsilon schedule")])

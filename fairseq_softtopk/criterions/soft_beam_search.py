@@ -60,6 +60,8 @@ TOPK_GRAD_CHOICES = ["capped", "full", "none"]
 
 #: the choices of --beam-loss
 BEAM_LOSS_CHOICES = ["gold", "risk"]
+#: the choices of --topk-regularizer
+TOPK_REGULARIZERS = ["entropic", "quadratic"]
 
 
 def _advanced(help_text: str) -> dict:
@@ -79,7 +81,11 @@ class SoftBeamSearchConfig(FairseqDataclass):
     topk_mode: ChoiceEnum(["soft", "hard"]) = field(default="soft", metadata={
         "help": "soft: the sorted SOFT top-k (differentiable); hard: the exact top-k (the ablation)"})
     topk_epsilon: float = field(default=0.03, metadata={
-        "help": "entropic regularisation of the soft top-k (in nats of log-likelihood with --topk-cost linear)"})
+        "help": "regularisation of the soft top-k (in nats of log-likelihood with --topk-cost linear): the "
+                "entropic epsilon, or the quadratic lambda with --topk-regularizer quadratic"})
+    topk_regularizer: ChoiceEnum(TOPK_REGULARIZERS) = field(default="entropic", metadata={
+        "help": "entropic: the sorted SOFT top-k of the paper (every candidate keeps a weight); quadratic: the "
+                "sorted sparse soft top-k (exact zeros: the beams mix only the candidates of its support)"})
     topk_grad: ChoiceEnum(TOPK_GRAD_CHOICES) = field(default="capped", metadata={
         "help": "gradient through the selection: capped (the exact one, capped per sentence and step), "
                 "full (the paper's) or none"})
@@ -309,7 +315,8 @@ class SoftBeamSearchCriterion(FairseqCriterion):
                  topk_candidate_pool=0, topk_fixed_iterations=False, topk_compile="none", topk_grad_cap=0.3,
                  topk_epsilon_start=0.0, topk_epsilon_anneal_updates=0, topk_epsilon_relative=0.0,
                  candidate_pool=None, selection_grad=None, selection_grad_cap=None, sentence_avg=False,
-                 beam_loss="gold", beam_loss_temperature=1.0, beam_lenpen=1.0, beam_max_len_a=1.2, beam_max_len_b=10):
+                 beam_loss="gold", beam_loss_temperature=1.0, beam_lenpen=1.0, beam_max_len_a=1.2, beam_max_len_b=10,
+                 topk_regularizer="entropic"):
         super().__init__(task)
         if beam_max_len_a < 0 or beam_max_len_b < 0:
             raise ValueError(f"--beam-max-len-a and --beam-max-len-b must be >= 0, got {beam_max_len_a} and "
@@ -354,6 +361,14 @@ class SoftBeamSearchCriterion(FairseqCriterion):
         if str(topk_compile) != "none" and topk_epsilon_start > 0:
             raise ValueError("--topk-compile does not go with an epsilon schedule (--topk-epsilon-start): every new "
                              "epsilon would compile the solve again")
+        if str(topk_regularizer) not in TOPK_REGULARIZERS:
+            raise ValueError(f"--topk-regularizer must be one of {TOPK_REGULARIZERS}, got {topk_regularizer!r}")
+        if str(topk_regularizer) == "quadratic" and (str(topk_mode) != "soft" or str(topk_cost) != "linear"):
+            raise ValueError("--topk-regularizer quadratic is an option of --topk-mode soft with --topk-cost linear "
+                             f"(got --topk-mode {topk_mode} --topk-cost {topk_cost})")
+        if str(topk_regularizer) == "quadratic" and str(topk_compile) != "none":
+            raise ValueError("--topk-compile is not available with --topk-regularizer quadratic (its solve is run "
+                             "eagerly, also with --topk-fixed-iterations)")
         if topk_epsilon_relative < 0:
             raise ValueError(f"--topk-epsilon-relative must be >= 0, got {topk_epsilon_relative}")
         if topk_epsilon_relative > 0 and (str(topk_mode) != "soft" or str(topk_cost) != "linear"):
@@ -368,6 +383,7 @@ class SoftBeamSearchCriterion(FairseqCriterion):
                                        selection_grad_cap=selection_grad_cap * unit,
                                        epsilon_relative=topk_epsilon_relative,
                                        fixed_iterations=bool(topk_fixed_iterations),
+                                       regularizer=str(topk_regularizer),
                                        compile="" if str(topk_compile) == "none" else str(topk_compile))
         self.p = teacher_forcing_ratio
         self.label_smoothing = label_smoothing

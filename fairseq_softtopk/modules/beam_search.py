@@ -36,6 +36,7 @@ input; fairseq's SequenceGenerator excludes it too).
 """
 
 import functools
+import math
 from typing import Callable, List, NamedTuple, Optional, Union
 
 import torch
@@ -240,7 +241,7 @@ def next_beams(scores: Tensor, new_state, decoder, embeddings: Tensor, config: B
     observe = None if grad_observer is None else functools.partial(_observe_step, grad_observer, live)
     cand, A, converged, n_iter, probe = select_beams(sel_scores, k, config, sel_top[:, -1:], observe)
     counts.add(converged, n_iter, probe)
-    best_cand = cand.gather(1, A.argmax(1))
+    best_cand = cand.gather(1, followed_candidates(A, sel_scores.detach().gather(1, cand), config))
     # next inputs: mixed embeddings of the candidates' tokens; states: mixed predecessors
     with torch.profiler.record_function("softtopk::mix_beams"):
         inputs = mix_embeddings(embeddings, cand % V, A)
@@ -255,6 +256,19 @@ def next_beams(scores: Tensor, new_state, decoder, embeddings: Tensor, config: B
                 order = (best_cand // V + torch.arange(batch, device=scores.device).unsqueeze(1) * k).view(-1)
             state = mix_decoder_state(new_state, state_weights, order)
     return NextBeams(best_cand, inputs, state, A.detach().amax(1), near_ties(sel_scores.detach(), sel_top, config))
+
+
+def followed_candidates(A: Tensor, cand_scores: Tensor, config: BeamSearchConfig) -> Tensor:
+    """``(batch, beam)`` the position among the candidates that each new beam follows: the argmax of its column of
+    ``A`` ``(batch, m, beam)``. With the quadratic regulariser, a column's largest weight is often shared exactly:
+    every candidate whose support spans ranks ``l - 1, l, l + 1`` gives rank ``l`` the same weight (the linear
+    cost's term cancels in the projection), so which one is first is decided by rounding; the tie goes to the
+    candidate with the best score (``cand_scores`` ``(batch, m)``)."""
+    if config.regularizer != "quadratic" or config.mode != "soft":
+        return A.argmax(1)
+    weights = A.detach()
+    tied = weights >= weights.amax(1, keepdim=True) - 16 * torch.finfo(weights.dtype).eps
+    return torch.where(tied, cand_scores.unsqueeze(-1), -math.inf).argmax(1)
 
 
 def _observe_step(grad_observer: GradientObserver, live: Tensor, norms: Tensor) -> None:

@@ -7,6 +7,8 @@ from typing import Callable
 from torch import Tensor
 
 SELECTION_GRADS = ("full", "capped", "none")
+#: soft mode's operator: the entropic sorted SOFT top-k or the quadratically regularised (sparse) one
+REGULARIZERS = ("entropic", "quadratic")
 #: ``torch.compile`` modes of the sync-free solve (``compile``); "" = not compiled
 COMPILE_MODES = ("", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
@@ -32,6 +34,7 @@ class BeamSearchConfig:
     epsilon_relative: float = 0.0  # > 0: per row, epsilon = max(epsilon, this * mean gap of the k+1 best)
     fixed_iterations: bool = False  # soft mode: the search without host synchronisation (select_beams)
     compile: str = ""  # with fixed_iterations: the solve under torch.compile in this mode (COMPILE_MODES)
+    regularizer: str = "entropic"  # soft mode: "entropic" (sorted_soft_topk) | "quadratic" (sorted_sparse_soft_topk)
 
     def __post_init__(self):
         if self.selection_grad not in SELECTION_GRADS:
@@ -43,6 +46,11 @@ class BeamSearchConfig:
         if self.epsilon_relative > 0 and self.cost != "linear":
             raise ValueError(f"epsilon_relative needs the linear cost (its epsilon is in units of the scores), "
                              f"got cost {self.cost!r}")
+        if self.regularizer not in REGULARIZERS:
+            raise ValueError(f"regularizer must be one of {REGULARIZERS}, got {self.regularizer!r}")
+        if self.regularizer == "quadratic" and (self.cost != "linear" or self.compile):
+            raise ValueError(f"the quadratic regularizer needs the linear cost and no compile, got cost {self.cost!r} "
+                             f"and compile {self.compile!r}")
         if self.compile not in COMPILE_MODES:
             raise ValueError(f"compile must be one of {COMPILE_MODES}, got {self.compile!r}")
         if self.compile and not (self.fixed_iterations and self.mode == "soft"):

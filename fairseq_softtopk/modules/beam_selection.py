@@ -15,7 +15,7 @@ from typing import Callable, NamedTuple, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from ..ops import candidate_window, cap_row_grad_norm, sorted_soft_topk
+from ..ops import candidate_window, cap_row_grad_norm, sorted_soft_topk, sorted_sparse_soft_topk
 from ..ops._common import effective_epsilon
 from .beam_search_config import BeamSearchConfig
 
@@ -149,7 +149,7 @@ def select_beams(scores: Tensor, beam: int, config: BeamSearchConfig, kth: Tenso
         pool = beam if config.mode == "hard" else config.candidate_pool
         if pool and pool < n:
             pool_scores, ids = scores.topk(pool, dim=-1, sorted=True)
-        elif not pool and config.cost == "linear" and not config.fixed_iterations:
+        elif not pool and config.cost == "linear" and not config.fixed_iterations and config.regularizer == "entropic":
             floor = candidate_window(kth, beam, config.epsilon, config.tol, n_out=n)
             ids, valid = compact_rows(scores.detach() >= floor)
             pool_scores = scores.gather(1, ids).masked_fill(~valid, -float("inf"))
@@ -164,6 +164,8 @@ def select_beams(scores: Tensor, beam: int, config: BeamSearchConfig, kth: Tenso
             pool_scores = pool_scores.detach()
         elif pool_scores.requires_grad and (observe is not None or config.grad_cap < math.inf):
             pool_scores, probe = cap_row_grad_norm(pool_scores, config.grad_cap, observe, return_scale_probe=True)
+        if config.regularizer == "quadratic":
+            return _sparse_selection(pool_scores, ids, beam, config, probe)
         if config.fixed_iterations:  # every solve runs exactly max_iter iterations
             solve = compiled_fixed_solve(config.compile) if config.compile else fixed_solve
             # compiled, a copy rather than a view: torch.compile guards on the sizes of a view's base too, so a
@@ -178,6 +180,22 @@ def select_beams(scores: Tensor, beam: int, config: BeamSearchConfig, kth: Tenso
             # the same budget as candidate_window's: all but tol / 100 of every rank is kept
             A, ids = drop_negligible(A, ids, config.tol / 100)
         return Selection(ids, A, info.converged, info.n_iter, probe)
+
+
+def _sparse_selection(scores: Tensor, ids: Tensor, beam: int, config: BeamSearchConfig,
+                      probe: Optional[Tensor]) -> Selection:
+    """The sorted sparse soft top-k of all the candidates (or the pool) and, unless ``fixed_iterations``, only
+    the candidates of its support: the others weigh exactly 0 in every beam, so that dropping them changes
+    neither the beams nor any gradient (no window, no tolerance)."""
+    A, info = sorted_sparse_soft_topk(scores, beam, regularization=config.epsilon, tol=config.tol,
+                                      max_iter=config.max_iter, return_info=True, warn=False,
+                                      fixed_iterations=config.fixed_iterations)
+    if not config.fixed_iterations:
+        index, valid = compact_rows(A.detach().sum(-1) > 0)
+        if index.shape[1] < A.shape[1]:
+            A = A.gather(1, index.unsqueeze(-1).expand(-1, -1, beam)) * valid.unsqueeze(-1)
+            ids = ids.gather(1, index)
+    return Selection(ids, A, info.converged, info.n_iter, probe)
 
 
 def fixed_solve(scores: Tensor, k: int, epsilon: float, cost: str, tol: float, max_iter: int) -> Tuple[Tensor, Tensor]:
