@@ -262,3 +262,39 @@ def test_gradients_scale_exactly_with_the_loss(rng, operator, dtype):
         grads.append(leaf.grad / scale)
     assert bool((grads[0] != 0).any())
     torch.testing.assert_close(grads[1], grads[0], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("regularization", [0.05, 2.0])
+def test_the_window_solve_equals_the_whole_row_solve(rng, monkeypatch, regularization):
+    """The adaptive solve works on a window of each row's best entries, widened until the entries below it
+    provably sit on the rest anchor alone: values and gradients equal the solve over every entry (the fixed-
+    iteration solve), also where the window had to widen (a wide support at lambda = 2, a 1-entry start)."""
+    from fairseq_softtopk.ops import quadratic_semi_dual
+
+    x = torch.randn(3, 400, generator=rng, dtype=torch.float64)
+    x[1, 50:] = -math.inf
+    weights = torch.randn(3, 400, 4, generator=rng, dtype=torch.float64)
+    solves = []
+    original = quadratic_semi_dual.QuadraticSemiDual
+
+    class Recorded(original):
+        def __init__(self, values, *args):
+            solves.append(values.shape[1])
+            super().__init__(values, *args)
+
+    monkeypatch.setattr(quadratic_semi_dual, "QuadraticSemiDual", Recorded)
+    monkeypatch.setattr(quadratic_semi_dual, "_WINDOW_MIN", 1)
+    results = []
+    for options in (dict(), dict(fixed_iterations=True, max_iter=30)):
+        leaf = x.clone().requires_grad_()
+        out = sorted_sparse_soft_topk(leaf, 4, regularization=regularization, tol=1e-12, **options)
+        (out * weights).sum().backward()
+        results.append((out.detach(), leaf.grad))
+    windows, whole = solves[:-1], solves[-1]
+    assert whole == 400 and windows[0] == 17 and max(windows) < 400
+    if regularization == 2.0:
+        assert len(windows) > 1  # the first window was too narrow and widened
+    torch.testing.assert_close(results[0][0], results[1][0], atol=1e-12, rtol=0)
+    # an entry on the edge of the support (its weight 0 up to rounding) may count as in or out of it: the
+    # generalised Jacobians differ there by rounding-sized terms
+    torch.testing.assert_close(results[0][1], results[1][1], atol=1e-6, rtol=1e-9)

@@ -103,36 +103,26 @@ def solve_support_hessian(support: Tensor, rhs: Tensor) -> Tensor:
     return torch.linalg.solve(regular, rhs.double().unsqueeze(-1)).squeeze(-1)
 
 
-def hard_start(prep: PreparedScores, k: int, x_scale: Tensor) -> Tensor:
+def hard_start(top: Tensor, n_valid: Tensor, k: int, x_scale: Tensor) -> Tensor:
     """``(rows, k + 1)`` potentials (over lambda) whose rank boundaries sit midway between consecutive
-    sorted scores: row ``i`` prefers rank ``r`` to ``r + 1`` iff ``x_i > b_{r+1} - b_r``."""
-    top = prep.top.double()  # (rows, min(k + 1, n)), best first
+    sorted scores: row ``i`` prefers rank ``r`` to ``r + 1`` iff ``x_i > b_{r+1} - b_r``.
+
+    Args:
+        top: ``(rows, min(k + 1, n))`` the best prepared scores, best first; n_valid: ``(rows,)``.
+    """
+    top = top.double()
     kth = top[:, k - 1: k]
     below = top[:, k: k + 1] if top.shape[-1] > k else kth - 1.0
-    below = torch.where((prep.n_valid > k).unsqueeze(-1), below, kth - 1.0)
+    below = torch.where((n_valid > k).unsqueeze(-1), below, kth - 1.0)
     boundaries = 0.5 * (top[:, : k - 1] + top[:, 1:k])
     boundaries = torch.cat([boundaries, 0.5 * (kth + below)], dim=-1) * x_scale  # (rows, k)
     return torch.cat([torch.zeros_like(kth), boundaries.cumsum(-1)], dim=-1)
 
 
-def quadratic_newton_solve(prep: PreparedScores, k: int, tol: float, max_iter: int,
-                           fixed_iterations: bool = False) -> Tuple[Tensor, Tensor, SolverInfo]:
-    """The plan of the quadratically regularised sorted top-k (module docstring) for prepared rows.
-
-    With ``fixed_iterations`` exactly ``max_iter`` Newton iterations run, each trying the same step
-    sizes, with on-device convergence masks and no host synchronisation; the info's fields are tensors.
-
-    Returns:
-        ``(P, support, info)``: plan ``(rows, n, k + 1)`` in the prepared dtype (count units, anchors
-        last: ranks ``0..k-1``, then the rest), its support (bool, from the float64 plan) and the info.
-    """
-    rows, n = prep.z.shape
-    x_scale = 1.0 / prep.eps.double()  # (rows, 1)
-    x = prep.z.double() * x_scale
-    nu = torch.ones(rows, k + 1, dtype=torch.float64, device=x.device)
-    nu[:, k] = prep.n_valid.double() - k
-    dual = QuadraticSemiDual(x, prep.valid, k, nu)
-    b = hard_start(prep, k, x_scale)
+def _newton(dual: QuadraticSemiDual, b: Tensor, tol: float, max_iter: int,
+            fixed_iterations: bool) -> Tuple[Tensor, Tensor, Tensor, int]:
+    """Newton with backtracking from potentials ``b``: ``(P, b, err, n_iter)`` (float64 plan and potentials,
+    ``(rows,)`` marginal errors, iterations)."""
     P, v = dual.plan(b)
     F = dual.objective(b, P, v)
     err = dual.marginal_error(P)
@@ -143,7 +133,7 @@ def quadratic_newton_solve(prep: PreparedScores, k: int, tol: float, max_iter: i
             n_iter -= 1
             break
         direction = dual.newton_direction(P)
-        slope = (direction * (nu - P.sum(1))).sum(-1)  # directional derivative of F, >= 0
+        slope = (direction * (dual.nu - P.sum(1))).sum(-1)  # directional derivative of F, >= 0
         accepted = done.clone()
         step = 1.0
         for _ in range(_FIXED_BACKTRACK if fixed_iterations else _MAX_BACKTRACK):
@@ -162,10 +152,69 @@ def quadratic_newton_solve(prep: PreparedScores, k: int, tol: float, max_iter: i
             if not fixed_iterations and bool(accepted.all()):
                 break
             step *= 0.5
+    return P, b, err, n_iter
+
+
+#: the adaptive solve starts on this many of a row's best entries (``+ 4 k``), and widens by 4x until the rest
+#: provably gives all its mass to the rest anchor
+_WINDOW_MIN = 32
+
+
+def quadratic_newton_solve(prep: PreparedScores, k: int, tol: float, max_iter: int,
+                           fixed_iterations: bool = False) -> Tuple[Tensor, Tensor, Tensor, SolverInfo]:
+    """The plan of the quadratically regularised sorted top-k (module docstring) for prepared rows.
+
+    The adaptive solve runs on a window of each row's best ``m`` entries with the rest anchor's mass
+    ``m_valid - k``, and checks the solution: with potentials ``b``, an entry of score ``x`` gives all of its
+    mass to the rest anchor iff ``b_k - b_r - x (k - r) >= 1`` for every rank ``r``, which holds for every
+    entry below the window once it holds for the best of them; the window's solution with those entries on
+    the rest anchor then satisfies every optimality condition of the whole row (exact, not approximate).
+    Where the check fails the window is widened (4x) and the row solved again.
+
+    With ``fixed_iterations`` the whole row is solved in exactly ``max_iter`` Newton iterations, each trying
+    the same step sizes, with on-device convergence masks and no host synchronisation; the info's fields are
+    then tensors.
+
+    Returns:
+        ``(ranks, support, index, info)``: ``ranks`` ``(rows, n, k)`` the ranks' columns of the plan (count
+        units) in the prepared dtype; ``support`` ``(rows, m, k + 1)`` bool, the plan's support on the
+        entries ``index`` ``(rows, m)`` (the window; every entry outside it is on the rest anchor alone);
+        and the info.
+    """
+    rows, n = prep.z.shape
+    x_scale = 1.0 / prep.eps.double()  # (rows, 1)
+    b_start = hard_start(prep.top, prep.n_valid, k, x_scale)
+    m = n if fixed_iterations else min(n, _WINDOW_MIN + 4 * k)
+    while True:
+        if m < n:
+            values, index = torch.where(prep.valid, prep.z, -torch.inf).topk(m + 1, dim=-1, sorted=True)
+            outside = values[:, m:].double() * x_scale  # the best entry below the window (-inf: none)
+            values, index = values[:, :m], index[:, :m]
+            valid = torch.isfinite(values)
+            values = torch.where(valid, values, 0.0)
+        else:
+            index = torch.arange(n, device=prep.z.device).expand(rows, n)
+            values, valid, outside = prep.z, prep.valid, None
+        nu = torch.ones(rows, k + 1, dtype=torch.float64, device=prep.z.device)
+        nu[:, k] = valid.sum(-1).double() - k
+        dual = QuadraticSemiDual(values.double() * x_scale, valid, k, nu)
+        P, b, err, n_iter = _newton(dual, b_start, tol, max_iter, fixed_iterations)
+        if outside is None:
+            break
+        y = anchor_values(k, b)[:k]
+        room = (b[:, k:] - b[:, :k] - outside * y).amin(-1)  # >= 1: the entries below are on the rest anchor
+        if bool(((room >= 1.0) | ~torch.isfinite(outside.squeeze(-1))).all()):
+            break
+        m = min(n, 4 * m)
+    ranks_window = P[..., :k].to(prep.z.dtype)
+    if m < n:
+        ranks = prep.z.new_zeros(rows, n, k).scatter_(1, index.unsqueeze(-1).expand(-1, -1, k), ranks_window)
+    else:
+        ranks = ranks_window
     if fixed_iterations:
         max_err = err.amax() if rows else err.new_zeros(())
         info = SolverInfo(converged=max_err <= tol, n_iter=n_iter, marginal_error=max_err)
     else:
         max_err = float(err.max()) if rows else 0.0
         info = SolverInfo(converged=max_err <= tol, n_iter=n_iter, marginal_error=max_err)
-    return P.to(prep.z.dtype), P > 0, info
+    return ranks, P > 0, index, info

@@ -22,39 +22,47 @@ from .sparse_soft_topk import check_regularization
 
 
 class SortedSparseSoftTopKFunction(torch.autograd.Function):
-    """Sorted sparse soft top-k from a solved plan; backward by implicit differentiation (O(n k^2))."""
+    """Sorted sparse soft top-k from a solved plan; backward by implicit differentiation (O(m k^2) on the
+    solver's window of ``m`` entries: the others, on the rest anchor alone, have no gradient)."""
 
     @staticmethod
-    def forward(z: Tensor, P: Tensor, support: Tensor, regularization: Tensor) -> Tensor:
-        return P[..., :-1]  # (rows, n, k): the ranks' columns, a view of the plan
+    def forward(z: Tensor, ranks: Tensor, support: Tensor, index: Tensor, regularization: Tensor) -> Tensor:
+        return ranks.clone()  # (rows, n, k)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        _, _, support, regularization = inputs
-        ctx.save_for_backward(support, regularization)
-        ctx.mark_non_differentiable(support)
+        z, _, support, index, regularization = inputs
+        ctx.save_for_backward(support, index, regularization)
+        ctx.n = z.shape[-1]
+        ctx.mark_non_differentiable(support, index)
 
     @staticmethod
     def backward(ctx, grad_output: Tensor):
         # In units of lambda (x = z / lambda), P_i = proj_simplex(x_i y + b) with J_i = diag(s_i) - s_i s_i^T / |s_i|
         # its Jacobian, and sum_i P_i = nu defines b(x). With G_i the output gradient padded by 0 (rest anchor):
-        #   dL/dx_i = y^T J_i (G_i + db/dx_i-terms) = y^T J_i (G_i - w),   H w = sum_i J_i G_i,   H = sum_i J_i,
-        # since H db = -sum_i J_i y dx_i (differentiating the marginals) and J, H are symmetric.
-        support, regularization = ctx.saved_tensors
+        #   dL/dx_i = y^T J_i (G_i - w),   H w = sum_i J_i G_i,   H = sum_i J_i,
+        # since H db = -sum_i J_i y dx_i (differentiating the marginals) and J, H are symmetric. Entries whose
+        # support is one anchor have J_i = 0: those outside the window add nothing anywhere.
+        support, index, regularization = ctx.saved_tensors
         if not ctx.needs_input_grad[0]:
-            return None, None, None, None
-        s = support.to(grad_output.dtype if grad_output.dtype == torch.float64 else torch.float32)
+            return None, None, None, None, None
+        dtype = grad_output.dtype if grad_output.dtype == torch.float64 else torch.float32
+        s = support.to(dtype)
+        k = s.shape[-1] - 1
         size = s.sum(-1, keepdim=True).clamp_min(1.0)
-        G = torch.cat([grad_output.to(s.dtype), grad_output.new_zeros(grad_output.shape[:-1] + (1,)).to(s.dtype)],
-                      dim=-1)
+        G = grad_output.to(dtype).gather(1, index.unsqueeze(-1).expand(-1, -1, k))
+        G = torch.cat([G, G.new_zeros(G.shape[:-1] + (1,))], dim=-1)
 
         def apply_J(a: Tensor) -> Tensor:
             return s * (a - (s * a).sum(-1, keepdim=True) / size)
 
-        w = solve_support_hessian(support, apply_J(G).sum(1).double()).to(s.dtype)  # (rows, k + 1)
-        y = anchor_values(G.shape[-1] - 1, s)
-        grad_z = (apply_J(G - w.unsqueeze(1)) * y).sum(-1) / regularization.to(s.dtype)
-        return grad_z, None, None, None
+        w = solve_support_hessian(support, apply_J(G).sum(1).double()).to(dtype)  # (rows, k + 1)
+        y = anchor_values(k, s)
+        grad_window = (apply_J(G - w.unsqueeze(1)) * y).sum(-1) / regularization.to(dtype)
+        if index.shape[1] == ctx.n:
+            return grad_window, None, None, None, None
+        grad_z = grad_window.new_zeros(grad_window.shape[0], ctx.n).scatter_(1, index, grad_window)
+        return grad_z, None, None, None, None
 
 
 def sorted_sparse_soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = True,
@@ -103,8 +111,9 @@ def sorted_sparse_soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: b
             out.scatter_(1, idx.unsqueeze(1), 1.0)
             info = SolverInfo(True, 0, 0.0)
         else:
-            P, support, info = quadratic_newton_solve(prep, k, tol, max_iter, fixed_iterations)
-            out = SortedSparseSoftTopKFunction.apply(oriented_rows(scores, dim, prep), P, support, prep.grad_eps)
+            ranks, support, index, info = quadratic_newton_solve(prep, k, tol, max_iter, fixed_iterations)
+            out = SortedSparseSoftTopKFunction.apply(oriented_rows(scores, dim, prep), ranks, support, index,
+                                                     prep.grad_eps)
         out = restore_shape(out, scores, dim, extra=(k,)).to(scores.dtype)
     if warn and not fixed_iterations:
         warn_if_unconverged(info, "sorted_sparse_soft_topk", tol, max_iter)

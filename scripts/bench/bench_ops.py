@@ -12,6 +12,10 @@ warm-up). Methods:
   :mod:`fairseq_softtopk.ops.paper_algorithm`;
 * ``unrolled``: the same 200 log-domain Sinkhorn iterations differentiated by autograd;
 * ``topk``: ``torch.topk`` values, forward + backward (the lower bound);
+* with ``--sparse``, ``sparse``: the quadratically regularised counterpart of ``ours``
+  (:func:`~fairseq_softtopk.ops.sparse_soft_topk` / ``sorted_sparse_soft_topk`` with
+  ``regularization = epsilon``, the linear cost's units: needs ``--cost linear``); its note gives the
+  support: the mean number of entries per row with a nonzero weight (the dense operators: all n);
 * with ``--fixed-iterations N``, ``ours_fixed``: ours with ``fixed_iterations=True`` and
   ``max_iter=N`` (no host synchronisation: N iterations on all n entries, the GPU path), and
   with ``--compile MODE`` also ``ours_compiled``: that call under
@@ -29,6 +33,8 @@ Usage::
     python scripts/bench/bench_ops.py --ops sorted_soft_topk --n 1000 --k 100 --eps 0.1 --cost linear --batch 100 \\
         --tol 1e-5
     python scripts/bench/bench_ops.py --n 100000 --k 5 --eps 0.01 --fixed-iterations 15 --compile reduce-overhead
+    python scripts/bench/bench_ops.py --threads 1 --cost linear --sparse --n 1000 10000 100000 1000000 --k 5 50 \
+        --eps 0.1                                        # entropic and sparse operators against torch.topk
 """
 
 import argparse
@@ -42,7 +48,8 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's package (a pinned worktree's too)
-from fairseq_softtopk.ops import soft_topk, sorted_soft_topk  # noqa: E402
+from fairseq_softtopk.ops import (soft_topk, sorted_soft_topk, sorted_sparse_soft_topk,  # noqa: E402
+                                  sparse_soft_topk)
 from fairseq_softtopk.ops.paper_algorithm import paper_marginal_error, paper_soft_topk  # noqa: E402
 
 UNROLLED_MAX_ELEMENTS = 2e6  # n * (k+1) above which 200 unrolled iterations need > ~3 GB: skipped
@@ -106,11 +113,12 @@ def _time(fn: Callable[[], torch.Tensor], x: torch.Tensor, repeats: int, device:
 
 def bench_case(n: int, k: int, eps: float, sorted_op: bool, repeats: int, tol: float, device: str,
                cost: str = "paper", batch: int = 1, fixed_iterations: Optional[int] = None,
-               compile_mode: Optional[str] = None) -> List[dict]:
+               compile_mode: Optional[str] = None, sparse: bool = False) -> List[dict]:
     """All methods on one (n, k, epsilon, operator) case of ``batch`` rows of scores; returns one row per method.
 
     ``fixed_iterations`` adds ``ours_fixed`` (and ``compile_mode`` ``ours_compiled``, whose
-    ``err`` is its largest difference from ``ours_fixed``'s output).
+    ``err`` is its largest difference from ``ours_fixed``'s output); ``sparse`` adds ``sparse``, the
+    quadratically regularised operator at ``regularization = eps`` (linear cost only).
 
     The published algorithm and the unrolled iterations solve the paper's cost only: with
     ``cost="linear"`` they are left out (the rows say so).
@@ -169,12 +177,23 @@ def bench_case(n: int, k: int, eps: float, sorted_op: bool, repeats: int, tol: f
     def topk():
         return x.topk(k, dim=-1, largest=sorted_op).values
 
+    def sparse_op():
+        if sorted_op:
+            out, info = sorted_sparse_soft_topk(x, k, regularization=eps, tol=tol, return_info=True)
+            info_box["sparse"] = info
+            return out
+        info_box["sparse"] = None  # exact threshold: no iteration, no marginal error beyond rounding
+        return sparse_soft_topk(x, k, regularization=eps)
+
     methods = {"ours": ours}
     if fixed_iterations is not None:
         methods["ours_fixed"] = ours_fixed
         if compile_mode is not None:
             methods["ours_compiled"] = ours_compiled
-    methods.update(paper=paper, unrolled=unrolled, topk=topk)
+    methods.update(paper=paper, unrolled=unrolled)
+    if sparse:
+        methods["sparse"] = sparse_op
+    methods["topk"] = topk
     outputs = {}
     for name, fn in methods.items():
         if name in ("paper", "unrolled") and (cost != "paper" or batch != 1):
@@ -194,6 +213,16 @@ def bench_case(n: int, k: int, eps: float, sorted_op: bool, repeats: int, tol: f
         if name in ("ours", "ours_fixed"):
             note = f"{int(err.n_iter)} it" + ("" if bool(err.converged) else " NOT CONVERGED")
             err = float(err.marginal_error)
+        elif name == "sparse":
+            selected = outputs[name].detach()
+            support = float((selected.sum(-1) if sorted_op else selected).gt(0).sum(-1).double().mean())
+            note = f"support {support:.1f} of {n}"
+            if err is not None:
+                note = f"{int(err.n_iter)} it" + ("" if bool(err.converged) else " NOT CONVERGED") + "; " + note
+                err = float(err.marginal_error)
+            else:
+                k_err = (selected.double().sum(-1) - k).abs().max() / k
+                err = float(k_err)
         elif name == "ours_compiled":
             err = float((outputs[name].detach() - outputs["ours_fixed"].detach()).abs().max())
             note = f"mode {compile_mode}; err = max difference from ours_fixed"
@@ -249,6 +278,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--fixed-iterations", type=int, default=None, metavar="N",
                         help="also time ours with fixed_iterations=True, max_iter=N (the sync-free solve)")
+    parser.add_argument("--sparse", action="store_true",
+                        help="also time the sparse operators (quadratic regularisation = --eps; needs --cost linear)")
     parser.add_argument("--compile", default=None, metavar="MODE",
                         choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
                         help="also time the fixed-iteration call under torch.compile(fullgraph=True, mode=MODE) "
@@ -256,6 +287,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.compile is not None and args.fixed_iterations is None:
         parser.error("--compile needs --fixed-iterations N (only the fixed-iteration solve compiles as one graph)")
+    if args.sparse and args.cost != "linear":
+        parser.error("--sparse needs --cost linear (the sparse operators' regularisation is in the scores' units)")
     if args.fixed_iterations is not None and args.fixed_iterations < 1:
         parser.error(f"--fixed-iterations must be >= 1, got {args.fixed_iterations}")
     if args.threads:
@@ -278,7 +311,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                         case += f" {args.cost} batch={args.batch}"
                     rows = bench_case(n, k, eps, op.startswith("sorted"), args.repeats, args.tol, args.device,
                                       cost=args.cost, batch=args.batch, fixed_iterations=args.fixed_iterations,
-                                      compile_mode=args.compile)
+                                      compile_mode=args.compile, sparse=args.sparse)
                     print("\n".join(format_rows(case, rows)), flush=True)
     return 0
 
