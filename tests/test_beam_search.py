@@ -230,7 +230,7 @@ def test_compact_rows_lists_the_true_columns_of_each_row(rng):
 
 def test_drop_negligible_keeps_every_rank_within_the_budget(rng):
     from fairseq_softtopk.modules.beam_selection import drop_negligible
-    from fairseq_softtopk.ops import sorted_soft_topk, sorted_sparse_soft_topk
+    from fairseq_softtopk.ops import sorted_soft_topk
 
     scores = torch.randn(5, 400, generator=rng, dtype=torch.float64) * 2
     A = sorted_soft_topk(scores, 4, epsilon=0.1, tol=1e-10)
