@@ -298,3 +298,32 @@ def test_the_window_solve_equals_the_whole_row_solve(rng, monkeypatch, regulariz
     # an entry on the edge of the support (its weight 0 up to rounding) may count as in or out of it: the
     # generalised Jacobians differ there by rounding-sized terms
     torch.testing.assert_close(results[0][1], results[1][1], atol=1e-6, rtol=1e-9)
+
+
+def test_the_unsorted_threshold_window_equals_the_whole_row(rng, monkeypatch):
+    """sparse_soft_topk searches its threshold among the entries above x_(k+1) - lambda only (the others are 0
+    whatever the threshold): the result equals the search over the whole row, and the QP's solution."""
+    import importlib
+
+    from fairseq_softtopk.ops.simplex_projection import capped_simplex_threshold
+
+    widths = []
+
+    def recorded(values, k):
+        widths.append(values.shape[1])
+        return capped_simplex_threshold(values, k)
+
+    # the module, not the function of the same name that fairseq_softtopk.ops exports
+    monkeypatch.setattr(importlib.import_module("fairseq_softtopk.ops.sparse_soft_topk"), "capped_simplex_threshold",
+                        recorded)
+
+    x = torch.randn(3, 600, generator=rng, dtype=torch.float64)
+    mask = torch.zeros(3, 600, dtype=torch.bool)
+    mask[1, ::3] = True
+    x[2, :100] = -math.inf
+    out = sparse_soft_topk(x, 4, regularization=0.3, mask=mask)
+    scaled = torch.where(mask | torch.isinf(x), -math.inf, x / 0.3)
+    tau = capped_simplex_threshold(scaled, torch.full((3, 1), 4.0, dtype=torch.float64))
+    torch.testing.assert_close(out, (scaled - tau).clamp(0, 1), atol=1e-12, rtol=0)
+    assert widths[0] < 100  # the threshold was searched on a window, not on the 600 entries
+    np.testing.assert_allclose(out[0].numpy(), qp_sparse_topk(x[0].numpy(), 4, 0.3), atol=1e-7)

@@ -12,7 +12,8 @@ sigmoid of ``(x - t) / epsilon``): the same transport problem between the scores
 count units). Entries more than ``lambda`` below the threshold get exactly 0, those above it exactly 1.
 
 The threshold is exact (:func:`.simplex_projection.capped_simplex_threshold`: a sort and a search
-over breakpoints, no iteration, no host synchronisation). The backward pass is closed-form: with
+over breakpoints, no iteration), searched among the entries above ``x_(k+1) - lambda`` only (the
+others get 0 whatever the threshold; one host read for the window's width). The backward pass is closed-form: with
 ``F`` the entries strictly inside ``(0, 1)``, ``dy/dx = (diag(1_F) - 1_F 1_F^T / |F|) / lambda``.
 """
 
@@ -59,6 +60,22 @@ class SparseSoftTopKFunction(torch.autograd.Function):
             mean = g.sum(-1, keepdim=True) / free.sum(-1, keepdim=True).clamp_min(1.0)
             grad_z = free * (g - mean) / regularization
         return grad_z, None, None
+
+
+def _threshold_window(x: Tensor, top: Tensor, n_valid: Tensor, k: int) -> Tensor:
+    """The entries of ``x`` ``(rows, n)`` that can be above the threshold, as ``(rows, m)`` (``-inf`` padded).
+
+    ``tau >= x_(k+1) - 1`` (else the k + 1 best would all weigh 1), so entries at or below ``x_(k+1) - 1`` get
+    0 and do not move ``tau``; the threshold search then sorts the ``m`` others only. One host read (``m``).
+    """
+    n = x.shape[1]
+    if top.shape[1] <= k:
+        return x
+    floor = torch.where(n_valid > k, top[:, k] - 1.0, -torch.inf).unsqueeze(-1)
+    m = int((x > floor).sum(-1).max())
+    if 2 * m >= n:
+        return x
+    return torch.where(x > floor, x, -torch.inf).topk(m, dim=-1, sorted=False).values
 
 
 def sparse_soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = True, regularization: float = 0.1,
@@ -109,7 +126,8 @@ def sparse_soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = T
             out = torch.zeros_like(prep.z).scatter_(-1, idx, 1.0)
         else:
             x = torch.where(prep.valid, prep.z / prep.eps, -torch.inf)
-            tau = capped_simplex_threshold(x, torch.full_like(prep.eps, k))
+            tau = capped_simplex_threshold(_threshold_window(x, prep.top / prep.eps, prep.n_valid, k),
+                                           torch.full_like(prep.eps, k))
             out = SparseSoftTopKFunction.apply(oriented_rows(scores, dim, prep), x - tau, prep.grad_eps)
         out = restore_shape(out, scores, dim).to(scores.dtype)
     return out
