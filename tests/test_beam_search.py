@@ -545,3 +545,42 @@ def test_quadratic_regularizer_needs_the_linear_cost_and_no_compile():
         BeamSearchConfig(regularizer="quadratic", cost="paper")
     with pytest.raises(ValueError, match="regularizer must be one of"):
         BeamSearchConfig(regularizer="l2")
+
+
+@pytest.mark.parametrize("options", [dict(mode="hard"), dict(mode="soft", epsilon=0.5, regularizer="quadratic"),
+                                     dict(mode="soft", epsilon=0.5, tol=1e-8)], ids=["hard", "quadratic", "entropic"])
+def test_mixed_candidates_are_counted_over_the_live_steps(rng, monkeypatch, options):
+    """mixed_sum / mixed_count: the candidates with a nonzero weight in the new beams, summed over the steps whose
+    selection reaches the loss (k per step in hard mode; the sparse plan's support, recomputed here)."""
+    from fairseq_softtopk.modules import beam_search
+    from fairseq_softtopk.ops import sorted_sparse_soft_topk
+
+    decoder = TinyDecoder(9).double()
+    enc = torch.randn(2, 6, generator=rng, dtype=torch.float64)
+    target = torch.tensor([[2, 3, 4, 2, 5], [4, 4, 3, PAD, PAD]])
+    recorded, original = [], beam_search.select_beams
+
+    def recording(scores, *args, **kwargs):
+        selection = original(scores, *args, **kwargs)
+        recorded.append((scores.detach().clone(), selection.weights.detach()))
+        return selection
+
+    monkeypatch.setattr(beam_search, "select_beams", recording)
+    with torch.no_grad():
+        out = run(decoder, enc, target, beam=3, **options)
+    live_steps = [t < length - 1 for length in (5, 3) for t in range(5)]
+    assert int(out.mixed_count) == sum(live_steps) == 6
+    expected = 0
+    for t, (scores, weights) in enumerate(recorded):
+        for b, length in enumerate((5, 3)):
+            if t >= length - 1:
+                continue
+            if options["mode"] == "hard":
+                expected += 3
+            elif options.get("regularizer") == "quadratic":
+                expected += int((sorted_sparse_soft_topk(scores[b], 3, regularization=0.5).sum(-1) > 0).sum())
+            else:
+                expected += int((weights[b].sum(-1) > 0).sum())
+    assert int(out.mixed_sum) == expected
+    if options.get("regularizer") == "quadratic":
+        assert 6 * 3 < expected < 6 * 27  # more than the beams, far fewer than all k * V candidates

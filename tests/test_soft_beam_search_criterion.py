@@ -342,3 +342,30 @@ def test_a_model_that_cannot_unroll_the_search_is_named_and_teacher_forcing_stil
     transformer = torch.nn.ModuleDict({"module": build_transformer(dictionary)})
     assert unroll_interface_missing(transformer)[:1] == ["forward(..., beam_search=)"]
     assert unroll_kind(transformer) == "incremental"
+
+
+@pytest.mark.parametrize("architecture", ["softtopk_lstm", "softtopk_transformer"])
+def test_topk_mixed_is_logged_for_the_gold_and_the_risk_search(dictionary, rng, architecture):
+    """topk_mixed: candidates mixed into a step's new beams per sentence, over the steps that reach the loss: exactly
+    the beam in hard mode, more with the quadratic regulariser (its support), for both searches and models."""
+    from fairseq.logging import metrics
+
+    from builders import build_transformer
+
+    model = build_model(dictionary) if architecture == "softtopk_lstm" else build_transformer(dictionary)
+    sample = make_sample(dictionary, rng, [5, 3, 4])
+    lengths = sample["target"].ne(dictionary.pad()).sum(-1)
+    for beam_loss in ("gold", "risk"):
+        hard = build_criterion(dictionary, topk_mode="hard", beam_loss=beam_loss, train_beam=3)
+        _, _, log = hard(model, sample)
+        assert float(log["topk_mixed_sum"]) == 3 * float(log["topk_mixed_count"]) > 0
+        if beam_loss == "gold":  # every step but a sentence's last reaches the loss
+            assert int(log["topk_mixed_count"]) == int((lengths - 1).sum())
+        sparse = build_criterion(dictionary, topk_regularizer="quadratic", topk_epsilon=2.0, beam_loss=beam_loss,
+                                 train_beam=3)
+        _, _, log = sparse(model, sample)
+        assert float(log["topk_mixed_sum"]) > 3 * float(log["topk_mixed_count"])
+        with metrics.aggregate() as aggregated:
+            type(sparse).reduce_metrics([log])
+        assert aggregated.get_smoothed_values()["topk_mixed"] == pytest.approx(
+            float(log["topk_mixed_sum"]) / float(log["topk_mixed_count"]), abs=0.01)

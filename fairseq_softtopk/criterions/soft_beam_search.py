@@ -22,7 +22,8 @@ gradient (``full``, the paper's), the same capped per sentence and step (``cappe
 nothing (``none``: soft forward pass, gradient only through the mixed embeddings and states).
 Logged besides the losses: ``topk_sharpness``, ``topk_near_tie`` (share of steps where two of
 the k + 1 best candidates are within epsilon), ``topk_newton`` (Newton iterations per batched
-solve; soft mode), and, from the backward pass, ``selgrad_log10``
+solve; soft mode), ``topk_mixed`` (candidates mixed into a step's new beams, per sentence: k in
+hard mode, the support with ``--topk-regularizer quadratic``), and, from the backward pass, ``selgrad_log10``
 (mean log10 norm of the gradient reaching a step's selection, per sentence), ``selgrad_capped``
 and ``selgrad_over100`` (shares of those above the cap and above 100 gold-token gradients).
 
@@ -469,6 +470,9 @@ class SoftBeamSearchCriterion(FairseqCriterion):
                 logging_output["topk_steps"] = ntokens
                 solves = target.size(1)
             logging_output["topk_unconverged"] = beam.n_unconverged  # with fixed iterations: a tensor
+            if beam.mixed_count is not None:
+                logging_output["topk_mixed_sum"] = beam.mixed_sum.data
+                logging_output["topk_mixed_count"] = beam.mixed_count.data
             if search.mode == "soft":  # one batched solve per decoding step
                 logging_output["topk_newton_iters"] = beam.newton_iters
                 logging_output["topk_solves"] = solves
@@ -497,6 +501,9 @@ class SoftBeamSearchCriterion(FairseqCriterion):
         if count:
             metrics.log_scalar("topk_sharpness", total("topk_sharpness_sum") / count, count, round=3)
             metrics.log_scalar("topk_unconverged", total("topk_unconverged"), round=0)
+        mixed = total("topk_mixed_count")
+        if mixed:
+            metrics.log_scalar("topk_mixed", total("topk_mixed_sum") / mixed, mixed, round=2)
         steps = total("topk_steps")
         if steps:
             metrics.log_scalar("topk_near_tie", total("topk_near_tie_sum") / steps, steps, round=3)

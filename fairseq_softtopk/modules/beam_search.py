@@ -71,6 +71,9 @@ class BeamSearchOutput(NamedTuple):
             observed (None otherwise): through it the cap learns the factor by which the loss is
             multiplied before the backward pass (fp16/amp loss scaling) and follows it, so that
             the update does not depend on that factor (:func:`~fairseq_softtopk.ops.cap_row_grad_norm`).
+        mixed_sum, mixed_count: over the (sentence, step) pairs whose selection reaches the loss, the sum of the
+            numbers of candidates with a nonzero weight in the new beams (``beam`` in hard mode; the support with
+            ``--topk-regularizer quadratic``), and the number of such pairs (0-dim tensors).
     """
 
     gold_lprobs: Tensor
@@ -83,6 +86,8 @@ class BeamSearchOutput(NamedTuple):
     n_unconverged: Union[int, Tensor]
     newton_iters: int
     scale_probe: Optional[Tensor] = None
+    mixed_sum: Optional[Tensor] = None
+    mixed_count: Optional[Tensor] = None
 
 
 def mix_rows(tensor: Tensor, weights: Tensor) -> Tensor:
@@ -191,17 +196,27 @@ def unroll_beam_search(decoder, encoder_out, reorder_encoder_out: Callable, targ
     return BeamSearchOutput(gold, smooth, cum, best_beam, _beam_tokens(records),
                             torch.stack([r.sharpness for r in records], 1),
                             torch.stack([r.near_tie for r in records], 1), counts.n_unconverged, counts.newton_iters,
-                            counts.scale_probe)
+                            counts.scale_probe, counts.mixed_sum, counts.mixed_count)
 
 
 class SearchCounts:
     """What a search's selections add up: unconverged solves (a device tensor with fixed iterations, read once
-    after the search), Newton iterations, and the sum of the gradient cap's scale probes."""
+    after the search), Newton iterations, the sum of the gradient cap's scale probes, and the candidates mixed
+    into the new beams (sums on the device)."""
 
     def __init__(self):
         self.n_unconverged: Union[int, Tensor] = 0
         self.newton_iters = 0
         self.scale_probe: Optional[Tensor] = None
+        self.mixed_sum: Optional[Tensor] = None
+        self.mixed_count: Optional[Tensor] = None
+
+    def add_mixed(self, weights: Tensor, live: Tensor) -> None:
+        """Counts the candidates with a nonzero weight ``(batch, m, beam)`` of the ``live`` ``(batch,)`` sentences."""
+        mixed = ((weights.detach().sum(-1) > 0).sum(-1) * live).sum()
+        count = live.sum()
+        self.mixed_sum = mixed if self.mixed_sum is None else self.mixed_sum + mixed
+        self.mixed_count = count if self.mixed_count is None else self.mixed_count + count
 
     def add(self, converged: Union[bool, Tensor], n_iter: int, probe: Optional[Tensor]) -> None:
         self.n_unconverged = (self.n_unconverged + (~converged).long() if torch.is_tensor(converged)
@@ -241,6 +256,7 @@ def next_beams(scores: Tensor, new_state, decoder, embeddings: Tensor, config: B
     observe = None if grad_observer is None else functools.partial(_observe_step, grad_observer, live)
     cand, A, converged, n_iter, probe = select_beams(sel_scores, k, config, sel_top[:, -1:], observe)
     counts.add(converged, n_iter, probe)
+    counts.add_mixed(A, live)
     best_cand = cand.gather(1, followed_candidates(A, sel_scores.detach().gather(1, cand), config))
     # next inputs: mixed embeddings of the candidates' tokens; states: mixed predecessors
     with torch.profiler.record_function("softtopk::mix_beams"):

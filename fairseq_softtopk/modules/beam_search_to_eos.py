@@ -42,7 +42,8 @@ class FinishedBeams(NamedTuple):
             columns of A over the steps where the sentence was not done (1 = hard selection).
         near_tie_sum: steps (over sentences not done) where two of the k + 1 best candidates were closer
             than the effective epsilon.
-        n_unconverged, newton_iters, scale_probe: as in :class:`~.beam_search.BeamSearchOutput`.
+        n_unconverged, newton_iters, scale_probe, mixed_sum, mixed_count: as in
+            :class:`~.beam_search.BeamSearchOutput` (over the steps where the sentence was not done).
     """
 
     scores: Tensor
@@ -55,6 +56,8 @@ class FinishedBeams(NamedTuple):
     n_unconverged: Union[int, Tensor]
     newton_iters: int
     scale_probe: Optional[Tensor] = None
+    mixed_sum: Optional[Tensor] = None
+    mixed_count: Optional[Tensor] = None
 
 
 def search_max_len(src_len: int, max_len_a: float, max_len_b: int, max_positions: Optional[int]) -> int:
@@ -152,7 +155,8 @@ def unroll_beam_search_to_eos(decoder, encoder_out, reorder_encoder_out, batch: 
     order = fin_scores.detach().argsort(dim=1, descending=True)
     return FinishedBeams(fin_scores.gather(1, order), tokens.gather(1, order.unsqueeze(-1).expand_as(tokens)),
                          lengths.gather(1, order), steps, sharpness_sum, sharpness_count, near_tie_sum,
-                         counts.n_unconverged, counts.newton_iters, counts.scale_probe)
+                         counts.n_unconverged, counts.newton_iters, counts.scale_probe, counts.mixed_sum,
+                         counts.mixed_count)
 
 
 def _finished_tokens(records: List[StepRecord], fin_steps: Tensor, fin_beams: Tensor, filled: Tensor, steps: int,
