@@ -277,3 +277,56 @@ def test_bench_ops_times_batches_of_the_linear_cost_without_the_paper_baselines(
     assert "skipped" in by["paper"][8] and "skipped" in by["unrolled"][8]
     assert float(by["ours"][7]) <= 1e-5 and "NOT CONVERGED" not in by["ours"][8]
     assert float(by["ours"][3]) > 1.0 and float(by["topk"][3]) == 1.0  # ratios to torch.topk's median
+
+
+def test_bench_ops_times_the_sparse_operators_with_their_support(capsys):
+    """--sparse adds the quadratically regularised operators to each case (linear cost): converged, with the
+    support the note reports equal to the operator's nonzero entries recomputed here."""
+    from fairseq_softtopk.ops import sorted_sparse_soft_topk, sparse_soft_topk
+
+    bench_ops = script_module("bench/bench_ops.py")
+    assert bench_ops.main(["--n", "300", "--k", "3", "--eps", "0.1", "--repeats", "2", "--threads", "1",
+                           "--cost", "linear", "--sparse"]) == 0
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| topk n=")
+            or line.startswith("| sorted n=")]
+    assert [r[1].strip() for r in rows] == ["ours", "paper", "unrolled", "sparse", "topk"] * 2
+    x = torch.randn(1, 300, generator=torch.Generator(device="cpu").manual_seed(303))  # bench_case's scores
+    for r in rows:
+        if r[1].strip() != "sparse":
+            continue
+        support = float(re.search(r"support ([0-9.]+) of 300", r[8]).group(1))
+        if r[0].startswith(" sorted"):
+            assert "NOT CONVERGED" not in r[8] and float(r[7]) <= 1e-4
+            assert support == int((sorted_sparse_soft_topk(x, 3, regularization=0.1).sum(-1) > 0).sum())
+        else:
+            assert support == int((sparse_soft_topk(x, 3, regularization=0.1) > 0).sum())
+        assert 3 <= support < 300
+
+
+def test_bench_ops_refuses_sparse_without_the_linear_cost(capsys):
+    with pytest.raises(SystemExit):
+        script_module("bench/bench_ops.py").main(["--n", "300", "--sparse"])
+    assert "--sparse needs --cost linear" in capsys.readouterr().err
+
+
+def test_selection_support_counts_the_exact_support_and_draws_a_step(tmp_path):
+    """scripts/diagnostics/selection_support.py on steps with known gaps: 1 nat between the best six candidates,
+    the rest 25 nats below. At 0.1 the quadratic support is the beam's 5 exactly (a hard step), while the entropic
+    selection gives the sixth, half a nat below its rank boundary, e^-5 (above 1e-4); at 5 the quadratic support
+    takes the sixth too and nothing of the rest, the entropic weights reach every candidate; the figure is written."""
+    support = script_module("diagnostics/selection_support.py")
+    scores = torch.full((200,), -30.0, dtype=torch.float64)
+    scores[:6] = -torch.arange(6, dtype=torch.float64)
+    steps = [scores, scores.flip(0)]
+    results = support.measure(steps, 5, [0.1, 5.0])
+    sharp = results["quadratic"][0.1]
+    assert sharp["mean_support"] == 5 and sharp["hard_share"] == 1.0 and sharp["sharpness"] == 1.0
+    assert results["entropic"][0.1]["mean_support"] == 6 and results["entropic"][0.1]["sharpness"] < 1.0
+    wide = results["quadratic"][5.0]
+    assert wide["mean_support"] == 6 and wide["hard_share"] == 0.0 and wide["sharpness"] < 0.5
+    assert results["entropic"][5.0]["mean_support"] == 200
+    table = support.format_table(results, 5, 200)
+    assert "| quadratic (nonzero weight (exact)) | 5 |" in table
+    png = tmp_path / "step.png"
+    support.plot_step(scores, 5, 0.5, 8, png, "test")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -141,14 +141,19 @@ def format_table(results: Dict[str, dict], baseline: str) -> str:
     return "\n".join(lines)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkpoint", type=Path, help="a fairseq checkpoint of a softtopk_lstm model")
+def add_sample_arguments(parser: argparse.ArgumentParser, model: str, subset: str, sentences: int) -> None:
+    """The checkpoint, its data and the sentence sample (:func:`load_model`, :func:`sample_sentences`)."""
+    parser.add_argument("checkpoint", type=Path, help=f"a fairseq checkpoint of {model}")
     parser.add_argument("data_bin", help="its fairseq-preprocess directory")
-    parser.add_argument("--subset", default="train")
-    parser.add_argument("--sentences", type=int, default=200)
+    parser.add_argument("--subset", default=subset)
+    parser.add_argument("--sentences", type=int, default=sentences)
     parser.add_argument("--max-len", type=int, default=60, help="longest target (tokens) sampled")
     parser.add_argument("--seed", type=int, default=1)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_sample_arguments(parser, "a softtopk_lstm model", "train", 200)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), help=f"built-in variants: {list(VARIANTS)}")
     parser.add_argument("--variant", action="append", default=[], metavar='NAME="FLAGS"',
                         help="an extra variant: criterion flags of fairseq-train")
@@ -158,15 +163,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    opts = build_parser().parse_args(argv)
+def quiet_logging(threads: int) -> None:
+    """Warnings and fairseq's, hydra's and matplotlib's info logs off (the tables are the output); ``threads`` > 0
+    sets torch's threads."""
     for category in (UserWarning, DeprecationWarning):  # hydra's configuration deprecations, not ours
         warnings.filterwarnings("ignore", category=category)
     logging.basicConfig(level=logging.WARNING)
-    for name in ("fairseq", "hydra"):
+    for name in ("fairseq", "hydra", "matplotlib"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    if opts.threads:
-        torch.set_num_threads(opts.threads)
+    if threads:
+        torch.set_num_threads(threads)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    opts = build_parser().parse_args(argv)
+    quiet_logging(opts.threads)
     unknown = [v for v in opts.variants if v not in VARIANTS]
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; built-in: {list(VARIANTS)}")

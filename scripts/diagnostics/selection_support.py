@@ -21,10 +21,8 @@ entropic and quadratic side by side at the same value::
 """
 
 import argparse
-import logging
 import statistics
 import sys
-import warnings
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
@@ -32,7 +30,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's package (a pinned worktree's too)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from diagnose_beam_gradients import load_model, quantiles, sample_sentences, training_cfg  # noqa: E402
+from diagnose_beam_gradients import (add_sample_arguments, load_model, quantiles, quiet_logging,  # noqa: E402
+                                     sample_sentences, training_cfg)
 from fairseq_softtopk.modules import beam_search  # noqa: E402
 from fairseq_softtopk.ops import sorted_soft_topk, sorted_sparse_soft_topk  # noqa: E402
 
@@ -128,12 +127,7 @@ def plot_step(scores: torch.Tensor, beam: int, value: float, candidates: int, pa
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkpoint", type=Path, help="a fairseq checkpoint of the plugin's LSTM or Transformer")
-    parser.add_argument("data_bin", help="its fairseq-preprocess directory")
-    parser.add_argument("--subset", default="valid")
-    parser.add_argument("--sentences", type=int, default=50)
-    parser.add_argument("--max-len", type=int, default=60, help="longest target (tokens) sampled")
-    parser.add_argument("--seed", type=int, default=1)
+    add_sample_arguments(parser, "the plugin's LSTM or Transformer", "valid", 50)
     parser.add_argument("--beam", type=int, default=5)
     parser.add_argument("--values", type=float, nargs="+", default=[0.01, 0.03, 0.1, 0.3, 1.0],
                         help="epsilon and lambda values, in nats of log-likelihood (the linear cost's units)")
@@ -146,13 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     opts = build_parser().parse_args(argv)
-    for category in (UserWarning, DeprecationWarning):  # hydra's configuration deprecations, not ours
-        warnings.filterwarnings("ignore", category=category)
-    logging.basicConfig(level=logging.WARNING)
-    for name in ("fairseq", "hydra", "matplotlib"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    if opts.threads:
-        torch.set_num_threads(opts.threads)
+    quiet_logging(opts.threads)
     task, model, arch = load_model(opts.checkpoint, opts.data_bin)
     batches = sample_sentences(task, opts.subset, opts.sentences, opts.seed, opts.max_len)
     steps = record_step_scores(task, model, arch, opts.data_bin, batches, opts.beam)
