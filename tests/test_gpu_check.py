@@ -23,14 +23,16 @@ def test_dry_run_runs_every_step_and_writes_one_report(tmp_path, repo_root):
     for key in ("device", "torch", "CUDA (torch build)", "fairseq", "commit"):
         assert re.search(rf"^\| {re.escape(key)} \| .+ \|$", text, re.M), key
     assert f"| torch | {torch.__version__} |" in text
-    steps = dict(re.findall(r"^\| (cuda_tests|bench_ops|bench_ops_beam_shape|bench_train) \| (\S+) \|", text, re.M))
-    assert steps == {name: "ok" for name in ("cuda_tests", "bench_ops", "bench_ops_beam_shape", "bench_train")}
+    names = ("cuda_tests", "bench_ops", "bench_ops_beam_shape", "bench_ops_sparse", "bench_train")
+    steps = dict(re.findall(rf"^\| ({'|'.join(names)}) \| (\S+) \|", text, re.M))
+    assert steps == {name: "ok" for name in names}
     tests = re.search(r"^\| cuda_tests \| ok \| \d+ \| (\d+) passed", text, re.M)
     assert tests and int(tests.group(1)) >= 50 and "failed" not in text.split("## cuda_tests")[0]
     # the benchmarks' tables, the launch and sync counts included
     assert "| sorted n=3e+03 k=5 eps=0.03 linear batch=8 | ours_fixed |" in text
     assert "| beam_soft_fixed |" in text and "launches/step" in text and "syncs/step" in text
-    for step in ("cuda_tests", "bench_ops", "bench_ops_beam_shape", "bench_train"):
+    assert "| sorted n=2e+03 k=5 eps=0.1 linear batch=1 | sparse |" in text
+    for step in names:
         log = (tmp_path / f"report.{step}.log").read_text()
         assert log and str(repo_root) not in log and sys.executable not in log  # no paths of this machine
         assert not re.search(re.escape(tempfile.gettempdir()) + r"/tmp\w+", log)

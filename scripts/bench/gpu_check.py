@@ -7,7 +7,7 @@ its own process with its output kept:
 1. ``pytest -m cuda tests``: the operators and the criterion on CUDA against the CPU, the sync-free
    search under CUDA's sync debug mode, and fairseq-train / fairseq-generate with --fp16, --bf16, --amp;
 2. ``scripts/bench/bench_ops.py``: the operators' forward + backward against ``torch.topk`` (the target case and
-   the beam-search shape; plain, sync-free and in CUDA graphs);
+   the beam-search shape; plain, sync-free and in CUDA graphs; and the sparse operators beside the entropic ones);
 3. ``scripts/bench/bench_train.py``: updates per second of teacher forcing, hard and soft beam search (default,
    candidate pool, fixed iterations, compiled), with the launch and sync counts per decoding step,
 
@@ -43,6 +43,8 @@ GPU_STEPS = {
     "bench_ops_beam_shape": ["--device", "cuda", "--ops", "sorted_soft_topk", "--n", "38840", "--k", "5", "--eps",
                              "0.03", "--cost", "linear", "--batch", "64", "--fixed-iterations", "15", "--compile",
                              "reduce-overhead"],
+    "bench_ops_sparse": ["--device", "cuda", "--cost", "linear", "--sparse", "--n", "1000", "10000", "100000",
+                         "1000000", "--k", "5", "50", "--eps", "0.1"],
     "bench_train": ["--device", "cuda", "--arch", "softtopk_lstm_multi30k", "--updates", "10", "--warmup", "2",
                     "--configs", "teacher_forcing,beam_hard,beam_soft,beam_soft_pool,beam_soft_fixed,beam_soft_compiled"],
 }
@@ -53,6 +55,8 @@ DRY_RUN_STEPS = {
     "bench_ops_beam_shape": ["--device", "cpu", "--ops", "sorted_soft_topk", "--n", "3000", "--k", "5", "--eps", "0.03",
                              "--cost", "linear", "--batch", "8", "--repeats", "1", "--threads", "1",
                              "--fixed-iterations", "15"],
+    "bench_ops_sparse": ["--device", "cpu", "--cost", "linear", "--sparse", "--n", "2000", "--k", "5", "--eps", "0.1",
+                         "--repeats", "1", "--threads", "1"],
     "bench_train": ["--device", "cpu", "--arch", "softtopk_lstm_tiny", "--updates", "2", "--warmup", "1",
                     "--max-tokens", "200", "--beam", "3", "--candidate-pool", "10", "--threads", "1", "--in-process",
                     "--configs", "teacher_forcing,beam_hard,beam_soft,beam_soft_pool,beam_soft_fixed"],
@@ -112,6 +116,7 @@ def plan(dry_run: bool) -> List[tuple]:
         ("cuda_tests", [python, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "tests"], test_env),
         ("bench_ops", [python, "scripts/bench/bench_ops.py", *steps["bench_ops"]], {}),
         ("bench_ops_beam_shape", [python, "scripts/bench/bench_ops.py", *steps["bench_ops_beam_shape"]], {}),
+        ("bench_ops_sparse", [python, "scripts/bench/bench_ops.py", *steps["bench_ops_sparse"]], {}),
         ("bench_train", [python, "scripts/bench/bench_train.py", *steps["bench_train"]], {}),
     ]
 
@@ -195,7 +200,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="the same steps on the CPU, small sizes (for CI)")
     parser.add_argument("--out", type=Path, help="the report (default: results/gpu_check/<device>.md)")
     parser.add_argument("--steps", default=None,
-                        help="comma-separated subset of cuda_tests,bench_ops,bench_ops_beam_shape,bench_train")
+                        help="comma-separated subset of cuda_tests,bench_ops,bench_ops_beam_shape,bench_ops_sparse,"
+                             "bench_train")
     argv = list(sys.argv[1:] if argv is None else argv)
     opts = parser.parse_args(argv)
     import torch
