@@ -2,6 +2,7 @@
 solver (cvxpy), gradients by float64 gradcheck, the limits, exact zeros, ties, masks, bad input, the
 device check and loss scaling."""
 
+import functools
 import math
 
 import cvxpy as cp
@@ -15,10 +16,11 @@ from fairseq_softtopk.ops import sorted_sparse_soft_topk, sparse_soft_topk
 _QP_TOL = dict(tol_gap_abs=1e-12, tol_gap_rel=1e-12, tol_feas=1e-12)
 
 
-def qp_sparse_topk(x: np.ndarray, k: int, regularization: float) -> np.ndarray:
-    """argmax <x, y> - (lambda/2)|y|^2 over {0 <= y <= 1, sum y = k}, by a generic QP solver."""
+def qp_sparse_topk(x: np.ndarray, k: int, regularization: float, p: float = 2) -> np.ndarray:
+    """argmax <x, y> - (lambda/p) sum y^p over {0 <= y <= 1, sum y = k}, by a generic conic solver (a QP for p = 2)."""
     y = cp.Variable(len(x))
-    cp.Problem(cp.Maximize(x @ y - regularization / 2 * cp.sum_squares(y)),
+    penalty = cp.sum_squares(y) / 2 if p == 2 else cp.sum(cp.power(y, p)) / p
+    cp.Problem(cp.Maximize(x @ y - regularization * penalty),
                [y >= 0, y <= 1, cp.sum(y) == k]).solve(solver="CLARABEL", **_QP_TOL)
     return y.value
 
@@ -36,14 +38,22 @@ def qp_sorted_sparse_topk(x: np.ndarray, k: int, regularization: float) -> np.nd
     return plan.value[:, :k]
 
 
+@pytest.mark.parametrize("p", [2, 4 / 3], ids=["p2", "p4/3"])
 @pytest.mark.parametrize("regularization", [0.05, 0.3, 1.0, 5.0])
 @pytest.mark.parametrize("largest", [True, False])
-def test_sparse_topk_equals_the_qp(rng, regularization, largest):
+def test_sparse_topk_equals_the_qp(rng, regularization, largest, p):
     x = torch.randn(3, 15, generator=rng, dtype=torch.float64)
-    ours = sparse_soft_topk(x, 4, regularization=regularization, largest=largest)
+    ours = sparse_soft_topk(x, 4, regularization=regularization, largest=largest, p=p)
     sign = 1.0 if largest else -1.0
-    ref = np.stack([qp_sparse_topk(sign * row.numpy(), 4, regularization) for row in x])
-    np.testing.assert_allclose(ours.numpy(), ref, atol=1e-7, rtol=0)
+    ref = np.stack([qp_sparse_topk(sign * row.numpy(), 4, regularization, p) for row in x])
+    if p == 2:
+        np.testing.assert_allclose(ours.numpy(), ref, atol=1e-7, rtol=0)
+    else:  # the conic solver's power cones are less accurate near 0: ours must be at least as good an optimum
+        np.testing.assert_allclose(ours.numpy(), ref, atol=1e-5, rtol=0)
+        for row, y, y_ref in zip(sign * x.numpy(), ours.numpy(), ref):
+            def objective(v):
+                return row @ v - regularization / p * np.sum(np.abs(v) ** p)
+            assert objective(y) >= objective(y_ref) - 1e-10
     torch.testing.assert_close(ours.sum(-1), torch.full((3,), 4.0, dtype=torch.float64), atol=1e-12, rtol=0)
     # exact zeros and ones where the QP's solution is at its bounds
     assert bool((ours[torch.from_numpy(ref) < 1e-9] == 0).all())
@@ -65,13 +75,14 @@ def test_sorted_sparse_topk_equals_the_qp(rng, regularization, largest):
     torch.testing.assert_close(ours.sum(1), torch.ones(3, 3, dtype=torch.float64), atol=1e-12, rtol=0)
 
 
+@pytest.mark.parametrize("p", [2, 4 / 3], ids=["p2", "p4/3"])
 @pytest.mark.parametrize("largest", [True, False])
-def test_gradcheck_sparse_topk(rng, largest):
+def test_gradcheck_sparse_topk(rng, largest, p):
     x = torch.randn(3, 10, generator=rng, dtype=torch.float64, requires_grad=True)
     mask = torch.zeros(3, 10, dtype=torch.bool)
     mask[0, :3] = True
     assert torch.autograd.gradcheck(
-        lambda v: sparse_soft_topk(v, 3, regularization=0.7, largest=largest, mask=mask), (x,))
+        lambda v: sparse_soft_topk(v, 3, regularization=0.7, largest=largest, mask=mask, p=p), (x,))
 
 
 @pytest.mark.parametrize("regularization", [0.2, 1.0, 4.0])
@@ -103,8 +114,9 @@ def test_small_regularization_gives_hard_topk_exactly(rng):
     x = torch.randn(4, 50, generator=rng, dtype=torch.float64)
     gaps = x.sort(-1).values.diff(dim=-1).amin()
     small = float(gaps) / 4  # below every gap between scores: no two entries share a rank or the threshold
-    torch.testing.assert_close(sparse_soft_topk(x, 5, regularization=small), sparse_soft_topk(x, 5, hard=True),
-                               atol=0, rtol=0)
+    for p in (2, 4 / 3):
+        torch.testing.assert_close(sparse_soft_topk(x, 5, regularization=small, p=p),
+                                   sparse_soft_topk(x, 5, hard=True), atol=0, rtol=0)
     out, info = sorted_sparse_soft_topk(x, 5, regularization=small, return_info=True)
     torch.testing.assert_close(out, _hard_permutation(x, 5), atol=0, rtol=0)
     assert info.n_iter == 0  # the hard thresholds are the exact solution there
@@ -118,6 +130,9 @@ def test_large_regularization_tends_to_uniform(rng, n, k):
         # exactly k/n + (x_i - mean x) / lambda once every entry is strictly inside (0, 1)
         torch.testing.assert_close(unsorted, k / n + (x - x.mean(-1, keepdim=True)) / regularization,
                                    atol=1e-12, rtol=0)
+        cubic = sparse_soft_topk(x, k, regularization=regularization, p=4 / 3)
+        # p = 4/3: ((x - tau) / lambda)^3 = k/n + O(1 / lambda) once every entry is strictly inside (0, 1)
+        assert float((cubic - k / n).abs().max()) <= 10.0 * float(x.abs().max()) / regularization ** (1 / 3) * k / n
         sorted_ = sorted_sparse_soft_topk(x, k, regularization=regularization, tol=1e-10)
         # each entry deviates from 1/n by O(|x| k / lambda)
         assert float((sorted_ - 1.0 / n).abs().max()) <= 10.0 * k * float(x.abs().max()) / regularization
@@ -138,8 +153,9 @@ def test_exact_zeros_at_training_scale(rng):
 
 def test_ties_get_equal_values(rng):
     x = torch.tensor([[2.0, 1.0, 1.0, 1.0, -1.0]], dtype=torch.float64)
-    unsorted = sparse_soft_topk(x, 2, regularization=1e-3)
-    torch.testing.assert_close(unsorted, torch.tensor([[1.0, 1 / 3, 1 / 3, 1 / 3, 0.0]], dtype=torch.float64))
+    for p in (2, 4 / 3):
+        unsorted = sparse_soft_topk(x, 2, regularization=1e-3, p=p)
+        torch.testing.assert_close(unsorted, torch.tensor([[1.0, 1 / 3, 1 / 3, 1 / 3, 0.0]], dtype=torch.float64))
     ranks = sorted_sparse_soft_topk(torch.tensor([2.0, 2.0, 0.0, -3.0], dtype=torch.float64), 2,
                                     regularization=1e-3)
     torch.testing.assert_close(ranks[:2], torch.full((2, 2), 0.5, dtype=torch.float64), atol=1e-12, rtol=0)
@@ -192,9 +208,34 @@ def test_errors_name_the_problem(operator):
         operator(torch.arange(4), 2)
 
 
-def test_only_p_2_is_implemented():
-    with pytest.raises(ValueError, match="p=1.333"):
-        sparse_soft_topk(torch.randn(4), 2, p=4 / 3)
+def test_only_p_2_and_4_3_are_implemented():
+    with pytest.raises(ValueError, match="p=1.5 is not supported"):
+        sparse_soft_topk(torch.randn(4), 2, p=1.5)
+
+
+def test_p_4_3_is_smooth_where_p_2_has_kinks(rng):
+    """The cubic mask's derivative vanishes where an entry enters the support: moving a score across that point
+    changes the mask's Jacobian continuously with p = 4/3 and by a jump with p = 2."""
+    base = torch.tensor([3.0, 1.0, 0.0, -2.0], dtype=torch.float64)
+
+    def jacobian_entry(value, p):
+        x = base.clone()
+        x[2] = value
+        x.requires_grad_()
+        out = sparse_soft_topk(x, 2, regularization=1.0, p=p)
+        grad, = torch.autograd.grad(out[2], x)
+        return float(grad[2])
+
+    for p, jumps in ((2, True), (4 / 3, False)):
+        tau = None
+        # find where entry 2 enters the support: its mask turns positive
+        values = torch.linspace(-1.0, 1.0, 2001, dtype=torch.float64)
+        masks = [float(sparse_soft_topk(torch.cat([base[:2], v.view(1), base[3:]]), 2, regularization=1.0, p=p)[2])
+                 for v in values]
+        tau = next(i for i, m in enumerate(masks) if m > 0)
+        before, after = jacobian_entry(float(values[tau - 1]), p), jacobian_entry(float(values[tau]), p)
+        assert before == 0.0
+        assert (after > 0.1) == jumps and (after < 1e-3) == (not jumps)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
@@ -243,17 +284,20 @@ def test_device_check_forward_and_backward(rng, operator):
         operator(x.detach().half(), 2, regularization=0.3)
         if operator is sorted_sparse_soft_topk:
             operator(x.detach(), 4, regularization=0.3, fixed_iterations=True, max_iter=5)
+        else:
+            operator(x, 4, regularization=0.3, p=4 / 3, mask=mask).square().sum().backward()
     assert x.grad is not None and with_inf.grad is not None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("operator", [sparse_soft_topk, sorted_sparse_soft_topk])
+@pytest.mark.parametrize("operator", [sparse_soft_topk, sorted_sparse_soft_topk,
+                                      functools.partial(sparse_soft_topk, p=4 / 3)], ids=["p2", "sorted", "p4/3"])
 def test_gradients_scale_exactly_with_the_loss(rng, operator, dtype):
     """fp16/amp loss scaling multiplies the upstream gradient by a power of two: the selection's gradient
     must scale by exactly the same factor (no clamp, no normalisation of the incoming gradient)."""
     x = (torch.randn(4, 50, generator=rng) * 2).to(dtype)
     weights = torch.randn(4, 50, 3, generator=rng)[..., : 3 if operator is sorted_sparse_soft_topk else 1]
-    weights = weights.reshape(4, 50, -1).squeeze(-1).to(dtype) if operator is sparse_soft_topk else weights.to(dtype)
+    weights = weights.to(dtype) if operator is sorted_sparse_soft_topk else weights.reshape(4, 50).to(dtype)
     grads = []
     for scale in (1.0, 1024.0):
         leaf = x.clone().requires_grad_()
@@ -300,30 +344,32 @@ def test_the_window_solve_equals_the_whole_row_solve(rng, monkeypatch, regulariz
     torch.testing.assert_close(results[0][1], results[1][1], atol=1e-6, rtol=1e-9)
 
 
-def test_the_unsorted_threshold_window_equals_the_whole_row(rng, monkeypatch):
+@pytest.mark.parametrize("p", [2, 4 / 3], ids=["p2", "p4/3"])
+def test_the_unsorted_threshold_window_equals_the_whole_row(rng, monkeypatch, p):
     """sparse_soft_topk searches its threshold among the entries above x_(k+1) - lambda only (the others are 0
     whatever the threshold): the result equals the search over the whole row, and the QP's solution."""
     import importlib
 
-    from fairseq_softtopk.ops.simplex_projection import capped_simplex_threshold
+    from fairseq_softtopk.ops.simplex_projection import capped_cubic_threshold, capped_simplex_threshold
 
+    name, threshold = (("capped_simplex_threshold", capped_simplex_threshold) if p == 2 else
+                       ("capped_cubic_threshold", capped_cubic_threshold))
     widths = []
 
     def recorded(values, k):
         widths.append(values.shape[1])
-        return capped_simplex_threshold(values, k)
+        return threshold(values, k)
 
     # the module, not the function of the same name that fairseq_softtopk.ops exports
-    monkeypatch.setattr(importlib.import_module("fairseq_softtopk.ops.sparse_soft_topk"), "capped_simplex_threshold",
-                        recorded)
+    monkeypatch.setattr(importlib.import_module("fairseq_softtopk.ops.sparse_soft_topk"), name, recorded)
 
     x = torch.randn(3, 600, generator=rng, dtype=torch.float64)
     mask = torch.zeros(3, 600, dtype=torch.bool)
     mask[1, ::3] = True
     x[2, :100] = -math.inf
-    out = sparse_soft_topk(x, 4, regularization=0.3, mask=mask)
+    out = sparse_soft_topk(x, 4, regularization=0.3, mask=mask, p=p)
     scaled = torch.where(mask | torch.isinf(x), -math.inf, x / 0.3)
-    tau = capped_simplex_threshold(scaled, torch.full((3, 1), 4.0, dtype=torch.float64))
-    torch.testing.assert_close(out, (scaled - tau).clamp(0, 1), atol=1e-12, rtol=0)
+    tau = threshold(scaled, torch.full((3, 1), 4.0, dtype=torch.float64))
+    torch.testing.assert_close(out, (scaled - tau).clamp(0, 1) ** (1 if p == 2 else 3), atol=1e-12, rtol=0)
     assert widths[0] < 100  # the threshold was searched on a window, not on the 600 entries
-    np.testing.assert_allclose(out[0].numpy(), qp_sparse_topk(x[0].numpy(), 4, 0.3), atol=1e-7)
+    np.testing.assert_allclose(out[0].numpy(), qp_sparse_topk(x[0].numpy(), 4, 0.3, p), atol=1e-6)

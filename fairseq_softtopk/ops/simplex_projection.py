@@ -93,3 +93,52 @@ def _linear_piece_root(x: Tensor, k: Tensor, t: Tensor) -> Tensor:
     inside = ((shifted > 0) & (shifted < 1)).to(x.dtype).sum(-1, keepdim=True)
     excess = shifted.clamp(0.0, 1.0).sum(-1, keepdim=True) - k
     return t + excess / inside
+
+
+def capped_cubic_threshold(x: Tensor, k: Tensor, newton_steps: int = 40) -> Tensor:
+    """``tau`` with ``sum_i clip(x_i - tau, 0, 1) ** 3 = k`` for each row (the top-k mask of the p = 4/3 regulariser).
+
+    ``h(t) = sum_i clip(x_i - t, 0, 1) ** 3`` is continuous and decreasing, with the breakpoints of the p = 2 case
+    (``x_i`` and ``x_i - 1``). The segment that crosses ``k`` is found by bisection over the sorted breakpoints,
+    with ``h`` summed directly at each (O(n log n), no prefix sums of cubes, which would cancel); on it the sets
+    are fixed and, with ``u = t - t_low`` and ``d_i = x_i - t_low`` for the entries inside,
+    ``h = full + S3 - 3 u S2 + 3 u^2 S1 - m u^3`` (``S_j = sum d_i^j``): a cubic, decreasing and convex in ``u``, whose
+    root Newton's method approaches from ``u = 0`` without overshooting (``newton_steps`` fixed: no host read).
+
+    Args:
+        x: ``(rows, n)``; excluded entries ``-inf``.
+        k: ``(rows, 1)`` target sums, ``0 < k <=`` finite entries of the row.
+    Returns:
+        ``(rows, 1)`` thresholds.
+    """
+    rows, n = x.shape
+    finite = torch.isfinite(x)
+    lowest = torch.where(finite, x, torch.inf).amin(-1, keepdim=True)
+    values = torch.where(finite, x, lowest)
+    breakpoints = torch.cat([values - 1.0, values], dim=-1).sort(dim=-1).values  # (rows, 2n), ascending
+
+    def h(t: Tensor) -> Tensor:
+        return ((x - t).clamp(0.0, 1.0) ** 3).sum(-1, keepdim=True)
+
+    # invariant: h(breakpoints[lo]) >= k > h(breakpoints[hi]); h(min x - 1) is the finite count >= k
+    lo = torch.zeros(rows, 1, dtype=torch.long, device=x.device)
+    hi = torch.full((rows, 1), 2 * n - 1, dtype=torch.long, device=x.device)
+    for _ in range(max(1, (2 * n).bit_length())):
+        mid = (lo + hi) // 2
+        above = h(breakpoints.gather(-1, mid)) >= k
+        lo, hi = torch.where(above, mid, lo), torch.where(above, hi, mid)
+    t_low, t_high = breakpoints.gather(-1, lo), breakpoints.gather(-1, hi)
+    middle = 0.5 * (t_low + t_high)
+    d = x - t_low
+    inside = ((x - middle > 0) & (x - middle < 1)).to(x.dtype)
+    full = ((x - middle) >= 1).to(x.dtype).sum(-1, keepdim=True)
+    d = torch.where(inside > 0, d, 0.0)
+    s1, s2, s3 = (d.sum(-1, keepdim=True), (d * d).sum(-1, keepdim=True), (d ** 3).sum(-1, keepdim=True))
+    m = inside.sum(-1, keepdim=True)
+    u = torch.zeros_like(t_low)
+    for _ in range(newton_steps):
+        value = full + s3 - 3 * u * s2 + 3 * u * u * s1 - m * u ** 3 - k
+        slope = -3 * (s2 - 2 * u * s1 + m * u * u)  # -3 sum (d_i - u)^2 < 0 on the segment
+        u = torch.where(slope < 0, u - value / torch.where(slope < 0, slope, -1.0), u)
+    width = t_high - t_low
+    return torch.where(m > 0, t_low + u.clamp(torch.zeros_like(width), width), middle)

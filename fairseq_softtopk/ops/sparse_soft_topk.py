@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from ._common import check_inputs, hard_topk_indices, oriented_rows, prepare_scores, restore_shape
-from .simplex_projection import capped_simplex_threshold
+from .simplex_projection import capped_cubic_threshold, capped_simplex_threshold
 
 
 def check_regularization(regularization: float, p: float) -> None:
@@ -31,35 +31,43 @@ def check_regularization(regularization: float, p: float) -> None:
     if not (isinstance(regularization, (int, float)) and not isinstance(regularization, bool)
             and regularization > 0 and regularization != float("inf")):
         raise ValueError(f"regularization must be a finite number > 0, got {regularization!r}")
-    if p != 2:
-        raise ValueError(f"p={p!r} is not supported: only p=2 (the quadratic regulariser, exact threshold) "
-                         f"is implemented")
+    if p not in SUPPORTED_P:
+        raise ValueError(f"p={p!r} is not supported: p must be 2 (the quadratic regulariser) or 4/3")
+
+
+#: the regulariser exponents with an exact threshold: 2 (piecewise linear mask) and 4/3 (cubic mask)
+SUPPORTED_P = (2, 4 / 3)
 
 
 class SparseSoftTopKFunction(torch.autograd.Function):
-    """The capped-simplex projection's mask from its solved threshold; closed-form backward."""
+    """The mask ``clip((z - tau) / lambda, 0, 1) ** power`` from its solved threshold (``power`` 1 for p = 2, 3 for
+    p = 4/3); closed-form backward."""
 
     @staticmethod
-    def forward(z: Tensor, shifted: Tensor, regularization: Tensor) -> Tensor:
-        return shifted.clamp(0.0, 1.0)  # shifted = (z - tau) / lambda, -inf where excluded
+    def forward(z: Tensor, shifted: Tensor, regularization: Tensor, power: int) -> Tensor:
+        return shifted.clamp(0.0, 1.0) ** power  # shifted = (z - tau) / lambda, -inf where excluded
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        _, _, regularization = inputs
-        ctx.save_for_backward(output, regularization)
+        _, shifted, regularization, power = inputs
+        ctx.save_for_backward(shifted.clamp(0.0, 1.0), regularization)
+        ctx.power = power
 
     @staticmethod
     def backward(ctx, grad_output: Tensor):
-        # y = clip((z - tau) / lambda, 0, 1) with tau(z) keeping sum y = k: on the free entries F,
-        # dy_i/dz_j = (delta_ij - 1/|F|) / lambda, elsewhere 0 (the Jacobian is symmetric).
-        y, regularization = ctx.saved_tensors
+        # y_i = s_i ** power, s_i = (z_i - tau) / lambda, on the free entries F (0 < s < 1), with tau(z) keeping
+        # sum y = k: with w_i = power * s_i ** (power - 1) (0 off F), dy_i/dz_j = w_i (delta_ij - w_j / sum w) / lambda,
+        # so the vector-Jacobian product is grad_z_j = w_j (g_j - sum_i w_i g_i / sum_i w_i) / lambda.
+        s, regularization = ctx.saved_tensors
         grad_z = None
         if ctx.needs_input_grad[0]:
-            free = ((y > 0) & (y < 1)).to(y.dtype)
-            g = grad_output.to(y.dtype) * free
-            mean = g.sum(-1, keepdim=True) / free.sum(-1, keepdim=True).clamp_min(1.0)
-            grad_z = free * (g - mean) / regularization
-        return grad_z, None, None
+            free = (s > 0) & (s < 1)
+            w = torch.where(free, ctx.power * s ** (ctx.power - 1), 0.0)
+            g = grad_output.to(s.dtype)
+            w_sum = w.sum(-1, keepdim=True)
+            mean = (w * g).sum(-1, keepdim=True) / torch.where(w_sum > 0, w_sum, 1.0)
+            grad_z = w * (g - mean) / regularization
+        return grad_z, None, None, None
 
 
 def _threshold_window(x: Tensor, top: Tensor, n_valid: Tensor, k: int) -> Tensor:
@@ -97,7 +105,9 @@ def sparse_soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = T
         largest: select the largest (True) or the smallest (False) scores.
         regularization: ``lambda > 0``, in the units of the scores: entries within ``lambda``
             of the threshold share the selection.
-        p: the regulariser's exponent; only ``2`` is implemented.
+        p: the regulariser ``(lambda / p) sum y^p``: ``2`` (the mask above) or ``4/3``, the smooth mask
+            ``clip((x - tau) / lambda, 0, 1) ** 3`` (its derivative vanishes where an entry enters the
+            support; exact too: :func:`.simplex_projection.capped_cubic_threshold`).
         mask: optional bool tensor of ``scores``' shape, True = excluded. Entries equal to
             ``-inf`` (``+inf`` when ``largest=False``) are excluded too. Excluded entries get
             exactly 0 and zero gradient.
@@ -126,8 +136,9 @@ def sparse_soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = T
             out = torch.zeros_like(prep.z).scatter_(-1, idx, 1.0)
         else:
             x = torch.where(prep.valid, prep.z / prep.eps, -torch.inf)
-            tau = capped_simplex_threshold(_threshold_window(x, prep.top / prep.eps, prep.n_valid, k),
-                                           torch.full_like(prep.eps, k))
-            out = SparseSoftTopKFunction.apply(oriented_rows(scores, dim, prep), x - tau, prep.grad_eps)
+            threshold = capped_simplex_threshold if p == 2 else capped_cubic_threshold
+            tau = threshold(_threshold_window(x, prep.top / prep.eps, prep.n_valid, k), torch.full_like(prep.eps, k))
+            out = SparseSoftTopKFunction.apply(oriented_rows(scores, dim, prep), x - tau, prep.grad_eps,
+                                               1 if p == 2 else 3)
         out = restore_shape(out, scores, dim).to(scores.dtype)
     return out
