@@ -70,6 +70,10 @@ class SparseSoftTopKFunction(torch.autograd.Function):
         return grad_z, None, None, None
 
 
+#: rows up to this long are searched whole: a short sort costs less than the window's host read and top-k
+_WINDOW_MIN_N = 256
+
+
 def _threshold_window(x: Tensor, top: Tensor, n_valid: Tensor, k: int) -> Tensor:
     """The entries of ``x`` ``(rows, n)`` that can be above the threshold, as ``(rows, m)`` (``-inf`` padded).
 
@@ -77,7 +81,7 @@ def _threshold_window(x: Tensor, top: Tensor, n_valid: Tensor, k: int) -> Tensor
     0 and do not move ``tau``; the threshold search then sorts the ``m`` others only. One host read (``m``).
     """
     n = x.shape[1]
-    if top.shape[1] <= k:
+    if top.shape[1] <= k or n <= _WINDOW_MIN_N:
         return x
     floor = torch.where(n_valid > k, top[:, k] - 1.0, -torch.inf).unsqueeze(-1)
     m = int((x > floor).sum(-1).max())

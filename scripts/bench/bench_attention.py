@@ -30,7 +30,7 @@ from fairseq_softtopk.experiments.bench_harness import (build_training_parts, ti
                                                         training_batches)
 from fairseq_softtopk.experiments.fairseq_commands import binarize_generated_corpus  # noqa: E402
 
-NORMALIZERS = ("fairseq", "softmax", "soft_topk", "hard_topk", "sparsemax", "entmax15")
+NORMALIZERS = ("fairseq", "softmax", "soft_topk", "hard_topk", "sparse_topk", "sparsemax", "entmax15")
 #: What ``fairseq`` means in the table: fairseq's transformer with its fused attention.
 REFERENCE = "fairseq"
 CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
