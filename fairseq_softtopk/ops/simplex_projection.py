@@ -62,7 +62,7 @@ def capped_simplex_threshold(x: Tensor, k: Tensor) -> Tensor:
     # Every threshold looked at is >= lowest - 1: excluded entries put at lowest - 2 are below all of them
     # (weight 0), and their breakpoints are replaced by lowest - 1, one of the finite entries'.
     descending = torch.where(finite, descending, lowest - 2.0)
-    negated = -descending  # ascending, for searchsorted
+    negated = (-descending).contiguous()  # ascending, for searchsorted (which copies a strided boundary)
     # prefix sums of x - top from the top: the segment's sum only involves the entries above it
     prefix = torch.cat([x.new_zeros(rows, 1), torch.where(finite, descending - top, 0.0).cumsum(-1)], dim=-1)
 

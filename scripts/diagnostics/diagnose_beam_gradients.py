@@ -23,21 +23,18 @@ variant also gets ``--common`` (default: ``--train-beam 5 --teacher-forcing-rati
 
 import argparse
 import json
-import logging
-import math
 import shlex
-import statistics
 import sys
 import time
-import warnings
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's package (a pinned worktree's too)
-import fairseq_softtopk  # noqa: E402
-from fairseq_softtopk.experiments.fairseq_commands import PACKAGE_DIR  # noqa: E402  (the --user-dir: the same copy)
+from fairseq_softtopk.experiments.checkpoint_sample import (add_sample_arguments, load_model,  # noqa: E402
+                                                            quantiles, quiet_logging, sample_sentences,
+                                                            training_cfg)
 
 VARIANTS = {
     "hard": "--topk-mode hard",
@@ -47,58 +44,6 @@ VARIANTS = {
     "soft_paper": "--topk-mode soft --topk-grad full --topk-cost paper --topk-epsilon 0.1",
 }
 COMMON = "--train-beam 5 --teacher-forcing-ratio 0.8 --label-smoothing 0.1"
-
-
-def training_cfg(data_bin: str, arch: str, flags: Sequence[str]):
-    """fairseq's config for ``fairseq-train DATA_BIN --arch ARCH --criterion soft_beam_search FLAGS --cpu``."""
-    from fairseq import options
-    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
-
-    fairseq_softtopk.register()
-    argv = [data_bin, "--user-dir", str(PACKAGE_DIR), "--arch", arch, "--criterion", "soft_beam_search", "--cpu",
-            *flags]
-    return convert_namespace_to_omegaconf(options.parse_args_and_arch(options.get_training_parser(), argv))
-
-
-def load_model(checkpoint: Path, data_bin: str):
-    """``(task, model)``: the checkpoint's architecture and weights, the task on ``data_bin``."""
-    from fairseq import tasks
-
-    fairseq_softtopk.register()
-    if not checkpoint.is_file():
-        raise FileNotFoundError(f"checkpoint not found: {checkpoint}")
-    state = torch.load(checkpoint, map_location="cpu", weights_only=True)
-    saved = state.get("cfg") or {}
-    arch = (saved.get("model") or {}).get("_name") or getattr(state.get("args"), "arch", None)
-    if arch is None:
-        raise ValueError(f"{checkpoint}: no architecture recorded (not a fairseq checkpoint?)")
-    cfg = training_cfg(data_bin, arch, [])
-    task = tasks.setup_task(cfg.task)
-    model = task.build_model(cfg.model)
-    model.load_state_dict(state["model"])
-    return task, model, arch
-
-
-def sample_sentences(task, subset: str, count: int, seed: int, max_len: int) -> List[dict]:
-    """``count`` single-sentence batches of ``subset`` (a seeded sample of targets up to ``max_len`` tokens)."""
-    task.load_dataset(subset)
-    dataset = task.dataset(subset)
-    generator = torch.Generator().manual_seed(seed)
-    order = torch.randperm(len(dataset), generator=generator).tolist()
-    chosen = [i for i in order if dataset.tgt_sizes[i] <= max_len][:count]
-    if not chosen:
-        raise ValueError(f"no {subset} sentence has a target of at most {max_len} tokens")
-    return [dataset.collater([dataset[i]]) for i in chosen]
-
-
-def quantiles(values: Sequence[float]) -> Dict[str, float]:
-    """median, p90, p99 and max (nearest-rank) of ``values``."""
-    ordered = sorted(values)
-
-    def rank(q):
-        return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
-
-    return {"median": statistics.median(ordered), "p90": rank(0.9), "p99": rank(0.99), "max": ordered[-1]}
 
 
 def diagnose_variant(model, criterion, batches: List[dict], seed: int) -> dict:
@@ -141,16 +86,6 @@ def format_table(results: Dict[str, dict], baseline: str) -> str:
     return "\n".join(lines)
 
 
-def add_sample_arguments(parser: argparse.ArgumentParser, model: str, subset: str, sentences: int) -> None:
-    """The checkpoint, its data and the sentence sample (:func:`load_model`, :func:`sample_sentences`)."""
-    parser.add_argument("checkpoint", type=Path, help=f"a fairseq checkpoint of {model}")
-    parser.add_argument("data_bin", help="its fairseq-preprocess directory")
-    parser.add_argument("--subset", default=subset)
-    parser.add_argument("--sentences", type=int, default=sentences)
-    parser.add_argument("--max-len", type=int, default=60, help="longest target (tokens) sampled")
-    parser.add_argument("--seed", type=int, default=1)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_sample_arguments(parser, "a softtopk_lstm model", "train", 200)
@@ -161,18 +96,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--json", type=Path, help="also write the results (with every norm) here")
     return parser
-
-
-def quiet_logging(threads: int) -> None:
-    """Warnings and fairseq's, hydra's and matplotlib's info logs off (the tables are the output); ``threads`` > 0
-    sets torch's threads."""
-    for category in (UserWarning, DeprecationWarning):  # hydra's configuration deprecations, not ours
-        warnings.filterwarnings("ignore", category=category)
-    logging.basicConfig(level=logging.WARNING)
-    for name in ("fairseq", "hydra", "matplotlib"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    if threads:
-        torch.set_num_threads(threads)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -29,9 +29,9 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's package (a pinned worktree's too)
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from diagnose_beam_gradients import (add_sample_arguments, load_model, quantiles, quiet_logging,  # noqa: E402
-                                     sample_sentences, training_cfg)
+from fairseq_softtopk.experiments.checkpoint_sample import (add_sample_arguments, load_model,  # noqa: E402
+                                                            quantiles, quiet_logging, sample_sentences,
+                                                            training_cfg)
 from fairseq_softtopk.modules import beam_search  # noqa: E402
 from fairseq_softtopk.ops import sorted_soft_topk, sorted_sparse_soft_topk  # noqa: E402
 
