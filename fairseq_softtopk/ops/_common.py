@@ -335,6 +335,19 @@ def _farthest_squared_distance(low: Tensor, high: Tensor, anchor) -> Tensor:
     return torch.maximum(torch.maximum(low * low, high * high), torch.maximum((low - anchor) ** 2, (high - anchor) ** 2))
 
 
+def threshold_vjp(w: Tensor, grad_output: Tensor, eps: Tensor) -> Tensor:
+    """``dL/dz`` of a mask ``y_i = f((z_i - t) / eps)`` whose threshold ``t(z)`` keeps ``sum y`` fixed.
+
+    With ``w_i = f'`` at entry ``i`` (0 where excluded or saturated), ``dy_i/dz_j = w_i (delta_ij - w_j / sum w) /
+    eps``: the vector-Jacobian product is ``w_j (g_j - sum_i w_i g_i / sum_i w_i) / eps``, O(n), 0 on a row with
+    ``sum w = 0``. ``w``: ``(rows, n)``; grad_output: its shape; eps: ``(rows, 1)``.
+    """
+    g = grad_output.to(w.dtype)
+    w_sum = w.sum(-1, keepdim=True)
+    mean_g = (w * g).sum(-1, keepdim=True) / torch.where(w_sum > 0, w_sum, torch.ones_like(w_sum))
+    return w / eps * (g - mean_g)
+
+
 def restore_shape(rows: Tensor, scores: Tensor, dim: int, extra: Tuple[int, ...] = ()) -> Tensor:
     """Inverse of the flattening in :func:`prepare_scores`.
 

@@ -28,17 +28,14 @@ import torch
 from torch import Tensor
 
 from ._common import PreparedScores, SolverInfo
+from .semi_dual import anchors
+from .semi_dual_warm_start import hard_start
 from .simplex_projection import project_to_simplex
 
 _ARMIJO = 1e-4
 _MAX_BACKTRACK = 12  # halvings of a Newton step at most (adaptive solve)
 _FIXED_BACKTRACK = 4  # step sizes tried in every fixed iteration: 1, 1/2, 1/4, 1/8
 _RIDGE = 1e-9  # relative to the Hessian's scale: fixes the potentials' free directions (constant shifts)
-
-
-def anchor_values(k: int, like: Tensor) -> Tensor:
-    """``(k + 1,)`` anchors ``k, k-1, ..., 0`` in ``like``'s dtype and device."""
-    return torch.arange(k, -1, -1, dtype=like.dtype, device=like.device)
 
 
 class QuadraticSemiDual:
@@ -53,7 +50,7 @@ class QuadraticSemiDual:
 
     def __init__(self, x: Tensor, valid: Tensor, k: int, nu: Tensor):
         self.x, self.valid, self.k, self.nu = x, valid, k, nu
-        self.y = anchor_values(k, x)
+        self.y = anchors(k, x)
         self.no_rest = (nu[:, k] == 0).view(-1, 1, 1)
 
     def plan(self, b: Tensor) -> Tuple[Tensor, Tensor]:
@@ -101,22 +98,6 @@ def solve_support_hessian(support: Tensor, rhs: Tensor) -> Tensor:
     eye = torch.eye(m, dtype=H.dtype, device=H.device)
     regular = H + 1.0 / m + _RIDGE * scale * eye
     return torch.linalg.solve(regular, rhs.double().unsqueeze(-1)).squeeze(-1)
-
-
-def hard_start(top: Tensor, n_valid: Tensor, k: int, x_scale: Tensor) -> Tensor:
-    """``(rows, k + 1)`` potentials (over lambda) whose rank boundaries sit midway between consecutive
-    sorted scores: row ``i`` prefers rank ``r`` to ``r + 1`` iff ``x_i > b_{r+1} - b_r``.
-
-    Args:
-        top: ``(rows, min(k + 1, n))`` the best prepared scores, best first; n_valid: ``(rows,)``.
-    """
-    top = top.double()
-    kth = top[:, k - 1: k]
-    below = top[:, k: k + 1] if top.shape[-1] > k else kth - 1.0
-    below = torch.where((n_valid > k).unsqueeze(-1), below, kth - 1.0)
-    boundaries = 0.5 * (top[:, : k - 1] + top[:, 1:k])
-    boundaries = torch.cat([boundaries, 0.5 * (kth + below)], dim=-1) * x_scale  # (rows, k)
-    return torch.cat([torch.zeros_like(kth), boundaries.cumsum(-1)], dim=-1)
 
 
 def _newton(dual: QuadraticSemiDual, b: Tensor, tol: float, max_iter: int,
@@ -183,7 +164,11 @@ def quadratic_newton_solve(prep: PreparedScores, k: int, tol: float, max_iter: i
     """
     rows, n = prep.z.shape
     x_scale = 1.0 / prep.eps.double()  # (rows, 1)
-    b_start = hard_start(prep.top, prep.n_valid, k, x_scale)
+    # the entropic solver's start: rank boundaries midway between consecutive sorted scores, in units of eps;
+    # the quadratic plan's rows prefer rank r to r + 1 at the same boundaries. Shifted to b_0 = 0 (a shift of b
+    # changes no plan): potentials near 0 keep the line search's objective differences above rounding
+    b_start = hard_start(prep.top, prep.n_valid == k, prep.eps, k)
+    b_start = b_start - b_start[:, :1]
     m = n if fixed_iterations else min(n, _WINDOW_MIN + 4 * k)
     while True:
         if m < n:
@@ -201,7 +186,7 @@ def quadratic_newton_solve(prep: PreparedScores, k: int, tol: float, max_iter: i
         P, b, err, n_iter = _newton(dual, b_start, tol, max_iter, fixed_iterations)
         if outside is None:
             break
-        y = anchor_values(k, b)[:k]
+        y = anchors(k, b)[:k]
         room = (b[:, k:] - b[:, :k] - outside * y).amin(-1)  # >= 1: the entries below are on the rest anchor
         if bool(((room >= 1.0) | ~torch.isfinite(outside.squeeze(-1))).all()):
             break

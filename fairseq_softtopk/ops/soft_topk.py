@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from ._common import (PreparedScores, SolverInfo, check_inputs, hard_topk_indices, log_floor, oriented_rows,
-                      prepare_scores, restore_shape, warn_if_unconverged)
+                      prepare_scores, restore_shape, threshold_vjp, warn_if_unconverged)
 
 
 def _threshold_solve(prep: PreparedScores, k: int, tol: float, max_iter: int,
@@ -106,10 +106,7 @@ class SoftTopKFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             with torch.profiler.record_function("softtopk::soft_topk_backward"):
                 w = torch.sigmoid(logits) * torch.sigmoid(-logits)  # 0 where excluded (logit -inf)
-                g = grad_output.to(w.dtype)
-                w_sum = w.sum(-1, keepdim=True)
-                mean_g = (w * g).sum(-1, keepdim=True) / torch.where(w_sum > 0, w_sum, torch.ones_like(w_sum))
-                grad_z = w / eps * (g - mean_g)
+                grad_z = threshold_vjp(w, grad_output, eps)
         return grad_z, None, None
 
 

@@ -17,7 +17,8 @@ from torch import Tensor
 
 from ._common import SolverInfo, check_inputs, hard_topk_indices, oriented_rows, prepare_scores, restore_shape, \
     warn_if_unconverged
-from .quadratic_semi_dual import anchor_values, quadratic_newton_solve, solve_support_hessian
+from .quadratic_semi_dual import quadratic_newton_solve, solve_support_hessian
+from .semi_dual import anchors
 from .sparse_soft_topk import check_regularization
 
 
@@ -57,7 +58,7 @@ class SortedSparseSoftTopKFunction(torch.autograd.Function):
             return s * (a - (s * a).sum(-1, keepdim=True) / size)
 
         w = solve_support_hessian(support, apply_J(G).sum(1).double()).to(dtype)  # (rows, k + 1)
-        y = anchor_values(k, s)
+        y = anchors(k, s)
         grad_window = (apply_J(G - w.unsqueeze(1)) * y).sum(-1) / regularization.to(dtype)
         if index.shape[1] == ctx.n:
             return grad_window, None, None, None, None

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._common import check_inputs, hard_topk_indices, oriented_rows, prepare_scores, restore_shape
+from ._common import check_inputs, hard_topk_indices, oriented_rows, prepare_scores, restore_shape, threshold_vjp
 from .simplex_projection import capped_cubic_threshold, capped_simplex_threshold
 
 
@@ -62,11 +62,8 @@ class SparseSoftTopKFunction(torch.autograd.Function):
         grad_z = None
         if ctx.needs_input_grad[0]:
             free = (s > 0) & (s < 1)
-            w = torch.where(free, ctx.power * s ** (ctx.power - 1), 0.0)
-            g = grad_output.to(s.dtype)
-            w_sum = w.sum(-1, keepdim=True)
-            mean = (w * g).sum(-1, keepdim=True) / torch.where(w_sum > 0, w_sum, 1.0)
-            grad_z = w * (g - mean) / regularization
+            grad_z = threshold_vjp(torch.where(free, ctx.power * s ** (ctx.power - 1), 0.0), grad_output,
+                                   regularization)
         return grad_z, None, None, None
 
 
