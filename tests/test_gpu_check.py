@@ -1,9 +1,11 @@
 """scripts/bench/gpu_check.py (make gpu-check): its CPU dry run, as CI runs it, so that the GPU command cannot rot."""
 
+import os
 import re
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 import torch
@@ -51,3 +53,52 @@ def test_without_a_gpu_it_asks_for_the_dry_run(capsys):
 def test_tables_of_keeps_the_tables_and_their_introductions():
     output = "noise\n# intro line\n| a | b |\n|---|---|\n| 1 | 2 |\nmore noise\nsecond table:\n| c |\n|---|\n"
     assert gpu_check.tables_of(output) == "# intro line\n\n| a | b |\n|---|---|\n| 1 | 2 |\n\nsecond table:\n\n| c |\n|---|"
+
+
+def test_a_step_past_its_time_limit_is_stopped_with_its_children(tmp_path):
+    """A hung step (a deadlocked test, say) must not take the GPU lease with it: it is killed, its
+    children too, its output so far is kept, and its row says TIMED OUT."""
+    pid_file = tmp_path / "child.pid"
+    script = ("import subprocess, sys, time\n"
+              f"child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+              f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+              "print('started', flush=True)\n"
+              "time.sleep(60)\n")
+    start = time.perf_counter()
+    result = gpu_check.run_step("hung", [sys.executable, "-c", script], {}, tmp_path / "hung.log", timeout=3)
+    assert time.perf_counter() - start < 30
+    assert result.returncode == gpu_check.TIMED_OUT
+    log = (tmp_path / "hung.log").read_text()
+    assert log.startswith("started") and "time limit of 3 s" in log
+    child = int(pid_file.read_text())
+    for _ in range(50):  # the kill is asynchronous: give the child a moment to go
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the step's child {child} outlived the step")
+    report = tmp_path / "report.md"
+    gpu_check.write_report(report, {"device": "test"}, [result], True, [])
+    assert "| hung | TIMED OUT (" in report.read_text()
+
+
+def test_steps_run_in_the_order_given_and_the_budget_skips_the_rest(tmp_path, monkeypatch):
+    ran = []
+
+    def fake_run_step(name, command, env, log, timeout=None):
+        ran.append((name, timeout))
+        return gpu_check.StepResult(name, command, 0, 0.0, "", log)
+
+    monkeypatch.setattr(gpu_check, "run_step", fake_run_step)
+    monkeypatch.setattr(gpu_check, "environment", lambda: {"device": "test"})
+    report = tmp_path / "report.md"
+    code = gpu_check.main(["--dry-run", "--out", str(report), "--steps", "bench_train,cuda_tests",
+                           "--test-workers", "2", "--step-timeout", "100"])
+    assert code == 0 and [name for name, _ in ran] == ["bench_train", "cuda_tests"]
+    assert all(timeout == 100 for _, timeout in ran)
+    assert gpu_check.plan(True, 2)[0][1][-3:] == ["-n", "2", "tests"] and "-n" not in gpu_check.plan(True)[0][1]
+    ran.clear()
+    code = gpu_check.main(["--dry-run", "--out", str(report), "--steps", "bench_ops", "--budget", "30"])
+    assert code == 1 and ran == [] and "Not run (the --budget of 30 s was spent): bench_ops" in report.read_text()

@@ -27,9 +27,11 @@ import os
 import platform
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Dict, List, NamedTuple, Optional, Sequence
@@ -91,10 +93,15 @@ def environment() -> Dict[str, str]:
         info["fairseq"] = fairseq.__version__
     except ImportError:
         info["fairseq"] = "not installed"
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True,
-                           text=True)
-    info["commit"] = (commit.stdout.strip() or "unknown") + (" (with uncommitted changes)" if dirty.stdout.strip() else "")
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True)
+    except OSError:  # no git on the GPU machine: the commit can still be given by the caller
+        info["commit"] = os.environ.get("GPU_CHECK_COMMIT", "unknown (no git)")
+        return info
+    info["commit"] = ((commit.stdout.strip() or os.environ.get("GPU_CHECK_COMMIT", "unknown"))
+                      + (" (with uncommitted changes)" if dirty.stdout.strip() else ""))
     return info
 
 
@@ -107,13 +114,16 @@ def _nvidia_smi_field(field: str) -> Optional[str]:
     return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
 
 
-def plan(dry_run: bool) -> List[tuple]:
-    """``(name, command, extra environment)`` of each step."""
+def plan(dry_run: bool, test_workers: int = 1) -> List[tuple]:
+    """``(name, command, extra environment)`` of each step; ``test_workers`` > 1 runs the tests in that many
+    processes (pytest-xdist)."""
     python = sys.executable
     steps = DRY_RUN_STEPS if dry_run else GPU_STEPS
     test_env = {"SOFTTOPK_CUDA_TESTS_DEVICE": "cpu"} if dry_run else {}
+    workers = ["-n", str(test_workers)] if test_workers > 1 else []
     return [
-        ("cuda_tests", [python, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "tests"], test_env),
+        ("cuda_tests", [python, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", *workers, "tests"],
+         test_env),
         ("bench_ops", [python, "scripts/bench/bench_ops.py", *steps["bench_ops"]], {}),
         ("bench_ops_beam_shape", [python, "scripts/bench/bench_ops.py", *steps["bench_ops_beam_shape"]], {}),
         ("bench_ops_sparse", [python, "scripts/bench/bench_ops.py", *steps["bench_ops_sparse"]], {}),
@@ -127,22 +137,45 @@ def portable(text: str) -> str:
     return re.sub(re.escape(tempfile.gettempdir()) + r"/tmp\w+", "<temp dir>", text)  # the toy corpus's directory
 
 
-def run_step(name: str, command: List[str], extra_env: Dict[str, str], log: Path) -> StepResult:
-    """Runs one step from the repository root, printing its output as it comes and keeping it in ``log``."""
+#: the exit status recorded for a step stopped at its time limit (as coreutils' timeout reports it)
+TIMED_OUT = 124
+
+
+def run_step(name: str, command: List[str], extra_env: Dict[str, str], log: Path,
+             timeout: Optional[float] = None) -> StepResult:
+    """Runs one step from the repository root, printing its output as it comes and keeping it in ``log``
+    (line by line, so that a machine taken away mid-step still leaves it). A step still running after
+    ``timeout`` seconds is killed with its process group and gets the status :data:`TIMED_OUT`."""
     print(f"\n== {name}: {shlex.join(command)}", flush=True)
     env = dict(os.environ, **extra_env)
     start = time.perf_counter()
     lines = []
+    timed_out = threading.Event()
     with subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          bufsize=1) as proc, open(log, "w") as sink:
-        for line in proc.stdout:
-            lines.append(portable(line))
+                          bufsize=1, start_new_session=True) as proc, open(log, "w", buffering=1) as sink:
+        def stop():
+            timed_out.set()
+            os.killpg(proc.pid, signal.SIGKILL)  # the step's own children too (fairseq-train, test workers)
+
+        timer = threading.Timer(timeout, stop) if timeout else None
+        if timer:
+            timer.start()
+        try:
+            for line in proc.stdout:
+                lines.append(portable(line))
+                sink.write(lines[-1])
+                sys.stdout.write(line)
+            proc.wait()
+        finally:
+            if timer:
+                timer.cancel()
+        if timed_out.is_set():
+            lines.append(f"[gpu_check: stopped after its time limit of {timeout:.0f} s]\n")
             sink.write(lines[-1])
-            sys.stdout.write(line)
-        proc.wait()
     seconds = time.perf_counter() - start
-    print(f"== {name}: exit {proc.returncode} after {seconds:.0f} s", flush=True)
-    return StepResult(name, command, proc.returncode, seconds, "".join(lines), log)
+    returncode = TIMED_OUT if timed_out.is_set() else proc.returncode
+    print(f"== {name}: exit {returncode} after {seconds:.0f} s", flush=True)
+    return StepResult(name, command, returncode, seconds, "".join(lines), log)
 
 
 def summary_of(result: StepResult) -> str:
@@ -178,7 +211,8 @@ def write_report(path: Path, info: Dict[str, str], results: Sequence[StepResult]
     lines += [f"| {key} | {value} |" for key, value in info.items()]
     lines += ["", "| step | status | seconds | result | command |", "|---|---|---:|---|---|"]
     for r in results:
-        status = "ok" if r.returncode == 0 else f"FAILED (exit {r.returncode})"
+        status = ("ok" if r.returncode == 0 else f"TIMED OUT ({r.seconds:.0f} s)" if r.returncode == TIMED_OUT
+                  else f"FAILED (exit {r.returncode})")
         command = portable(shlex.join(r.command))
         lines.append(f"| {r.name} | {status} | {r.seconds:.0f} | {summary_of(r)} | `{command}` |")
     for r in results:
@@ -201,7 +235,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--out", type=Path, help="the report (default: results/gpu_check/<device>.md)")
     parser.add_argument("--steps", default=None,
                         help="comma-separated subset of cuda_tests,bench_ops,bench_ops_beam_shape,bench_ops_sparse,"
-                             "bench_train")
+                             "bench_train, run in the order given (default: all, in that order)")
+    parser.add_argument("--test-workers", type=int, default=1,
+                        help="run the cuda tests in this many processes (needs pytest-xdist)")
+    parser.add_argument("--step-timeout", type=float, default=None,
+                        help="stop a step after this many seconds (its report row says TIMED OUT)")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="seconds for all steps together: a step gets at most what is left, and a step "
+                             "that would start with under a minute left is not run (listed in the report)")
     argv = list(sys.argv[1:] if argv is None else argv)
     opts = parser.parse_args(argv)
     import torch
@@ -209,24 +250,39 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not opts.dry_run and not torch.cuda.is_available():
         parser.error(f"no GPU: torch {torch.__version__} (CUDA build {torch.version.cuda}) finds none; "
                      "use --dry-run to run the steps on the CPU")
-    steps = plan(opts.dry_run)
+    if opts.test_workers < 1:
+        parser.error(f"--test-workers must be at least 1, got {opts.test_workers}")
+    steps = plan(opts.dry_run, opts.test_workers)
     names = [name for name, _, _ in steps]
     if opts.steps:
         wanted = opts.steps.split(",")
         unknown = [s for s in wanted if s not in names]
         if unknown:
             parser.error(f"unknown steps {unknown}; choose from {names}")
-        steps = [step for step in steps if step[0] in wanted]
+        by_name = {step[0]: step for step in steps}
+        steps = [by_name[name] for name in dict.fromkeys(wanted)]
     info = environment()
     out = opts.out or default_report_path(info, opts.dry_run)
     out.parent.mkdir(parents=True, exist_ok=True)
-    results = []
+    results, not_run = [], []
+    deadline = time.perf_counter() + opts.budget if opts.budget else None
     for name, command, env in steps:
-        results.append(run_step(name, command, env, out.with_name(f"{out.stem}.{name}.log")))
+        timeout = opts.step_timeout
+        if deadline is not None:
+            left = deadline - time.perf_counter()
+            if left < 60:
+                not_run.append(name)
+                continue
+            timeout = min(timeout, left) if timeout else left
+        results.append(run_step(name, command, env, out.with_name(f"{out.stem}.{name}.log"), timeout))
         write_report(out, info, results, opts.dry_run, argv)  # after every step: a partial report survives
+    if not_run:
+        with open(out, "a") as report:
+            report.write(f"\nNot run (the --budget of {opts.budget:.0f} s was spent): {', '.join(not_run)}\n")
     failed = [r.name for r in results if r.returncode != 0]
-    print(f"\nreport: {out}" + (f"; FAILED: {', '.join(failed)}" if failed else "; every step passed"))
-    return 1 if failed else 0
+    print(f"\nreport: {out}" + (f"; FAILED: {', '.join(failed)}" if failed else "; every step passed")
+          + (f"; not run: {', '.join(not_run)}" if not_run else ""))
+    return 1 if failed or not_run else 0
 
 
 if __name__ == "__main__":
