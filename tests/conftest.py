@@ -133,3 +133,15 @@ def toy_data_bin(tmp_path_factory):
     data_bin = binarize_generated_corpus(root, splits={"train": (400, 11), "valid": (40, 12), "test": (40, 13)},
                                    joined_dictionary=True)
     return root / "raw", data_bin
+
+
+def pytest_runtest_logreport(report):
+    """With ``SOFTTOPK_FAILURE_LOG`` set (gpu_check does), each failure's traceback is appended to that
+    file as it happens: on a lent GPU machine a run stopped at its time limit keeps its failures,
+    which pytest prints only at the end (with pytest-xdist this runs in the controller)."""
+    import os
+
+    path = os.environ.get("SOFTTOPK_FAILURE_LOG")
+    if path and report.failed:
+        with open(path, "a") as log:
+            log.write(f"\n===== {report.nodeid} ({report.when}) FAILED =====\n{report.longreprtext}\n")

@@ -274,6 +274,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 not_run.append(name)
                 continue
             timeout = min(timeout, left) if timeout else left
+        if name == "cuda_tests":  # tests/conftest.py appends each failure there as it happens
+            env = dict(env, SOFTTOPK_FAILURE_LOG=str(out.with_name(f"{out.stem}.cuda_failures.log")))
         results.append(run_step(name, command, env, out.with_name(f"{out.stem}.{name}.log"), timeout))
         write_report(out, info, results, opts.dry_run, argv)  # after every step: a partial report survives
     if not_run:
