@@ -142,6 +142,6 @@ def pytest_runtest_logreport(report):
     import os
 
     path = os.environ.get("SOFTTOPK_FAILURE_LOG")
-    if path and report.failed:
+    if path and report.failed and "PYTEST_XDIST_WORKER" not in os.environ:  # once, by the controller
         with open(path, "a") as log:
             log.write(f"\n===== {report.nodeid} ({report.when}) FAILED =====\n{report.longreprtext}\n")

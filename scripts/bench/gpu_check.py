@@ -121,6 +121,8 @@ def plan(dry_run: bool, test_workers: int = 1) -> List[tuple]:
     steps = DRY_RUN_STEPS if dry_run else GPU_STEPS
     test_env = {"SOFTTOPK_CUDA_TESTS_DEVICE": "cpu"} if dry_run else {}
     workers = ["-n", str(test_workers)] if test_workers > 1 else []
+    if test_workers > 1:  # each worker on its own share of the cores (at 12 workers x 16 threads, tests timed out)
+        test_env = dict(test_env, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // test_workers)))
     return [
         ("cuda_tests", [python, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", *workers, "tests"],
          test_env),
