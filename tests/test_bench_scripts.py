@@ -25,6 +25,22 @@ def test_compiled_config_is_the_fixed_search_under_torch_compile_and_runs_only_o
     assert "beam_soft_compiled" in bench_train.CONFIGS and "beam_soft_compiled" not in bench_train.DEFAULT_CONFIGS
 
 
+def test_risk_configs_build_the_criteria_of_the_risk_ablation(toy_data_bin):
+    """risk_hard / risk_soft are the ablation's hard_risk / soft_risk arms (the same criterion and search);
+    risk_beamgrad its beamgrad_mrt arm; none runs without being asked for."""
+    from fairseq_softtopk.experiments.bench_harness import build_training_parts
+
+    _, data_bin = toy_data_bin
+    assert not {"risk_hard", "risk_soft", "risk_beamgrad"} & set(bench_train.DEFAULT_CONFIGS)
+    for config, mode in (("risk_hard", "hard"), ("risk_soft", "soft")):
+        flags = ["--arch", "softtopk_lstm_tiny", *bench_train.criterion_args(config, 3, None, 10, 0.23)]
+        _, _, criterion = build_training_parts(data_bin, flags, 1)
+        assert type(criterion).__name__ == "SoftBeamSearchCriterion"
+        assert criterion.beam_loss == "risk" and criterion.search.mode == mode and criterion.search.beam == 3
+    beamgrad = bench_train.criterion_args("risk_beamgrad", 3, None, 10, 0.23)
+    assert beamgrad[:2] == ["--criterion", "beamgrad_risk"] and "--topk-mode" not in beamgrad
+
+
 INDUCTOR_CODE = """
 from torch._inductor.select_algorithm import extern_kernels
 cpp_fused_add_0 = async_compile.cpp_pybinding(['float*'], 'extern "C" void kernel(...)')

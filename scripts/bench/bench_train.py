@@ -15,6 +15,10 @@ ones, with the ``soft_beam_search`` criterion as
 * ``beam_soft_compiled``: as ``beam_soft_fixed`` with ``--topk-compile default`` (the solve under
   ``torch.compile``; compiled in an untimed forward and backward before the timed updates; not in
   the default ``--configs``: on a CPU inductor needs a C++ compiler and a minute or two to compile),
+* ``risk_hard``, ``risk_soft``: ``beam_hard`` and the default soft search with ``--beam-loss risk``
+  (minimum risk over the finished hypotheses of a search to EOS), and ``risk_beamgrad``: the peer
+  beamgrad's search and minimum risk on the same model (``--criterion beamgrad_risk``; needs the optional
+  beamgrad): the cost columns of issue 29's table; not in the default ``--configs``,
 
 and prints target tokens/s, ms per update, peak memory, the share of the update spent in the
 sorted soft top-k operator and the time per update relative to ``beam_hard``.
@@ -99,9 +103,11 @@ from fairseq_softtopk.experiments.fairseq_commands import binarize_generated_cor
 
 #: beam_soft_fixed: the sync-free search (--topk-fixed-iterations) on the pool of beam_soft_pool;
 #: beam_soft_compiled: that search with its solve under torch.compile (--topk-compile default)
-CONFIGS = ("teacher_forcing", "beam_hard", "beam_soft", "beam_soft_pool", "beam_soft_fixed", "beam_soft_compiled")
-#: what runs without --configs: the compiled config only on request (compiling on a CPU takes minutes)
-DEFAULT_CONFIGS = CONFIGS[:-1]
+CONFIGS = ("teacher_forcing", "beam_hard", "beam_soft", "beam_soft_pool", "beam_soft_fixed", "beam_soft_compiled",
+           "risk_hard", "risk_soft", "risk_beamgrad")
+#: what runs without --configs: not the compiled config (compiling on a CPU takes minutes), nor the risk configs
+#: (the sequence-level loss: a search to EOS, --beam-loss risk; risk_beamgrad needs the optional beamgrad)
+DEFAULT_CONFIGS = CONFIGS[:5]
 #: a kernel call in the code inductor writes: C++ (CPU) or Triton (CUDA) kernels, library calls, ATen fallbacks
 _KERNEL_CALL = re.compile(r"^\s+(?:\w+ = )?(?:cpp_fused_\w+|triton_\w+\.run|extern_kernels\.\w+|aten\.\w+(?:\.\w+)?|"
                           r"torch\.ops\.\w+\.\w+(?:\.\w+)?)\(", re.M)
@@ -137,6 +143,11 @@ def criterion_args(config: str, beam: int, epsilon: Optional[float], pool: int, 
                             "--topk-max-iter", str(fixed_iter)],
     }
     flags["beam_soft_compiled"] = flags["beam_soft_fixed"] + ["--topk-compile", "default"]
+    # the risk arms of configs/multi30k_en_de_risk_ablation.yaml, with the same teacher-forcing ratio as the others
+    flags["risk_hard"] = flags["beam_hard"] + ["--beam-loss", "risk"]
+    flags["risk_soft"] = flags["beam_soft"][:-2] + ["--beam-loss", "risk"]  # the default candidate handling
+    if config == "risk_beamgrad":  # the peer's search and minimum risk, driving the same model
+        return ["--criterion", "beamgrad_risk", "--train-beam", str(beam), "--teacher-forcing-ratio", str(ratio)]
     if config not in flags:
         raise ValueError(f"unknown configuration {config!r}; choose from {CONFIGS}")
     return common + flags[config]
