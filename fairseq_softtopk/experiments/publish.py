@@ -1,7 +1,8 @@
 """Publishing a run directory under ``results/``: its summaries, without the machine it ran on.
 
 ``results/`` in git holds what a reader needs to check a table (``results.md``, ``results.json``,
-figures, each run's fairseq-train arguments and timings, its training log compressed), not what
+figures (re-encoded with a 64-colour palette: a quarter of the bytes, the same picture), each
+run's fairseq-train arguments and timings, its training log compressed), not what
 re-running the command produces again (checkpoints, hypotheses, ``eval.json`` with every
 hypothesis). Absolute paths are cut to the part a reader can resolve (from ``runs/``, ``data/``,
 ``configs/``, ...), so that nothing names the machine that wrote them.
@@ -12,8 +13,9 @@ hypothesis). Absolute paths are cut to the part a reader can resolve (from ``run
 
 import argparse
 import gzip
+import io
+import logging
 import re
-import shutil
 import sys
 from pathlib import Path
 from typing import Iterable, List
@@ -25,6 +27,11 @@ TOP_LEVEL = ("*.md", "*.json", "*.png")
 PER_RUN = ("run.json", "done.json", "train.log")
 #: what it never keeps: re-running the command produces them
 DROPPED = ("*.pt", "*.hyp", "eval.json")
+
+#: colours a published figure keeps (line plots use a dozen; antialiasing takes the rest)
+PNG_COLOURS = 64
+
+logger = logging.getLogger(__name__)
 
 # an absolute path: a slash not preceded by a word character, a dot, a colon or a slash (so not
 # a URL, a fraction or a relative path), then one or more components
@@ -52,18 +59,37 @@ def absolute_paths(text: str) -> List[str]:
 
 def _write_text(path: Path, text: str) -> None:
     if path.suffix == ".gz":
-        with gzip.open(path, "wt", encoding="utf-8") as f:
-            f.write(text)
+        # mtime 0: tidying again rewrites the same bytes (no churn in git)
+        with open(path, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as f:
+            f.write(text.encode("utf-8"))
     else:
         path.write_text(text, encoding="utf-8")
 
 
+def compact_png(source: Path, dest: Path) -> None:
+    """Writes ``source`` to ``dest`` with a :data:`PNG_COLOURS`-colour palette when that is smaller
+    (matplotlib writes 32-bit RGBA; a line plot needs a few dozen colours). A file Pillow cannot
+    decode is copied as is, with a warning."""
+    data = source.read_bytes()
+    try:
+        from PIL import Image
+        with Image.open(io.BytesIO(data)) as image:
+            buffer = io.BytesIO()
+            image.convert("RGB").quantize(colors=PNG_COLOURS, method=Image.Quantize.MEDIANCUT).save(
+                buffer, "PNG", optimize=True)
+        if len(buffer.getvalue()) < len(data):
+            data = buffer.getvalue()
+    except Exception as error:  # not a PNG Pillow reads (or no Pillow): keep the bytes
+        logger.warning("%s: copied as is (%s)", source, error)
+    dest.write_bytes(data)
+
+
 def _copy_clean(source: Path, dest: Path) -> None:
-    """Copies ``source`` to ``dest`` with paths stripped (text) or as is (PNG); ``train.log`` is gzipped."""
+    """Copies ``source`` to ``dest`` with paths stripped (text) or re-encoded (PNG, :func:`compact_png`);
+    ``train.log`` is gzipped."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     if source.suffix == ".png":
-        if source.resolve() != dest.resolve():
-            shutil.copyfile(source, dest)
+        compact_png(source, dest)
         return
     text = (gzip.open(source, "rt", encoding="utf-8").read() if source.suffix == ".gz"
             else source.read_text(encoding="utf-8", errors="replace"))
@@ -101,13 +127,13 @@ def publish(run_dir, dest) -> List[Path]:
 
 def tidy_in_place(published) -> None:
     """Brings a directory already under ``results/`` to the same form: drops :data:`DROPPED`,
-    gzips the training logs, strips absolute paths from every text file."""
+    gzips the training logs, strips absolute paths from every text file, re-encodes the figures."""
     published = Path(published)
     for pattern in DROPPED:
         for path in published.rglob(pattern):
             path.unlink()
     for path in sorted(published.rglob("*")):
-        if not path.is_file() or path.suffix == ".png":
+        if not path.is_file():
             continue
         _copy_clean(path, path)
         if path.name == "train.log":
