@@ -17,7 +17,7 @@ def test_citation_file_and_readme_bibtex_agree(repo_root):
     assert names == [f"{a['family-names']}, {a['given-names']}" for a in paper["authors"]]
     assert re.search(r"year\s*=\s*\{2020\}", bibtex) and paper["year"] == 2020
     version = re.search(r'^version = "(.*)"$', (repo_root / "pyproject.toml").read_text(), re.M).group(1)
-    assert cff["version"] == version  # README points to CITATION.cff for the package
+    assert cff["version"] == version and "[CITATION.cff](CITATION.cff)" in readme  # the package's citation
 
 
 def test_license_is_mit_everywhere(repo_root):

@@ -60,8 +60,7 @@ def absolute_paths(text: str) -> List[str]:
 def _write_text(path: Path, text: str) -> None:
     if path.suffix == ".gz":
         # mtime 0: tidying again rewrites the same bytes (no churn in git)
-        with open(path, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as f:
-            f.write(text.encode("utf-8"))
+        path.write_bytes(gzip.compress(text.encode("utf-8"), mtime=0))
     else:
         path.write_text(text, encoding="utf-8")
 
@@ -79,7 +78,7 @@ def compact_png(source: Path, dest: Path) -> None:
                 buffer, "PNG", optimize=True)
         if len(buffer.getvalue()) < len(data):
             data = buffer.getvalue()
-    except Exception as error:  # not a PNG Pillow reads (or no Pillow): keep the bytes
+    except (ImportError, OSError) as error:  # no Pillow, or not an image it reads: keep the bytes
         logger.warning("%s: copied as is (%s)", source, error)
     dest.write_bytes(data)
 

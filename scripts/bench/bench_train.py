@@ -145,7 +145,7 @@ def criterion_args(config: str, beam: int, epsilon: Optional[float], pool: int, 
     flags["beam_soft_compiled"] = flags["beam_soft_fixed"] + ["--topk-compile", "default"]
     # the risk arms of configs/multi30k_en_de_risk_ablation.yaml, with the same teacher-forcing ratio as the others
     flags["risk_hard"] = flags["beam_hard"] + ["--beam-loss", "risk"]
-    flags["risk_soft"] = flags["beam_soft"][:-2] + ["--beam-loss", "risk"]  # the default candidate handling
+    flags["risk_soft"] = flags["beam_soft"] + ["--beam-loss", "risk"]
     if config == "risk_beamgrad":  # the peer's search and minimum risk, driving the same model
         return ["--criterion", "beamgrad_risk", "--train-beam", str(beam), "--teacher-forcing-ratio", str(ratio)]
     if config not in flags:
