@@ -399,6 +399,8 @@ def test_plot_attention_reads_the_lstms_attention_and_draws_panels_side_by_side(
     with pytest.raises(ValueError, match="transformer"):
         attention_matrix(model, task, source, target, layer=0)
     assert panel_title(model, None, None) == "soft_topk k=2 eps=0.1"
+    for name, title in (("sparse_topk", "sparse_topk k=2 eps=0.1"), ("hard_topk", "hard_topk k=2"), ("softmax", "softmax")):
+        assert panel_title(build_model(dictionary, attention_normalizer=name, attention_topk=2), None, None) == title
     one, three = tmp_path / "one.png", tmp_path / "three.png"
     plot_attention.plot_heatmaps([(weights, "a")], src_tokens, tgt_tokens, one)
     plot_attention.plot_heatmaps([(weights, "a"), (weights, "b"), (weights, "c")], src_tokens, tgt_tokens, three)

@@ -98,8 +98,8 @@ def panel_title(model, layer: Optional[int], head: Optional[int]) -> str:
     else:
         normalizer = model.decoder.attention.normalizer
     name = "softmax" if normalizer is None else normalizer.name
-    if name in ("soft_topk", "hard_topk"):
-        name += f" k={normalizer.k}" + (f" eps={normalizer.epsilon:g}" if name.startswith("soft") else "")
+    if name in ("soft_topk", "sparse_topk", "hard_topk"):
+        name += f" k={normalizer.k}" + (f" eps={normalizer.epsilon:g}" if name != "hard_topk" else "")
     if not transformer:
         return name
     heads = f"head {head}" if head is not None else "mean over heads"
