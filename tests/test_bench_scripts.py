@@ -41,6 +41,40 @@ def test_risk_configs_build_the_criteria_of_the_risk_ablation(toy_data_bin):
     assert beamgrad[:2] == ["--criterion", "beamgrad_risk"] and "--topk-mode" not in beamgrad
 
 
+def test_beam_sparse_is_the_sparse_arm_and_its_operator_time_is_counted(toy_data_bin, capsys):
+    """beam_sparse builds the sparse ablation arm's criterion (quadratic, lambda --sparse-lambda whatever
+    --epsilon says), not by default; its top-k columns read the sparse operator's named ranges, forward
+    inside the selection, and its launch table books the sparse solve as ``solve``."""
+    from fairseq_softtopk.experiments.bench_harness import build_training_parts
+
+    _, data_bin = toy_data_bin
+    assert "beam_sparse" in bench_train.CONFIGS and "beam_sparse" not in bench_train.DEFAULT_CONFIGS
+    flags = ["--arch", "softtopk_lstm_tiny", *bench_train.criterion_args("beam_sparse", 3, 0.03, 10, 0.8,
+                                                                         sparse_lambda=0.2)]
+    _, _, criterion = build_training_parts(data_bin, flags, 1)
+    assert criterion.search.regularizer == "quadratic" and criterion.search.epsilon == 0.2
+    assert criterion.search.mode == "soft" and criterion.search.beam == 3
+    tiny = ["--data", str(data_bin), "--arch", "softtopk_lstm_tiny", "--updates", "2", "--warmup", "1",
+            "--max-tokens", "200", "--threads", "1", "--beam", "3", "--configs", "beam_hard,beam_sparse",
+            "--in-process", "--pretrain-updates", "2", "--sparse-lambda", "0.5"]
+    threads = torch.get_num_threads()
+    try:
+        assert bench_train.main(tiny) == 0
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert "sparse_lambda=0.5" in out
+    timing, counting = out.split("launches (dispatched ATen operations)")
+    row = next(line for line in timing.splitlines() if line.startswith("| beam_sparse |")).split("|")[2:-1]
+    fwd, bwd, select, mix = (float(row[i].strip().rstrip("%")) for i in (3, 4, 5, 6))
+    assert 0 < fwd < select < 100 and 0 < bwd < 100 and 0 < mix < 100
+    header = next(line for line in counting.splitlines() if line.startswith("| config |"))
+    names = [cell.strip() for cell in header.split("|")[2:-1]]
+    counts = dict(zip(names, next(line for line in counting.splitlines()
+                                  if line.startswith("| beam_sparse |")).split("|")[2:-1]))
+    assert float(counts["solve"]) > 0 and float(counts["solve bwd"]) > 0
+
+
 INDUCTOR_CODE = """
 from torch._inductor.select_algorithm import extern_kernels
 cpp_fused_add_0 = async_compile.cpp_pybinding(['float*'], 'extern "C" void kernel(...)')

@@ -44,9 +44,14 @@ class SortedSparseSoftTopKFunction(torch.autograd.Function):
         #   dL/dx_i = y^T J_i (G_i - w),   H w = sum_i J_i G_i,   H = sum_i J_i,
         # since H db = -sum_i J_i y dx_i (differentiating the marginals) and J, H are symmetric. Entries whose
         # support is one anchor have J_i = 0: those outside the window add nothing anywhere.
-        support, index, regularization = ctx.saved_tensors
         if not ctx.needs_input_grad[0]:
             return None, None, None, None, None
+        with torch.profiler.record_function("softtopk::sorted_sparse_soft_topk_backward"):  # a named range
+            return SortedSparseSoftTopKFunction._input_gradient(ctx, grad_output)
+
+    @staticmethod
+    def _input_gradient(ctx, grad_output: Tensor):
+        support, index, regularization = ctx.saved_tensors
         dtype = grad_output.dtype if grad_output.dtype == torch.float64 else torch.float32
         s = support.to(dtype)
         k = s.shape[-1] - 1

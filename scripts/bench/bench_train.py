@@ -15,6 +15,9 @@ ones, with the ``soft_beam_search`` criterion as
 * ``beam_soft_compiled``: as ``beam_soft_fixed`` with ``--topk-compile default`` (the solve under
   ``torch.compile``; compiled in an untimed forward and backward before the timed updates; not in
   the default ``--configs``: on a CPU inductor needs a C++ compiler and a minute or two to compile),
+* ``beam_sparse``: the default soft search with ``--topk-regularizer quadratic --topk-epsilon
+  --sparse-lambda`` (the sorted sparse soft top-k: the beams mix only its support; the ``sparse`` arm
+  of ``configs/multi30k_en_de_beam_ablation.yaml``; not in the default ``--configs``),
 * ``risk_hard``, ``risk_soft``: ``beam_hard`` and the default soft search with ``--beam-loss risk``
   (minimum risk over the finished hypotheses of a search to EOS), and ``risk_beamgrad``: the peer
   beamgrad's search and minimum risk on the same model (``--criterion beamgrad_risk``; needs the optional
@@ -31,7 +34,8 @@ How things are measured:
   and batches; ``--profile-updates`` of them), the time inside the package's named
   ``torch.profiler`` ranges over the profiled time of those updates: ``fwd`` is
   ``softtopk::sorted_soft_topk`` (the operator's forward, Newton solve included), ``bwd``
-  ``softtopk::sorted_soft_topk_backward`` (implicit differentiation), ``select`` the whole
+  ``softtopk::sorted_soft_topk_backward`` (implicit differentiation; both with the sparse operator's
+  ranges, ``softtopk::sorted_sparse_soft_topk[_backward]``, for ``beam_sparse``), ``select`` the whole
   candidate selection ``softtopk::select_beams`` (window, or the pool's / hard mode's
   ``torch.topk``, plus the operator's forward), so ``beam_hard`` shows what its selection
   costs, ``mix`` the forward of the mixing of the next inputs and states by the selection
@@ -104,7 +108,7 @@ from fairseq_softtopk.experiments.fairseq_commands import binarize_generated_cor
 #: beam_soft_fixed: the sync-free search (--topk-fixed-iterations) on the pool of beam_soft_pool;
 #: beam_soft_compiled: that search with its solve under torch.compile (--topk-compile default)
 CONFIGS = ("teacher_forcing", "beam_hard", "beam_soft", "beam_soft_pool", "beam_soft_fixed", "beam_soft_compiled",
-           "risk_hard", "risk_soft", "risk_beamgrad")
+           "risk_hard", "risk_soft", "risk_beamgrad", "beam_sparse")
 #: what runs without --configs: not the compiled config (compiling on a CPU takes minutes), nor the risk configs
 #: (the sequence-level loss: a search to EOS, --beam-loss risk; risk_beamgrad needs the optional beamgrad)
 DEFAULT_CONFIGS = CONFIGS[:5]
@@ -112,10 +116,12 @@ DEFAULT_CONFIGS = CONFIGS[:5]
 _KERNEL_CALL = re.compile(r"^\s+(?:\w+ = )?(?:cpp_fused_\w+|triton_\w+\.run|extern_kernels\.\w+|aten\.\w+(?:\.\w+)?|"
                           r"torch\.ops\.\w+\.\w+(?:\.\w+)?)\(", re.M)
 #: table column -> the package's named profiler range it reads
-RANGE_KEYS = {"topk_fwd": "softtopk::sorted_soft_topk", "topk_bwd": "softtopk::sorted_soft_topk_backward",
-              "select": "softtopk::select_beams", "mix": "softtopk::mix_beams"}
+RANGE_KEYS = {"topk_fwd": ("softtopk::sorted_soft_topk", "softtopk::sorted_sparse_soft_topk"),
+              "topk_bwd": ("softtopk::sorted_soft_topk_backward", "softtopk::sorted_sparse_soft_topk_backward"),
+              "select": ("softtopk::select_beams",), "mix": ("softtopk::mix_beams",)}
 #: innermost named range -> part of a decoding step in the launch table (others: their own name)
 COUNT_PARTS = {"beam_step": "step", "select_beams": "select", "sorted_soft_topk": "solve", "mix_beams": "mix",
+               "sorted_sparse_soft_topk": "solve", "sorted_sparse_soft_topk_backward": "solve bwd",
                "sorted_soft_topk_backward": "solve bwd", "backward": "other bwd", "other": "per batch"}
 #: kernel launches as the CUDA runtime records them in a torch.profiler trace
 CUDA_LAUNCH_EVENTS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
@@ -127,8 +133,9 @@ TOY_SPLITS = {"train": (3000, 11), "valid": (100, 12)}
 
 
 def criterion_args(config: str, beam: int, epsilon: Optional[float], pool: int, ratio: float,
-                   fixed_iter: int = 15) -> List[str]:
-    """``soft_beam_search`` flags of one configuration (one of :data:`CONFIGS`)."""
+                   fixed_iter: int = 15, sparse_lambda: float = 0.1) -> List[str]:
+    """``soft_beam_search`` flags of one configuration (one of :data:`CONFIGS`); ``beam_sparse`` takes
+    ``sparse_lambda`` as its ``--topk-epsilon`` (the quadratic regulariser's lambda) whatever ``epsilon``."""
     common = ["--criterion", "soft_beam_search", "--train-beam", str(beam)]
     if epsilon is not None:  # None: the criterion's default
         common += ["--topk-epsilon", str(epsilon)]
@@ -146,6 +153,8 @@ def criterion_args(config: str, beam: int, epsilon: Optional[float], pool: int, 
     # the risk arms of configs/multi30k_en_de_risk_ablation.yaml, with the same teacher-forcing ratio as the others
     flags["risk_hard"] = flags["beam_hard"] + ["--beam-loss", "risk"]
     flags["risk_soft"] = flags["beam_soft"] + ["--beam-loss", "risk"]
+    # the sparse arm of configs/multi30k_en_de_beam_ablation.yaml (a later --topk-epsilon wins in argparse)
+    flags["beam_sparse"] = flags["beam_soft"] + ["--topk-regularizer", "quadratic", "--topk-epsilon", str(sparse_lambda)]
     if config == "risk_beamgrad":  # the peer's search and minimum risk, driving the same model
         return ["--criterion", "beamgrad_risk", "--train-beam", str(beam), "--teacher-forcing-ratio", str(ratio)]
     if config not in flags:
@@ -158,7 +167,7 @@ def build_parts(opts: argparse.Namespace, config: str):
     (then loaded from ``opts.checkpoint`` where given)."""
     flags = ["--arch", opts.arch, "--max-tokens", opts.max_tokens,
              *criterion_args(config, opts.beam, opts.epsilon, opts.candidate_pool, opts.teacher_forcing_ratio,
-                            opts.fixed_iter)]
+                            opts.fixed_iter, opts.sparse_lambda)]
     task, model, criterion = build_training_parts(opts.data, flags, opts.seed, opts.device)
     if opts.checkpoint:
         state = torch.load(opts.checkpoint, map_location="cpu", weights_only=True)
@@ -209,9 +218,9 @@ def profiled_shares(model, criterion, batches: List[dict], warmup: int, device: 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
         records = timed_updates(model, criterion, batches[warmup:], 0, device, optimizer=optimizer)
-    ranges = range_seconds(prof.events(), RANGE_KEYS.values())
+    ranges = range_seconds(prof.events(), [name for names in RANGE_KEYS.values() for name in names])
     shares = {"profiled_seconds": sum(r["seconds"] for r in records),
-              **{key: ranges[name] for key, name in RANGE_KEYS.items()}}
+              **{key: sum(ranges[name] for name in names) for key, names in RANGE_KEYS.items()}}
     if cuda:
         steps = sum(sample["target"].shape[1] for sample in batches[warmup:])
         shares["cuda_launches_per_step"] = sum(e.name in CUDA_LAUNCH_EVENTS for e in prof.events()) / steps
@@ -476,6 +485,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=1, help="interleaved runs per config (fastest per update)")
     parser.add_argument("--beam", type=int, default=5, help="--train-beam k")
     parser.add_argument("--epsilon", type=float, default=None, help="--topk-epsilon (default: the criterion's)")
+    parser.add_argument("--sparse-lambda", type=float, default=0.1,
+                        help="--topk-epsilon (lambda) of beam_sparse (default 0.1, the sparse ablation arm's)")
     parser.add_argument("--candidate-pool", type=int, default=50, help="m of beam_soft_pool and beam_soft_fixed")
     parser.add_argument("--fixed-iter", type=int, default=15,
                         help="--topk-max-iter of beam_soft_fixed (every solve runs exactly this many iterations)")
@@ -528,7 +539,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             opts.checkpoint = Path(tmp) / "pretrained.pt"
             argv = argv + ["--checkpoint", str(opts.checkpoint), "--pretrain-updates", "0"]
         print(f"data={opts.data} checkpoint={opts.checkpoint} arch={opts.arch} k={opts.beam} "
-              f"epsilon={opts.epsilon} pool={opts.candidate_pool} p={opts.teacher_forcing_ratio} "
+              f"epsilon={opts.epsilon} sparse_lambda={opts.sparse_lambda} pool={opts.candidate_pool} p={opts.teacher_forcing_ratio} "
               f"max_tokens={opts.max_tokens} updates={opts.updates} warmup={opts.warmup} repeats={opts.repeats}",
               flush=True)
         if opts.profile:
