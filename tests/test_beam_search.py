@@ -496,9 +496,15 @@ def test_quadratic_soft_mode_equals_the_written_out_algorithm_with_the_sparse_op
                 assert out.tokens[b].tolist() == tokens
 
 
-def test_quadratic_search_on_the_support_equals_the_search_on_every_candidate(rng):
+@pytest.mark.parametrize("window_min", [None, 1], ids=["whole_row", "narrow_window"])
+def test_quadratic_search_on_the_support_equals_the_search_on_every_candidate(rng, monkeypatch, window_min):
     """The sync-free search keeps every candidate (nothing dropped); the default keeps the support only: the
-    candidates dropped weigh exactly 0, so beams, losses and gradients agree."""
+    candidates dropped weigh exactly 0, so beams, losses and gradients agree; also where the operator's
+    window (what the default selection receives) is narrower than the 27 candidates."""
+    if window_min is not None:
+        from fairseq_softtopk.ops import quadratic_semi_dual
+
+        monkeypatch.setattr(quadratic_semi_dual, "_WINDOW_MIN", window_min)
     decoder = TinyDecoder(9).double()
     enc = torch.randn(2, 6, generator=rng, dtype=torch.float64)
     target = torch.tensor([[2, 3, 4, 2, 5], [4, 4, 3, PAD, PAD]])

@@ -24,7 +24,8 @@ from conftest import run_fairseq, word_dictionary
 from fairseq_softtopk.dispatch_count import DispatchCounter
 from fairseq_softtopk.modules.attention_normalizer import ATTENTION_NORMALIZERS
 from fairseq_softtopk.modules.beam_search import unroll_beam_search
-from fairseq_softtopk.ops import COSTS, soft_topk, sorted_soft_topk, sorted_sparse_soft_topk, sparse_soft_topk
+from fairseq_softtopk.ops import (COSTS, soft_topk, sorted_soft_topk, sorted_sparse_soft_topk,
+                                  sorted_sparse_soft_topk_window, sparse_soft_topk)
 
 pytestmark = pytest.mark.cuda
 
@@ -88,6 +89,18 @@ def test_sparse_operators_give_the_cpu_values_and_gradients(rng, operator):
         if cpu_grads[0] is not None:
             torch.testing.assert_close(gpu_grads[0], cpu_grads[0], atol=1e-8, rtol=1e-6)
     (cpu, cpu_grads), (gpu, gpu_grads) = _on_both(lambda v, m: operator(v, 5, regularization=0.3, mask=m), x, mask)
+    torch.testing.assert_close(gpu, cpu, atol=1e-9, rtol=1e-7)
+    torch.testing.assert_close(gpu_grads[0], cpu_grads[0], atol=1e-8, rtol=1e-6)
+
+
+def test_sparse_window_form_gives_the_cpu_window_values_and_gradients(rng):
+    """sorted_sparse_soft_topk_window (soft beam search's call): the same window, values and gradients."""
+    x = torch.randn(4, 3000, generator=rng, dtype=torch.float64)
+    x[2, 100:] = -math.inf
+    windows = [sorted_sparse_soft_topk_window(x.to(device), 5, regularization=0.3)[1].cpu() for device in ("cpu", CUDA)]
+    assert torch.equal(windows[0], windows[1]) and windows[0].shape[1] < 3000
+    (cpu, cpu_grads), (gpu, gpu_grads) = _on_both(
+        lambda v: sorted_sparse_soft_topk_window(v, 5, regularization=0.3), x)
     torch.testing.assert_close(gpu, cpu, atol=1e-9, rtol=1e-7)
     torch.testing.assert_close(gpu_grads[0], cpu_grads[0], atol=1e-8, rtol=1e-6)
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from device_check import package_device_check
-from fairseq_softtopk.ops import sorted_sparse_soft_topk, sparse_soft_topk
+from fairseq_softtopk.ops import sorted_sparse_soft_topk, sorted_sparse_soft_topk_window, sparse_soft_topk
 
 _QP_TOL = dict(tol_gap_abs=1e-12, tol_gap_rel=1e-12, tol_feas=1e-12)
 
@@ -292,6 +292,25 @@ def test_device_check_forward_and_backward(rng, operator):
     assert x.grad is not None and with_inf.grad is not None
 
 
+def test_device_check_window_form(rng, monkeypatch):
+    """The same for sorted_sparse_soft_topk_window, with a window narrower than the rows."""
+    from fairseq_softtopk.ops import quadratic_semi_dual
+
+    monkeypatch.setattr(quadratic_semi_dual, "_WINDOW_MIN", 1)
+    x = torch.randn(3, 40, generator=rng, dtype=torch.float64)
+    x[2, 3] = -math.inf
+    mask = torch.zeros(3, 40, dtype=torch.bool)
+    mask[1, :7] = True
+    leaf = x.clone().requires_grad_()
+    with package_device_check():
+        for options in (dict(), dict(mask=mask)):
+            ranks, index = sorted_sparse_soft_topk_window(leaf, 4, regularization=0.3, **options)
+            assert index.shape[1] < 40
+            (ranks * torch.linspace(-1, 1, ranks.numel(), dtype=ranks.dtype).reshape(ranks.shape)).sum().backward()
+        sorted_sparse_soft_topk_window(x.half(), 2, regularization=0.3)
+    assert leaf.grad is not None
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("operator", [sparse_soft_topk, sorted_sparse_soft_topk,
                                       functools.partial(sparse_soft_topk, p=4 / 3)], ids=["p2", "sorted", "p4/3"])
@@ -309,6 +328,15 @@ def test_gradients_scale_exactly_with_the_loss(rng, operator, dtype):
         grads.append(leaf.grad / scale)
     assert bool((grads[0] != 0).any())
     torch.testing.assert_close(grads[1], grads[0], atol=0, rtol=0)
+    if operator is sorted_sparse_soft_topk:  # its window form too
+        window_grads = []
+        for scale in (1.0, 1024.0):
+            leaf = x.clone().requires_grad_()
+            ranks, index = sorted_sparse_soft_topk_window(leaf, 3, regularization=0.5)
+            (ranks * weights.gather(1, index.unsqueeze(-1).expand(-1, -1, 3)) * scale).sum().backward()
+            window_grads.append(leaf.grad / scale)
+        assert bool((window_grads[0] != 0).any())
+        torch.testing.assert_close(window_grads[1], window_grads[0], atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("regularization", [0.05, 2.0])
@@ -345,6 +373,50 @@ def test_the_window_solve_equals_the_whole_row_solve(rng, monkeypatch, regulariz
     # an entry on the edge of the support (its weight 0 up to rounding) may count as in or out of it: the
     # generalised Jacobians differ there by rounding-sized terms
     torch.testing.assert_close(results[0][1], results[1][1], atol=1e-6, rtol=1e-9)
+
+
+@pytest.mark.parametrize("regularization", [0.1, 2.0])
+def test_the_window_form_is_the_dense_operator_on_its_window(rng, monkeypatch, regularization):
+    """sorted_sparse_soft_topk_window (what soft beam search calls): scattered into zeros, its ranks are the
+    dense operator's output (nothing outside the window carries weight), and its gradients are the dense
+    operator's, also where the window had to widen (lambda 2 from a 1-entry start), with -inf and masked
+    entries; QP-exact through the dense operator's tests."""
+    from fairseq_softtopk.ops import quadratic_semi_dual
+
+    monkeypatch.setattr(quadratic_semi_dual, "_WINDOW_MIN", 1)
+    x = torch.randn(3, 300, generator=rng, dtype=torch.float64)
+    x[1, 40:] = -math.inf
+    mask = torch.zeros(3, 300, dtype=torch.bool)
+    mask[2, :5] = True
+    weights = torch.randn(3, 300, 4, generator=rng, dtype=torch.float64)
+    dense_leaf, window_leaf = x.clone().requires_grad_(), x.clone().requires_grad_()
+    dense = sorted_sparse_soft_topk(dense_leaf, 4, regularization=regularization, mask=mask, tol=1e-12)
+    ranks, index, info = sorted_sparse_soft_topk_window(window_leaf, 4, regularization=regularization, mask=mask,
+                                                        tol=1e-12, return_info=True)
+    assert bool(info.converged) and ranks.shape[:2] == index.shape and index.shape[1] < 300
+    scattered = torch.zeros_like(dense).scatter(1, index.unsqueeze(-1).expand(-1, -1, 4), ranks)
+    torch.testing.assert_close(scattered, dense.detach(), atol=1e-13, rtol=0)
+    assert int((dense > 0).any(-1).sum()) == int((ranks > 0).any(-1).sum()) > 3 * 4  # every support entry is in it
+    (dense * weights).sum().backward()
+    (ranks * weights.gather(1, index.unsqueeze(-1).expand(-1, -1, 4))).sum().backward()
+    torch.testing.assert_close(window_leaf.grad, dense_leaf.grad, atol=1e-12, rtol=0)
+    assert bool((window_leaf.grad[1, 40:] == 0).all()) and bool((window_leaf.grad[2, :5] == 0).all())
+
+
+def test_the_window_form_gradcheck_and_errors(rng, monkeypatch):
+    from fairseq_softtopk.ops import quadratic_semi_dual
+
+    monkeypatch.setattr(quadratic_semi_dual, "_WINDOW_MIN", 1)  # a window narrower than the row: m = 9 of 30
+    x = torch.randn(2, 30, generator=rng, dtype=torch.float64, requires_grad=True)
+    assert sorted_sparse_soft_topk_window(x, 2, regularization=0.5, tol=1e-13)[1].shape[1] < 30
+    assert torch.autograd.gradcheck(
+        lambda v: sorted_sparse_soft_topk_window(v, 2, regularization=0.5, tol=1e-13)[0], (x,), atol=1e-7)
+    with pytest.raises(ValueError, match=r"takes \(rows, n\) scores, got \(2, 3, 30\)"):
+        sorted_sparse_soft_topk_window(torch.zeros(2, 3, 30), 2)
+    with pytest.raises(ValueError, match="NaN"):
+        sorted_sparse_soft_topk_window(torch.full((1, 5), math.nan), 2)
+    with pytest.raises(ValueError, match="k=6"):
+        sorted_sparse_soft_topk_window(torch.zeros(1, 5), 6)
 
 
 @pytest.mark.parametrize("p", [2, 4 / 3], ids=["p2", "p4/3"])

@@ -15,7 +15,8 @@ from typing import Callable, NamedTuple, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from ..ops import candidate_window, cap_row_grad_norm, sorted_soft_topk, sorted_sparse_soft_topk
+from ..ops import (candidate_window, cap_row_grad_norm, sorted_soft_topk, sorted_sparse_soft_topk,
+                   sorted_sparse_soft_topk_window)
 from ..ops._common import effective_epsilon
 from .beam_search_config import BeamSearchConfig
 
@@ -186,15 +187,20 @@ def _sparse_selection(scores: Tensor, ids: Tensor, beam: int, config: BeamSearch
                       probe: Optional[Tensor]) -> Selection:
     """The sorted sparse soft top-k of all the candidates (or the pool) and, unless ``fixed_iterations``, only
     the candidates of its support: the others weigh exactly 0 in every beam, so that dropping them changes
-    neither the beams nor any gradient (no window, no tolerance)."""
-    A, info = sorted_sparse_soft_topk(scores, beam, regularization=config.epsilon, tol=config.tol,
-                                      max_iter=config.max_iter, return_info=True, warn=False,
-                                      fixed_iterations=config.fixed_iterations)
-    if not config.fixed_iterations:
-        index, valid = compact_rows(A.detach().sum(-1) > 0)
-        if index.shape[1] < A.shape[1]:
-            A = A.gather(1, index.unsqueeze(-1).expand(-1, -1, beam)) * valid.unsqueeze(-1)
-            ids = ids.gather(1, index)
+    neither the beams nor any gradient (no window, no tolerance). The operator's window form gives the plan on
+    the entries its solver proved could carry weight, so no ``(batch, n, beam)`` tensor is built."""
+    if config.fixed_iterations:  # every candidate: no data-dependent width
+        A, info = sorted_sparse_soft_topk(scores, beam, regularization=config.epsilon, tol=config.tol,
+                                          max_iter=config.max_iter, return_info=True, warn=False,
+                                          fixed_iterations=True)
+        return Selection(ids, A, info.converged, info.n_iter, probe)
+    A, window, info = sorted_sparse_soft_topk_window(scores, beam, regularization=config.epsilon, tol=config.tol,
+                                                     max_iter=config.max_iter, return_info=True, warn=False)
+    ids = ids.gather(1, window)
+    index, valid = compact_rows(A.detach().sum(-1) > 0)
+    if index.shape[1] < A.shape[1]:
+        A = A.gather(1, index.unsqueeze(-1).expand(-1, -1, beam)) * valid.unsqueeze(-1)
+        ids = ids.gather(1, index)
     return Selection(ids, A, info.converged, info.n_iter, probe)
 
 

@@ -13,6 +13,7 @@ A solve that misses its tolerance emits :class:`SoftTopKConvergenceWarning`.
 ``sparse_soft_topk`` and ``sorted_sparse_soft_topk`` are their quadratically regularised
 counterparts (Sander et al., ICML 2023; Blondel et al., AISTATS 2018): the same selections with
 exact zeros, an exact threshold (unsorted) or Newton to a tolerance (sorted), implicit backward.
+``sorted_sparse_soft_topk_window`` returns the sorted plan on the entries that can carry weight only.
 """
 
 from ._common import COSTS, SoftTopKConvergenceWarning, SolverInfo
@@ -21,7 +22,7 @@ from .gradient_cap import RowGradientCapFunction, cap_row_grad_norm
 from .sinkhorn import sinkhorn_log
 from .soft_topk import SoftTopKFunction, soft_topk
 from .sorted_soft_topk import SortedSoftTopKFunction, sorted_soft_topk
-from .sorted_sparse_soft_topk import SortedSparseSoftTopKFunction, sorted_sparse_soft_topk
+from .sorted_sparse_soft_topk import SortedSparseSoftTopKFunction, sorted_sparse_soft_topk, sorted_sparse_soft_topk_window
 from .sparse_soft_topk import SparseSoftTopKFunction, sparse_soft_topk
 
 __all__ = [
@@ -39,5 +40,6 @@ __all__ = [
     "soft_topk",
     "sorted_soft_topk",
     "sorted_sparse_soft_topk",
+    "sorted_sparse_soft_topk_window",
     "sparse_soft_topk",
 ]

@@ -142,7 +142,8 @@ _WINDOW_MIN = 32
 
 
 def quadratic_newton_solve(prep: PreparedScores, k: int, tol: float, max_iter: int,
-                           fixed_iterations: bool = False) -> Tuple[Tensor, Tensor, Tensor, SolverInfo]:
+                           fixed_iterations: bool = False,
+                           window_only: bool = False) -> Tuple[Tensor, Tensor, Tensor, SolverInfo]:
     """The plan of the quadratically regularised sorted top-k (module docstring) for prepared rows.
 
     The adaptive solve runs on a window of each row's best ``m`` entries with the rest anchor's mass
@@ -160,7 +161,8 @@ def quadratic_newton_solve(prep: PreparedScores, k: int, tol: float, max_iter: i
         ``(ranks, support, index, info)``: ``ranks`` ``(rows, n, k)`` the ranks' columns of the plan (count
         units) in the prepared dtype; ``support`` ``(rows, m, k + 1)`` bool, the plan's support on the
         entries ``index`` ``(rows, m)`` (the window; every entry outside it is on the rest anchor alone);
-        and the info.
+        and the info. With ``window_only``, ``ranks`` is the window's ``(rows, m, k)`` (not scattered into
+        the whole rows).
     """
     rows, n = prep.z.shape
     x_scale = 1.0 / prep.eps.double()  # (rows, 1)
@@ -192,7 +194,7 @@ def quadratic_newton_solve(prep: PreparedScores, k: int, tol: float, max_iter: i
             break
         m = min(n, 4 * m)
     ranks_window = P[..., :k].to(prep.z.dtype)
-    if m < n:
+    if m < n and not window_only:
         ranks = prep.z.new_zeros(rows, n, k).scatter_(1, index.unsqueeze(-1).expand(-1, -1, k), ranks_window)
     else:
         ranks = ranks_window
