@@ -24,11 +24,13 @@ from .sparse_soft_topk import check_regularization
 
 class SortedSparseSoftTopKFunction(torch.autograd.Function):
     """Sorted sparse soft top-k from a solved plan; backward by implicit differentiation (O(m k^2) on the
-    solver's window of ``m`` entries: the others, on the rest anchor alone, have no gradient)."""
+    solver's window of ``m`` entries: the others, on the rest anchor alone, have no gradient). ``ranks`` is
+    the whole rows' ``(rows, n, k)`` or the window's ``(rows, m, k)`` (:func:`sorted_sparse_soft_topk_window`);
+    the output is ``ranks``, and the backward reads the window's rows of its gradient either way."""
 
     @staticmethod
     def forward(z: Tensor, ranks: Tensor, support: Tensor, index: Tensor, regularization: Tensor) -> Tensor:
-        return ranks.clone()  # (rows, n, k)
+        return ranks.clone()
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -39,62 +41,34 @@ class SortedSparseSoftTopKFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output: Tensor):
+        # In units of lambda (x = z / lambda), P_i = proj_simplex(x_i y + b) with J_i = diag(s_i) - s_i s_i^T / |s_i|
+        # its Jacobian, and sum_i P_i = nu defines b(x). With G_i the output gradient padded by 0 (rest anchor):
+        #   dL/dx_i = y^T J_i (G_i - w),   H w = sum_i J_i G_i,   H = sum_i J_i,
+        # since H db = -sum_i J_i y dx_i (differentiating the marginals) and J, H are symmetric. Entries whose
+        # support is one anchor have J_i = 0: those outside the window add nothing anywhere.
         if not ctx.needs_input_grad[0]:
             return None, None, None, None, None
         with torch.profiler.record_function("softtopk::sorted_sparse_soft_topk_backward"):  # a named range
             support, index, regularization = ctx.saved_tensors
-            k = support.shape[-1] - 1
-            G = grad_output.gather(1, index.unsqueeze(-1).expand(-1, -1, k))  # the window's rows of the gradient
-            return window_gradient(G, support, index, regularization, ctx.n), None, None, None, None
+            dtype = grad_output.dtype if grad_output.dtype == torch.float64 else torch.float32
+            s = support.to(dtype)
+            k = s.shape[-1] - 1
+            size = s.sum(-1, keepdim=True).clamp_min(1.0)
+            G = grad_output.to(dtype)
+            if G.shape[1] != index.shape[1]:  # the whole rows' gradient: its window's rows (m = n: index is 0..n-1)
+                G = G.gather(1, index.unsqueeze(-1).expand(-1, -1, k))
+            G = torch.cat([G, G.new_zeros(G.shape[:-1] + (1,))], dim=-1)
 
+            def apply_J(a: Tensor) -> Tensor:
+                return s * (a - (s * a).sum(-1, keepdim=True) / size)
 
-def window_gradient(G: Tensor, support: Tensor, index: Tensor, regularization: Tensor, n: int) -> Tensor:
-    """The gradient with respect to the ``(rows, n)`` oriented scores of a loss whose gradient with respect
-    to the window's ranks ``(rows, m, k)`` is ``G`` (the backward of both autograd Functions here)."""
-    # In units of lambda (x = z / lambda), P_i = proj_simplex(x_i y + b) with J_i = diag(s_i) - s_i s_i^T / |s_i|
-    # its Jacobian, and sum_i P_i = nu defines b(x). With G_i the output gradient padded by 0 (rest anchor):
-    #   dL/dx_i = y^T J_i (G_i - w),   H w = sum_i J_i G_i,   H = sum_i J_i,
-    # since H db = -sum_i J_i y dx_i (differentiating the marginals) and J, H are symmetric. Entries whose
-    # support is one anchor have J_i = 0: those outside the window add nothing anywhere.
-    dtype = G.dtype if G.dtype == torch.float64 else torch.float32
-    s = support.to(dtype)
-    size = s.sum(-1, keepdim=True).clamp_min(1.0)
-    G = G.to(dtype)
-    G = torch.cat([G, G.new_zeros(G.shape[:-1] + (1,))], dim=-1)
-
-    def apply_J(a: Tensor) -> Tensor:
-        return s * (a - (s * a).sum(-1, keepdim=True) / size)
-
-    w = solve_support_hessian(support, apply_J(G).sum(1).double()).to(dtype)  # (rows, k + 1)
-    y = anchors(support.shape[-1] - 1, s)
-    grad_window = (apply_J(G - w.unsqueeze(1)) * y).sum(-1) / regularization.to(dtype)
-    if index.shape[1] == n:
-        return grad_window
-    return grad_window.new_zeros(grad_window.shape[0], n).scatter_(1, index, grad_window)
-
-
-class SortedSparseSoftTopKWindowFunction(torch.autograd.Function):
-    """:class:`SortedSparseSoftTopKFunction` returning the plan's ranks on the solver's window of ``m``
-    entries only, ``(rows, m, k)``: no ``(rows, n, k)`` tensor in the forward or the backward pass."""
-
-    @staticmethod
-    def forward(z: Tensor, ranks: Tensor, support: Tensor, index: Tensor, regularization: Tensor) -> Tensor:
-        return ranks.clone()  # (rows, m, k)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        z, _, support, index, regularization = inputs
-        ctx.save_for_backward(support, index, regularization)
-        ctx.n = z.shape[-1]
-        ctx.mark_non_differentiable(support, index)
-
-    @staticmethod
-    def backward(ctx, grad_output: Tensor):
-        if not ctx.needs_input_grad[0]:
-            return None, None, None, None, None
-        with torch.profiler.record_function("softtopk::sorted_sparse_soft_topk_backward"):
-            support, index, regularization = ctx.saved_tensors
-            return window_gradient(grad_output, support, index, regularization, ctx.n), None, None, None, None
+            w = solve_support_hessian(support, apply_J(G).sum(1).double()).to(dtype)  # (rows, k + 1)
+            y = anchors(k, s)
+            grad_window = (apply_J(G - w.unsqueeze(1)) * y).sum(-1) / regularization.to(dtype)
+            if index.shape[1] == ctx.n:
+                return grad_window, None, None, None, None
+            grad_z = grad_window.new_zeros(grad_window.shape[0], ctx.n).scatter_(1, index, grad_window)
+            return grad_z, None, None, None, None
 
 
 def sorted_sparse_soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = True,
@@ -182,8 +156,8 @@ def sorted_sparse_soft_topk_window(scores: Tensor, k: int, *, regularization: fl
     with torch.profiler.record_function("softtopk::sorted_sparse_soft_topk"):
         prep = prepare_scores(scores, k, -1, True, regularization, mask, "linear", n_anchor_steps=k)
         ranks, support, index, info = quadratic_newton_solve(prep, k, tol, max_iter, window_only=True)
-        out = SortedSparseSoftTopKWindowFunction.apply(oriented_rows(scores, -1, prep), ranks, support, index,
-                                                       prep.grad_eps).to(scores.dtype)
+        out = SortedSparseSoftTopKFunction.apply(oriented_rows(scores, -1, prep), ranks, support, index,
+                                                 prep.grad_eps).to(scores.dtype)
     if warn:
         warn_if_unconverged(info, "sorted_sparse_soft_topk_window", tol, max_iter)
     return (out, index, info) if return_info else (out, index)
