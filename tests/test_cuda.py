@@ -232,8 +232,10 @@ MODES = {
 }
 
 
-#: (mode, precision): soft, hard and top-k attention in both half precisions; amp and the sync-free search once
-HALF_PRECISION_RUNS = [(mode, precision) for mode in ("soft", "hard", "topk_attention") for precision in ("--fp16", "--bf16")
+#: (mode, precision): soft, hard and top-k attention in float16; amp and the sync-free search once. Not --bf16:
+#: fairseq 0.12's --bf16 implies --tpu (it trains in bfloat16 on TPUs only; on an H100 its trainer failed asking
+#: torch_xla for a device); the models' bfloat16 numbers are checked on the CPU (test_loss_scale.py)
+HALF_PRECISION_RUNS = [(mode, "--fp16") for mode in ("soft", "hard", "topk_attention")
                        ] + [("soft", "--amp"), ("soft_fixed", "--fp16")]
 
 
