@@ -386,14 +386,15 @@ def restore_shape(rows: Tensor, scores: Tensor, dim: int, extra: Tuple[int, ...]
     return out.movedim(len(moved) - 1, dim if dim >= 0 else scores.dim() + dim)
 
 
-def oriented_rows(scores: Tensor, dim: int, prep: PreparedScores) -> Tensor:
+def oriented_rows(scores: Tensor, dim: int, prep: PreparedScores, dtype: Optional[torch.dtype] = None) -> Tensor:
     """``(rows, n)`` view of ``sign * scores`` that carries autograd back to ``scores``.
 
     The solvers work on detached copies; the autograd Functions take this tensor as their
     differentiable input (excluded entries are zeroed so that ``-inf`` never enters a gradient).
+    ``dtype``: the rows' (default ``prep.z``'s).
     """
     n = scores.shape[dim]
-    rows = scores.movedim(dim, -1).reshape(-1, n).to(prep.z.dtype)
+    rows = scores.movedim(dim, -1).reshape(-1, n).to(prep.z.dtype if dtype is None else dtype)
     if prep.all_valid:
         return rows if prep.sign > 0 else -rows
     return prep.sign * torch.where(prep.valid, rows, torch.zeros_like(rows))

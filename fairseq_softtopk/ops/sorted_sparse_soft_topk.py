@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._common import SolverInfo, check_inputs, oriented_rows, restore_shape, warn_if_unconverged
+from ._common import SolverInfo, check_inputs, oriented_rows, restore_shape, warn_if_unconverged, working_dtype
 from .quadratic_semi_dual import quadratic_newton_solve, solve_support_hessian
 from .semi_dual import anchors
 from .sparse_rows import sparse_rows
@@ -112,13 +112,14 @@ def sorted_sparse_soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: b
         # the rows in units of lambda with the gaps that cannot matter capped (.sparse_rows)
         prep = sparse_rows(scores, k, dim, largest, regularization, mask, sorted_ranks=True,
                            checks=not fixed_iterations)
+        dtype = working_dtype(scores.dtype)  # the positions are float64, the plan is not
         if hard:
-            out = torch.zeros(*prep.z.shape, k, dtype=prep.z.dtype, device=prep.z.device)
+            out = torch.zeros(*prep.z.shape, k, dtype=dtype, device=prep.z.device)
             out.scatter_(1, prep.top_index[:, :k].unsqueeze(1), 1.0)
             info = SolverInfo(True, 0, 0.0)
         else:
-            ranks, support, index, info = quadratic_newton_solve(prep, k, tol, max_iter, fixed_iterations)
-            out = SortedSparseSoftTopKFunction.apply(oriented_rows(scores, dim, prep), ranks, support, index,
+            ranks, support, index, info = quadratic_newton_solve(prep, k, tol, max_iter, fixed_iterations, dtype=dtype)
+            out = SortedSparseSoftTopKFunction.apply(oriented_rows(scores, dim, prep, dtype), ranks, support, index,
                                                      torch.full_like(prep.eps, regularization))
         out = restore_shape(out, scores, dim, extra=(k,)).to(scores.dtype)
     if warn and not fixed_iterations:
@@ -155,8 +156,9 @@ def sorted_sparse_soft_topk_window(scores: Tensor, k: int, *, regularization: fl
     check_inputs(scores, k, regularization, mask, "linear", tol, max_iter, -1)
     with torch.profiler.record_function("softtopk::sorted_sparse_soft_topk"):
         prep = sparse_rows(scores, k, -1, True, regularization, mask, sorted_ranks=True)
-        ranks, support, index, info = quadratic_newton_solve(prep, k, tol, max_iter, window_only=True)
-        out = SortedSparseSoftTopKFunction.apply(oriented_rows(scores, -1, prep), ranks, support, index,
+        dtype = working_dtype(scores.dtype)
+        ranks, support, index, info = quadratic_newton_solve(prep, k, tol, max_iter, window_only=True, dtype=dtype)
+        out = SortedSparseSoftTopKFunction.apply(oriented_rows(scores, -1, prep, dtype), ranks, support, index,
                                                  torch.full_like(prep.eps, regularization)).to(scores.dtype)
     if warn:
         warn_if_unconverged(info, "sorted_sparse_soft_topk_window", tol, max_iter)

@@ -16,11 +16,11 @@ smallest numbers that has the same solution, and the solvers never see a large n
   unchanged when the block is shifted (its anchors' masses are fixed); entries more than 2 below ``x_(k+1)``
   are on the rest anchor alone (the same exchange). So the gaps between the ``k + 1`` best are capped at
   :data:`SORTED_GAP_CAP` and the entries below ``x_(k+1)`` are clamped that far below it: every position is
-  within ``2 (k + 1) SORTED_GAP_CAP`` of 0.
+  within ``(k + 2) SORTED_GAP_CAP`` of 0. The positions are float64 (the semi-dual solver's precision).
 
 Differences are formed from the scores before the division by ``lambda`` (``s_i - s_(k)``: correctly rounded
-relative to the difference itself, exact where the two are within a factor of 2), so no rounding of a large
-score enters them. The map leaves every entry that can carry weight at its exact position relative to the
+relative to the difference itself, exact where the two are within a factor of 2, and exact in float64 for float32
+scores), so no rounding of a large score enters them. The map leaves every entry that can carry weight at its exact position relative to the
 others: the plans, and their derivatives in ``x`` (``1 / lambda`` in the scores), are those of the original rows.
 """
 
@@ -46,8 +46,8 @@ def sparse_rows(scores: Tensor, k: int, dim: int, largest: bool, regularization:
         checks: check the data (NaN, infinities, valid counts: one host read); False: no host synchronisation.
 
     Returns:
-        :class:`PreparedScores` with ``z`` ``(rows, n)`` the mapped positions (0 where excluded), ``eps`` all 1
-        (already in units of lambda), ``top`` ``(rows, min(k + 1, n))`` the positions of the best entries
+        :class:`PreparedScores` with ``z`` ``(rows, n)`` the mapped positions (0 where excluded; the working
+        dtype unsorted, float64 sorted), ``eps`` all 1 (already in units of lambda), ``top`` ``(rows, min(k + 1, n))`` the positions of the best entries
         (decreasing; ``top[:, k]`` of a row with k valid entries is meaningless) and ``top_index`` theirs.
 
     Raises:
@@ -75,8 +75,8 @@ def sparse_rows(scores: Tensor, k: int, dim: int, largest: bool, regularization:
         z, top = _unsorted_positions(s, top, k, regularization)
     if not all_valid:
         z = torch.where(valid, z, torch.zeros((), dtype=z.dtype, device=z.device))
-    ones = torch.ones(s.shape[0], 1, dtype=s.dtype, device=s.device)
-    return PreparedScores(z=z, valid=valid, n_valid=n_valid.to(s.dtype), eps=ones, sign=sign, top=top,
+    ones = torch.ones(s.shape[0], 1, dtype=z.dtype, device=s.device)
+    return PreparedScores(z=z, valid=valid, n_valid=n_valid.to(z.dtype), eps=ones, sign=sign, top=top,
                           top_index=top_index, all_valid=all_valid)
 
 
@@ -107,11 +107,10 @@ def _sorted_positions(s: Tensor, top: Tensor, top_index: Tensor, regularization:
     """``(z, top)``: the k + 1 best at their positions with each gap capped at :data:`SORTED_GAP_CAP`, the others
     at ``(k+1)-th position - min((s_(k+1) - s) / lambda, cap)``, centred between the first and the last of the
     k + 1 (the entropic operators' centring: positions near the rank boundaries keep their digits)."""
-    wide = top.double()  # the k + 1 best in float64: their gaps exact for float32 scores
-    gaps = in_units(wide[:, :-1] - wide[:, 1:], regularization)
-    gaps = torch.where(torch.isfinite(wide[:, 1:]), gaps.clamp_max(SORTED_GAP_CAP), SORTED_GAP_CAP)
-    positions = torch.cat([wide.new_zeros(wide.shape[0], 1), -gaps.cumsum(-1)], dim=-1)
-    positions = (positions - 0.5 * positions[:, -1:]).to(s.dtype)
-    last = positions[:, -1:]
-    below = in_units(top[:, -1:] - s, regularization).clamp_max_(SORTED_GAP_CAP)
-    return (last - below).scatter_(-1, top_index, positions), positions
+    top, s = top.double(), s.double()  # differences of float32 scores are exact in float64
+    gaps = (top[:, :-1] - top[:, 1:]) / regularization
+    gaps = torch.where(torch.isfinite(top[:, 1:]), gaps.clamp_max(SORTED_GAP_CAP), SORTED_GAP_CAP)
+    positions = torch.cat([top.new_zeros(top.shape[0], 1), -gaps.cumsum(-1)], dim=-1)
+    positions = positions - 0.5 * positions[:, -1:]
+    below = ((top[:, -1:] - s) / regularization).clamp_max_(SORTED_GAP_CAP)
+    return (positions[:, -1:] - below).scatter_(-1, top_index, positions), positions
