@@ -7,7 +7,9 @@ element's row of the plan is a Euclidean projection onto the simplex, so most en
 an element shares ranks only with the elements within about ``lambda`` of it, and elements far below
 the k-th best give everything to the rest anchor. :mod:`.quadratic_semi_dual` solves the semi-dual
 by Newton steps; the backward pass differentiates its optimality condition (implicit function
-theorem), one ``(k + 1) x (k + 1)`` solve per row.
+theorem), one ``(k + 1) x (k + 1)`` solve per row. The solver sees the float64 rows of
+:func:`.sparse_rows.sparse_rows` (units of lambda, gaps of more than 2 lambda between ranks capped: the
+same plan), so its line search compares objectives of moderate numbers whatever the magnitude of the scores.
 """
 
 from typing import Optional
