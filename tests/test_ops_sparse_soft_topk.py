@@ -460,7 +460,8 @@ def exact_sparse_topk(row, k: int, regularization, power: int = 1) -> list:
     """``clip(row / lambda - tau, 0, 1) ** power`` summing to k (``power`` 1: the projection onto {0 <= y <= 1,
     sum y = k}; 3: the p = 4/3 mask) in rational arithmetic (``row``: floats or Fractions, -inf = excluded): the
     piece of ``g(t) = sum clip(x_i - t, 0, 1) ** power`` that crosses k by bisection over the sorted breakpoints
-    ``x_i`` and ``x_i - 1``, then its root: exact for power 1, within 2**-48 of the piece's width (at most 1) for power 3."""
+    ``x_i`` and ``x_i - 1``, then its root: exact for power 1, within 2**-48 of the piece's width (at most 1) for
+    power 3."""
     lam = Fraction(regularization)
     xs = {i: Fraction(v) / lam for i, v in enumerate(row) if v != -math.inf}
     breakpoints = sorted(set(xs.values()) | {x - 1 for x in xs.values()})
@@ -558,7 +559,8 @@ def cluster_reference(row: torch.Tensor, kth: float, ulp: float, k: int, regular
     plan = torch.zeros(row.shape[0], k, dtype=torch.float64)
     plan[row.topk(above).indices, torch.arange(above)] = 1.0
     offsets = ((row[cluster] - kth) / regularization).numpy()
-    plan[cluster.unsqueeze(-1), torch.arange(above, k)] = torch.from_numpy(qp_sorted_sparse_topk(offsets, k - above, 1.0))
+    cluster_plan = qp_sorted_sparse_topk(offsets, k - above, 1.0)
+    plan[cluster.unsqueeze(-1), torch.arange(above, k)] = torch.from_numpy(cluster_plan)
     return plan, cluster, above
 
 
@@ -630,7 +632,8 @@ def test_gradients_at_scale_1e7_match_exact_and_float64_references(rng):
 
     weights = torch.randn(2, 20, k, generator=rng, dtype=torch.float64)
     dense_leaf, window_leaf = x.clone().requires_grad_(), x.clone().requires_grad_()
-    (sorted_sparse_soft_topk(dense_leaf, k, regularization=regularization, tol=1e-10) * weights.float()).sum().backward()
+    dense = sorted_sparse_soft_topk(dense_leaf, k, regularization=regularization, tol=1e-10)
+    (dense * weights.float()).sum().backward()
     ranks, index = sorted_sparse_soft_topk_window(window_leaf, k, regularization=regularization, tol=1e-10)
     (ranks * weights.float().gather(1, index.unsqueeze(-1).expand(-1, -1, k))).sum().backward()
     for row, kth_row, ulp_row, w, grad, window_grad in zip(x.double(), kth, ulp, weights, dense_leaf.grad,

@@ -197,7 +197,8 @@ def quadratic_newton_solve(prep: PreparedScores, k: int, tol: float, max_iter: i
     dtype = prep.z.dtype if dtype is None else dtype
     ranks_window = P[..., :k].to(dtype)
     if m < n and not window_only:
-        ranks = prep.z.new_zeros(rows, n, k, dtype=dtype).scatter_(1, index.unsqueeze(-1).expand(-1, -1, k), ranks_window)
+        ranks = prep.z.new_zeros(rows, n, k, dtype=dtype)
+        ranks.scatter_(1, index.unsqueeze(-1).expand(-1, -1, k), ranks_window)
     else:
         ranks = ranks_window
     if fixed_iterations:

@@ -20,8 +20,9 @@ smallest numbers that has the same solution, and the solvers never see a large n
 
 Differences are formed from the scores before the division by ``lambda`` (``s_i - s_(k)``: correctly rounded
 relative to the difference itself, exact where the two are within a factor of 2, and exact in float64 for float32
-scores), so no rounding of a large score enters them. The map leaves every entry that can carry weight at its exact position relative to the
-others: the plans, and their derivatives in ``x`` (``1 / lambda`` in the scores), are those of the original rows.
+scores), so no rounding of a large score enters them. The map leaves every entry that can carry weight at its
+exact position relative to the others: the plans, and their derivatives in ``x`` (``1 / lambda`` in the scores),
+are those of the original rows.
 """
 
 import torch
@@ -47,8 +48,9 @@ def sparse_rows(scores: Tensor, k: int, dim: int, largest: bool, regularization:
 
     Returns:
         :class:`PreparedScores` with ``z`` ``(rows, n)`` the mapped positions (0 where excluded; the working
-        dtype unsorted, float64 sorted), ``eps`` all 1 (already in units of lambda), ``top`` ``(rows, min(k + 1, n))`` the positions of the best entries
-        (decreasing; ``top[:, k]`` of a row with k valid entries is meaningless) and ``top_index`` theirs.
+        dtype unsorted, float64 sorted), ``eps`` all 1 (already in units of lambda), ``top``
+        ``(rows, min(k + 1, n))`` the positions of the best entries (decreasing; ``top[:, k]`` of a row with k
+        valid entries is meaningless) and ``top_index`` theirs.
 
     Raises:
         ValueError: as :func:`~fairseq_softtopk.ops._common.prepare_scores` with ``checks``.
