@@ -650,3 +650,17 @@ def test_gradients_at_scale_1e7_match_exact_and_float64_references(rng):
         assert float(expected.abs().max()) > 0.01
         torch.testing.assert_close(grad.double(), expected, atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(window_grad, grad, atol=1e-7, rtol=1e-6)
+
+
+def test_scores_and_regularization_at_the_ends_of_float32():
+    """Scores near float32's largest number, and a regularization beyond it (differences that overflow float32
+    still count): the large-lambda limit k/n + (x - mean x) / lambda exactly, the plan's marginals, no error."""
+    x = torch.tensor([[3e38, -3e38, 1e38, 0.0, -1e-30]])
+    exact = 2 / 5 + (x.double() - x.double().mean()) / 1e39
+    torch.testing.assert_close(sparse_soft_topk(x, 2, regularization=1e39).double(), exact, atol=1e-6, rtol=0)
+    plan = sorted_sparse_soft_topk(x, 2, regularization=1e39)
+    torch.testing.assert_close(plan.sum(1), torch.ones(1, 2), atol=1e-6, rtol=0)
+    assert float(plan.sum(-1).max()) <= 1 + 1e-6 and bool((plan >= 0).all())
+    for lam in (1e-40, 1.0):  # everything apart by more than 2 lambda: the hard selections
+        torch.testing.assert_close(sparse_soft_topk(x, 2, regularization=lam), sparse_soft_topk(x, 2, hard=True))
+        torch.testing.assert_close(sorted_sparse_soft_topk(x, 2, regularization=lam), _hard_permutation(x, 2))

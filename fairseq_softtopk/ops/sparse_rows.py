@@ -1,28 +1,30 @@
-"""The sparse operators' rows: scores in units of the regularisation, with the gaps that cannot matter capped.
+"""The sparse operators' rows: the scores with the gaps that cannot matter capped, so that no number is large.
 
 Both quadratic problems (:mod:`.sparse_soft_topk`, :mod:`.sorted_sparse_soft_topk`) depend on a row only through
 the differences of its scores in units of ``lambda``, ``x = s / lambda``, and on those differences only up to a
 few units: beyond that the solution is the same whatever the gap. So each row is mapped to the row with the
-smallest numbers that has the same solution, and the solvers never see a large number:
+smallest numbers that has the same solution, and the solvers never see a large number (the scores divided by
+lambda first, 1e7 over 1 in float32 had no digits left below 1, and 1e20 over 0.1 left the sorted solver's line
+search comparing objectives of 1e21 whose differences were below their rounding):
 
 * unsorted: the threshold ``tau`` lies in ``[x_(k+1) - 1, x_(k)]`` (below it the k + 1 best would all weigh 1,
   above it fewer than k entries would weigh anything), so entries above ``x_(k) + 1`` weigh 1 and entries below
   ``x_(k+1) - 1`` weigh 0 whatever ``tau`` is: they are clamped there. Where ``x_(k) - x_(k+1) >= 1`` the
   solution is the hard top-k (``tau`` anywhere in ``[x_(k+1), x_(k) - 1]``), so that gap is capped at 2. The
-  row becomes ``clamp(x - x_(k), -gap - 1, 1)``, in ``[-3, 1]``;
+  row becomes ``clamp((s - s_(k)) / lambda, -gap - 1, 1)``, in ``[-3, 1]``: the difference is taken before the
+  division, correctly rounded relative to itself (exact where the two scores are within a factor of 2);
 * sorted: if two consecutive sorted scores ``x_(j) > x_(j+1)`` (``j <= k``) are more than 2 apart, the plan
   is block diagonal (the j best on the ranks ``0..j-1``, the others on the ranks ``j..k``: moving mass
   ``delta`` across the gap in both directions gains at least ``delta (gap - 2)``), and each block's plan is
   unchanged when the block is shifted (its anchors' masses are fixed); entries more than 2 below ``x_(k+1)``
-  are on the rest anchor alone (the same exchange). So the gaps between the ``k + 1`` best are capped at
+  are on the rest anchor alone (the same exchange). So the gaps between the ``k + 1`` best are closed to
   :data:`SORTED_GAP_CAP` and the entries below ``x_(k+1)`` are clamped that far below it: every position is
-  within ``(k + 2) SORTED_GAP_CAP`` of 0. The positions are float64 (the semi-dual solver's precision).
+  within ``(k + 2) SORTED_GAP_CAP`` of 0. The positions are float64 from differences of scores (exact in float64
+  for float32 scores), so that those that share ranks keep their exact relative positions whatever the
+  magnitude of the scores (a constant per block in the scores' units would be rounded to their resolution).
 
-Differences are formed from the scores before the division by ``lambda`` (``s_i - s_(k)``: correctly rounded
-relative to the difference itself, exact where the two are within a factor of 2, and exact in float64 for float32
-scores), so no rounding of a large score enters them. The map leaves every entry that can carry weight at its
-exact position relative to the others: the plans, and their derivatives in ``x`` (``1 / lambda`` in the scores),
-are those of the original rows.
+The map leaves every entry that can carry weight at its exact position relative to the others: the solutions, and
+their derivatives (``1 / lambda`` times those in ``x``), are those of the original rows.
 """
 
 import torch
@@ -47,8 +49,8 @@ def sparse_rows(scores: Tensor, k: int, dim: int, largest: bool, regularization:
         checks: check the data (NaN, infinities, valid counts: one host read); False: no host synchronisation.
 
     Returns:
-        :class:`PreparedScores` with ``z`` ``(rows, n)`` the mapped positions (0 where excluded; the working
-        dtype unsorted, float64 sorted), ``eps`` all 1 (already in units of lambda), ``top``
+        :class:`PreparedScores` with ``z`` ``(rows, n)`` the mapped positions in units of lambda (0 where
+        excluded; the working dtype unsorted, float64 sorted), ``eps`` all 1 in that dtype, ``top``
         ``(rows, min(k + 1, n))`` the positions of the best entries (decreasing; ``top[:, k]`` of a row with k
         valid entries is meaningless) and ``top_index`` theirs.
 
@@ -73,21 +75,24 @@ def sparse_rows(scores: Tensor, k: int, dim: int, largest: bool, regularization:
         top = torch.where(counted, s.gather(-1, top_index), -torch.inf)
     if sorted_ranks:
         z, top = _sorted_positions(s, top, top_index, regularization)
+    elif regularization > torch.finfo(s.dtype).max / 4:  # a difference that overflows s's dtype could still matter
+        z, top = (t.to(s.dtype) for t in _unsorted_positions(s.double(), top.double(), k, regularization))
     else:
         z, top = _unsorted_positions(s, top, k, regularization)
     if not all_valid:
         z = torch.where(valid, z, torch.zeros((), dtype=z.dtype, device=z.device))
-    ones = torch.ones(s.shape[0], 1, dtype=z.dtype, device=s.device)
+    ones = torch.ones(s.shape[0], 1, dtype=z.dtype, device=s.device)  # the positions are in units of lambda
     return PreparedScores(z=z, valid=valid, n_valid=n_valid.to(z.dtype), eps=ones, sign=sign, top=top,
                           top_index=top_index, all_valid=all_valid)
 
 
-def in_units(difference: Tensor, regularization: float) -> Tensor:
-    """``difference / regularization`` in ``difference``'s dtype, also where ``regularization`` is not a normal
-    number of that dtype (divided in float64 then: a float32 ``1e-40`` would lose its digits or be 0)."""
+def in_units_(difference: Tensor, regularization: float) -> Tensor:
+    """``difference / regularization`` in ``difference``'s dtype, in place (``difference`` is a temporary), also
+    where ``regularization`` is not a normal number of that dtype (divided in float64 then: a float32 ``1e-40``
+    would lose its digits or be 0)."""
     info = torch.finfo(difference.dtype)
     if info.tiny <= regularization <= info.max:
-        return difference / regularization
+        return difference.div_(regularization)
     return (difference.double() / regularization).to(difference.dtype)
 
 
@@ -95,24 +100,26 @@ def _unsorted_positions(s: Tensor, top: Tensor, k: int, regularization: float):
     """``(z, top)``: ``clamp((s - s_(k)) / lambda, -gap - 1, 1)`` with ``gap = min((s_(k) - s_(k+1)) / lambda, 2)``,
     and the positions of the best ``k + 1`` (the last one ``-gap``)."""
     kth = top[:, k - 1:k]
-    z = in_units(s - kth, regularization).clamp_max_(1.0)
     if top.shape[1] > k:
-        gap = in_units(kth - top[:, k:], regularization).clamp_max(UNSORTED_GAP_CAP)  # inf (no k+1-th): the cap
+        gap = in_units_(kth - top[:, k:], regularization).clamp_max_(UNSORTED_GAP_CAP)  # inf (no k+1-th): the cap
     else:
         gap = torch.full_like(kth, UNSORTED_GAP_CAP)
-    z = torch.maximum(z, -gap - 1.0)
-    top = torch.cat([in_units(top[:, :k] - kth, regularization).clamp_max(1.0), -gap], dim=-1)
+    z = in_units_(s - kth, regularization).clamp_(min=-gap - 1.0, max=torch.ones_like(gap))
+    top = torch.cat([in_units_(top[:, :k] - kth, regularization).clamp_max_(1.0), -gap], dim=-1)
     return z, top
 
 
 def _sorted_positions(s: Tensor, top: Tensor, top_index: Tensor, regularization: float):
-    """``(z, top)``: the k + 1 best at their positions with each gap capped at :data:`SORTED_GAP_CAP`, the others
-    at ``(k+1)-th position - min((s_(k+1) - s) / lambda, cap)``, centred between the first and the last of the
-    k + 1 (the entropic operators' centring: positions near the rank boundaries keep their digits)."""
-    top, s = top.double(), s.double()  # differences of float32 scores are exact in float64
-    gaps = (top[:, :-1] - top[:, 1:]) / regularization
-    gaps = torch.where(torch.isfinite(top[:, 1:]), gaps.clamp_max(SORTED_GAP_CAP), SORTED_GAP_CAP)
-    positions = torch.cat([top.new_zeros(top.shape[0], 1), -gaps.cumsum(-1)], dim=-1)
+    """``(z, top)`` float64: the k + 1 best at their positions with each gap capped at :data:`SORTED_GAP_CAP`, the
+    others at ``(k+1)-th position - min((s_(k+1) - s) / lambda, cap)``, centred between the first and the last of
+    the k + 1 (the entropic operators' centring: positions near the rank boundaries keep their digits)."""
+    wide = top.double()  # the gaps between the k + 1 best: exact in float64 for float32 scores
+    gaps = (wide[:, :-1] - wide[:, 1:]) / regularization
+    gaps = torch.where(torch.isfinite(wide[:, 1:]), gaps.clamp_max(SORTED_GAP_CAP), SORTED_GAP_CAP)
+    positions = torch.cat([wide.new_zeros(wide.shape[0], 1), -gaps.cumsum(-1)], dim=-1)
     positions = positions - 0.5 * positions[:, -1:]
-    below = ((top[:, -1:] - s) / regularization).clamp_max_(SORTED_GAP_CAP)
-    return (positions[:, -1:] - below).scatter_(-1, top_index, positions), positions
+    # the others' differences to the (k+1)-th best written straight into the float64 rows, then in place: one new
+    # (rows, n) tensor (fresh ones cost more than this arithmetic)
+    z = torch.sub(top[:, -1:], s, out=torch.empty(s.shape, dtype=torch.float64, device=s.device))
+    z.div_(regularization).clamp_max_(SORTED_GAP_CAP).neg_().add_(positions[:, -1:])
+    return z.scatter_(-1, top_index, positions), positions

@@ -142,7 +142,7 @@ def sparse_soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = T
         if hard:
             out = torch.zeros_like(prep.z).scatter_(-1, prep.top_index[:, :k], 1.0)
         else:
-            x = torch.where(prep.valid, prep.z, -torch.inf)
+            x = prep.z if prep.all_valid else torch.where(prep.valid, prep.z, -torch.inf)
             threshold = capped_simplex_threshold if p == 2 else capped_cubic_threshold
             tau = threshold(_threshold_window(x, prep.top, prep.n_valid, k), torch.full_like(prep.eps, k))
             # a gap >= 1 below the k-th best (x_(k) = 0, x_(k+1) = -gap): the hard top-k, from a threshold in the
