@@ -73,10 +73,11 @@ def sparse_rows(scores: Tensor, k: int, dim: int, largest: bool, regularization:
         # a row's entries past its valid count are -inf: no gap to them is finite
         counted = torch.arange(width, device=s.device) < n_valid.unsqueeze(-1)
         top = torch.where(counted, s.gather(-1, top_index), -torch.inf)
+    if regularization > torch.finfo(s.dtype).max / 4:
+        # a difference of scores that overflows could still be a few lambdas: scores and lambda divided by 4 (exact)
+        s, top, regularization = s / 4, top / 4, regularization / 4
     if sorted_ranks:
         z, top = _sorted_positions(s, top, top_index, regularization)
-    elif regularization > torch.finfo(s.dtype).max / 4:  # a difference that overflows s's dtype could still matter
-        z, top = (t.to(s.dtype) for t in _unsorted_positions(s.double(), top.double(), k, regularization))
     else:
         z, top = _unsorted_positions(s, top, k, regularization)
     if not all_valid:
