@@ -4,6 +4,8 @@ device check and loss scaling."""
 
 import functools
 import math
+import warnings
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -448,3 +450,217 @@ def test_the_unsorted_threshold_window_equals_the_whole_row(rng, monkeypatch, p)
     torch.testing.assert_close(out, (scaled - tau).clamp(0, 1) ** (1 if p == 2 else 3), atol=1e-12, rtol=0)
     assert widths[0] < 100  # the threshold was searched on a window, not on the 600 entries
     np.testing.assert_allclose(out[0].numpy(), qp_sparse_topk(x[0].numpy(), 4, 0.3, p), atol=1e-6)
+
+
+# Extreme scales: scores far larger than the regularisation. The operators work on the differences of the scores
+# in units of lambda with the gaps that cannot matter capped (fairseq_softtopk.ops.sparse_rows); these tests hold
+# them to an exact rational solution (unsorted) and to the QP of the near-boundary entries (sorted).
+
+def exact_sparse_topk(row, k: int, regularization, power: int = 1) -> list:
+    """``clip(row / lambda - tau, 0, 1) ** power`` summing to k (``power`` 1: the projection onto {0 <= y <= 1,
+    sum y = k}; 3: the p = 4/3 mask) in rational arithmetic (``row``: floats or Fractions, -inf = excluded): the
+    piece of ``g(t) = sum clip(x_i - t, 0, 1) ** power`` that crosses k by bisection over the sorted breakpoints
+    ``x_i`` and ``x_i - 1``, then its root: exact for power 1, within 2**-48 of the piece's width (at most 1) for
+    power 3."""
+    lam = Fraction(regularization)
+    xs = {i: Fraction(v) / lam for i, v in enumerate(row) if v != -math.inf}
+    breakpoints = sorted(set(xs.values()) | {x - 1 for x in xs.values()})
+
+    def g(t):
+        return sum(min(max(x - t, 0), 1) ** power for x in xs.values())
+
+    lo, hi = 0, len(breakpoints) - 1  # g(breakpoints[lo]) >= k > g(breakpoints[hi])
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if g(breakpoints[mid]) >= k else (lo, mid)
+    t0, t1 = breakpoints[lo], breakpoints[hi]
+    if power == 1:
+        tau = t0 + (g(t0) - k) * (t1 - t0) / (g(t0) - g(t1))
+    else:
+        for _ in range(48):
+            t0, t1 = ((t0 + t1) / 2, t1) if g((t0 + t1) / 2) >= k else (t0, (t0 + t1) / 2)
+        tau = t0
+    return [min(max(xs[i] - tau, 0), 1) ** power if i in xs else Fraction(0) for i in range(len(row))]
+
+
+def near_boundary_rows(rows: int, n: int, k: int, scale: float, dtype, generator):
+    """Normal scores times ``scale``, with 6 entries of each row put within 4 ulps of its k-th best (ties among them):
+    the entries that share the selection when lambda is a few ulps. Returns ``(x, kth, ulp)``, ``(rows, 1)`` each."""
+    x = (torch.randn(rows, n, generator=generator, dtype=torch.float64) * scale).to(dtype)
+    kth = x.topk(k, dim=-1).values[:, -1:]
+    ulp = torch.nextafter(kth.abs(), torch.tensor(math.inf, dtype=dtype)) - kth.abs()
+    steps = torch.randint(-4, 5, (rows, 6), generator=generator).to(dtype)
+    x[:, torch.randperm(n, generator=generator)[:6]] = kth + steps * ulp
+    return x, kth, ulp
+
+
+EXTREME_SCALES = [1e7, 1e12, 1e20]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("scale", EXTREME_SCALES)
+def test_sparse_topk_at_extreme_scales_is_the_exact_projection(rng, scale, dtype):
+    """Rows sum to k with entries in [0, 1] at any scale, equal to the exact rational projection of the same
+    scores (p = 2; p = 4/3 within 2**-48 of it): lambda 1 (from 1e12 up only tied scores share) and lambda a few
+    ulps of the k-th best (the entries near it share), largest and smallest, with a mask and -inf."""
+    k = 5
+    x, kth, ulp = near_boundary_rows(4, 30, k, scale, dtype, rng)
+    x[1, -3:] = -math.inf
+    mask = torch.zeros_like(x, dtype=torch.bool)
+    mask[2, :4] = True
+    tol = 2e-6 if dtype == torch.float32 else 1e-13
+    for regularization in (1.0, 3.0 * float(ulp.amax())):
+        for largest in (True, False):
+            scores = x if largest else torch.where(torch.isinf(x), math.inf, -x)
+            out = sparse_soft_topk(scores, k, regularization=regularization, largest=largest, mask=mask)
+            oriented = torch.where(mask, -math.inf, x).double().tolist()
+            ref = torch.tensor([[float(v) for v in exact_sparse_topk(row, k, regularization)] for row in oriented],
+                               dtype=torch.float64)
+            torch.testing.assert_close(out.double(), ref, atol=tol, rtol=0)
+            torch.testing.assert_close(out.double().sum(-1), torch.full((4,), float(k), dtype=torch.float64),
+                                       atol=k * tol, rtol=0)
+            assert bool((out >= 0).all()) and bool((out <= 1).all())
+            assert bool((out[mask] == 0).all()) and bool((out[1, -3:] == 0).all())
+            cubic = sparse_soft_topk(scores, k, regularization=regularization, largest=largest, mask=mask, p=4 / 3)
+            ref = torch.tensor([[float(v) for v in exact_sparse_topk(row, k, regularization, 3)] for row in oriented],
+                               dtype=torch.float64)
+            torch.testing.assert_close(cubic.double(), ref, atol=tol, rtol=0)
+            torch.testing.assert_close(cubic.double().sum(-1), torch.full((4,), float(k), dtype=torch.float64),
+                                       atol=k * tol, rtol=0)
+            assert bool((cubic >= 0).all()) and bool((cubic <= 1).all())
+
+
+def test_sparse_topk_of_normal_scores_times_1e7(rng):
+    """The measured failure: rows summed to up to 11 instead of 5 at scale 1e7, lambda 1, float32."""
+    x = torch.randn(200, 50, generator=rng) * 1e7
+    out = sparse_soft_topk(x, 5, regularization=1.0)
+    torch.testing.assert_close(out.sum(-1), torch.full((200,), 5.0), atol=1e-5, rtol=0)
+    assert bool((out >= 0).all()) and bool((out <= 1).all())
+    ref = torch.tensor([[float(v) for v in exact_sparse_topk(row, 5, 1.0)] for row in x.double().tolist()])
+    torch.testing.assert_close(out, ref.float(), atol=1e-6, rtol=0)
+
+
+def cluster_reference(row: torch.Tensor, kth: float, ulp: float, k: int, regularization: float):
+    """The sorted plan of ``row`` (float64, -inf = excluded) whose entries are all more than 2 lambda apart except
+    a cluster within 4 ulps of the k-th best: entries more than 2 lambda apart never share a rank (moving mass
+    delta across such a gap both ways gains at least delta (gap - 2) lambda), so the j entries above the cluster
+    take ranks 0..j-1, the entries below it nothing, and the cluster solves the same problem with k - j ranks,
+    here by the QP solver on its offsets in units of lambda. Returns ``(plan (n, k), cluster index, j)``."""
+    in_cluster = (row - kth).abs() <= 4 * ulp
+    cluster = in_cluster.nonzero().squeeze(-1)
+    outside = row[~in_cluster & torch.isfinite(row)]
+    above = int((outside > kth).sum())
+    # the premise: every other entry is more than 2 lambda from any other and from the cluster
+    everything = torch.cat([outside, row[cluster]]).sort().values
+    others = outside.sort().values
+    assert float(others.diff().amin()) > 2 * regularization
+    assert float((everything.unsqueeze(0) - others.unsqueeze(1)).abs().topk(2, largest=False).values[:, 1].amin()) \
+        > 2 * regularization
+    plan = torch.zeros(row.shape[0], k, dtype=torch.float64)
+    plan[row.topk(above).indices, torch.arange(above)] = 1.0
+    offsets = ((row[cluster] - kth) / regularization).numpy()
+    cluster_plan = qp_sorted_sparse_topk(offsets, k - above, 1.0)
+    plan[cluster.unsqueeze(-1), torch.arange(above, k)] = torch.from_numpy(cluster_plan)
+    return plan, cluster, above
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("scale", EXTREME_SCALES)
+def test_sorted_sparse_topk_at_extreme_scales_is_the_cluster_qp(rng, scale, dtype):
+    """Columns sum to 1 and rows lie in [0, 1] summing to at most 1 at any scale, the plan equal to the QP of the
+    entries near the k-th best (lambda a few ulps of it: those share ranks), with a mask and -inf; the window form
+    gives the same plan on its window."""
+    k = 4
+    x, kth, ulp = near_boundary_rows(3, 24, k, scale, dtype, rng)
+    regularization = 3.0 * float(ulp.amax())
+    x[1, torch.argsort(x[1])[:3]] = -math.inf  # the lowest three: far from the cluster
+    mask = torch.zeros_like(x, dtype=torch.bool)
+    mask[2, torch.argsort(x[2])[:2]] = True
+    out, info = sorted_sparse_soft_topk(x, k, regularization=regularization, mask=mask, tol=1e-10, return_info=True)
+    assert info.converged
+    tol = 1e-6 if dtype == torch.float32 else 1e-9
+    torch.testing.assert_close(out.double().sum(1), torch.ones(3, k, dtype=torch.float64), atol=tol, rtol=0)
+    assert bool((out >= 0).all()) and float(out.double().sum(-1).max()) <= 1 + tol
+    assert bool((out[mask] == 0).all()) and bool((out[1][torch.isinf(x[1])] == 0).all())
+    for row, kth_row, ulp_row, plan in zip(torch.where(mask, -math.inf, x).double(), kth, ulp, out):
+        ref, _, _ = cluster_reference(row, float(kth_row), float(ulp_row), k, regularization)
+        torch.testing.assert_close(plan.double(), ref, atol=1e-6, rtol=0)  # the QP's own accuracy near 0
+    ranks, index = sorted_sparse_soft_topk_window(x, k, regularization=regularization, mask=mask, tol=1e-10)
+    scattered = torch.zeros_like(out).scatter(1, index.unsqueeze(-1).expand(-1, -1, k), ranks)
+    torch.testing.assert_close(scattered, out, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_hard_selections_and_ties_at_1e20(dtype):
+    """The measured failure: an all-zero plan with a warning at scores 1e20, lambda 0.1. Scores apart by more than
+    2 lambda give the hard permutation exactly, tied scores split their ranks equally, without a warning."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        x = torch.tensor([[1e20, -1e20, 5e19, 0.0]], dtype=dtype)
+        torch.testing.assert_close(sorted_sparse_soft_topk(x, 2), _hard_permutation(x, 2), atol=0, rtol=0)
+        ranks, index = sorted_sparse_soft_topk_window(x, 2)
+        torch.testing.assert_close(torch.zeros(1, 4, 2, dtype=dtype).scatter(1, index.unsqueeze(-1).expand(-1, -1, 2),
+                                                                               ranks), _hard_permutation(x, 2))
+        torch.testing.assert_close(sparse_soft_topk(x, 2), torch.tensor([[1.0, 0.0, 1.0, 0.0]], dtype=dtype))
+        ties = torch.tensor([1e20, 5e19, 5e19, 0.0], dtype=dtype)
+        expected = torch.tensor([[1.0, 0.0], [0.0, 0.5], [0.0, 0.5], [0.0, 0.0]], dtype=dtype)
+        torch.testing.assert_close(sorted_sparse_soft_topk(ties, 2), expected, atol=1e-6, rtol=0)
+        torch.testing.assert_close(sparse_soft_topk(ties, 2), torch.tensor([1.0, 0.5, 0.5, 0.0], dtype=dtype))
+        torch.testing.assert_close(sparse_soft_topk(-ties, 2, largest=False),
+                                   torch.tensor([1.0, 0.5, 0.5, 0.0], dtype=dtype))
+
+
+def test_gradients_at_scale_1e7_match_exact_and_float64_references(rng):
+    """float32 scores around 1e7, lambda about 3 of their ulps: the unsorted gradient equals central differences of
+    the exact rational projection, the sorted one (dense and window form) the gradient of the near-boundary
+    cluster's problem in float64 at lambda 1 (itself checked by gradcheck), divided by lambda."""
+    k = 4
+    x, kth, ulp = near_boundary_rows(2, 20, k, 1e7, torch.float32, rng)
+    regularization = 3.1 * float(ulp.amax())  # not a multiple of the ulps: no entry sits on a kink
+    weights = torch.randn(2, 20, generator=rng, dtype=torch.float64)
+    leaf = x.clone().requires_grad_()
+    (sparse_soft_topk(leaf, k, regularization=regularization) * weights.float()).sum().backward()
+    h = Fraction(regularization) / 2 ** 30
+    for row, w, grad in zip(x.double().tolist(), weights.tolist(), leaf.grad):
+        def loss(values):
+            return sum(Fraction(wi) * yi for wi, yi in zip(w, exact_sparse_topk(values, k, regularization)))
+        base = [Fraction(v) for v in row]
+        fd = [float((loss(base[:j] + [v + h] + base[j + 1:]) - loss(base[:j] + [v - h] + base[j + 1:])) / (2 * h))
+              for j, v in enumerate(base)]
+        assert any(abs(v) > 0.01 for v in fd)
+        torch.testing.assert_close(grad.double(), torch.tensor(fd, dtype=torch.float64), atol=1e-5, rtol=1e-5)
+
+    weights = torch.randn(2, 20, k, generator=rng, dtype=torch.float64)
+    dense_leaf, window_leaf = x.clone().requires_grad_(), x.clone().requires_grad_()
+    dense = sorted_sparse_soft_topk(dense_leaf, k, regularization=regularization, tol=1e-10)
+    (dense * weights.float()).sum().backward()
+    ranks, index = sorted_sparse_soft_topk_window(window_leaf, k, regularization=regularization, tol=1e-10)
+    (ranks * weights.float().gather(1, index.unsqueeze(-1).expand(-1, -1, k))).sum().backward()
+    for row, kth_row, ulp_row, w, grad, window_grad in zip(x.double(), kth, ulp, weights, dense_leaf.grad,
+                                                           window_leaf.grad):
+        _, cluster, above = cluster_reference(row, float(kth_row), float(ulp_row), k, regularization)
+        offsets = ((row[cluster] - float(kth_row)) / regularization).requires_grad_()
+
+        def cluster_plan(v):
+            return sorted_sparse_soft_topk(v, k - above, regularization=1.0, tol=1e-13)
+
+        assert torch.autograd.gradcheck(cluster_plan, (offsets,), atol=1e-7)
+        (cluster_plan(offsets) * w[cluster, above:]).sum().backward()
+        expected = torch.zeros(20, dtype=torch.float64).index_copy(0, cluster, offsets.grad / regularization)
+        assert float(expected.abs().max()) > 0.01
+        torch.testing.assert_close(grad.double(), expected, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(window_grad, grad, atol=1e-7, rtol=1e-6)
+
+
+def test_scores_and_regularization_at_the_ends_of_float32():
+    """Scores near float32's largest number, and a regularization beyond it (differences that overflow float32
+    still count): the large-lambda limit k/n + (x - mean x) / lambda exactly, the plan's marginals, no error."""
+    x = torch.tensor([[3e38, -3e38, 1e38, 0.0, -1e-30]])
+    exact = 2 / 5 + (x.double() - x.double().mean()) / 1e39
+    torch.testing.assert_close(sparse_soft_topk(x, 2, regularization=1e39).double(), exact, atol=1e-6, rtol=0)
+    plan = sorted_sparse_soft_topk(x, 2, regularization=1e39)
+    torch.testing.assert_close(plan.sum(1), torch.ones(1, 2), atol=1e-6, rtol=0)
+    assert float(plan.sum(-1).max()) <= 1 + 1e-6 and bool((plan >= 0).all())
+    for lam in (1e-40, 1.0):  # everything apart by more than 2 lambda: the hard selections
+        torch.testing.assert_close(sparse_soft_topk(x, 2, regularization=lam), sparse_soft_topk(x, 2, hard=True))
+        torch.testing.assert_close(sorted_sparse_soft_topk(x, 2, regularization=lam), _hard_permutation(x, 2))

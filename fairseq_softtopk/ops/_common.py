@@ -180,33 +180,11 @@ def prepare_scores(scores: Tensor, k: int, dim: int, largest: bool, epsilon: flo
         ValueError: NaN scores, the winning infinity (``+inf`` with ``largest=True``), or fewer
             than ``k`` valid entries in a row.
     """
-    x = scores.detach().movedim(dim, -1)
-    n = x.shape[-1]
-    x = x.reshape(-1, n).to(working_dtype(scores.dtype))
     if not checks:
-        return _prepare_unchecked(x, k, n, largest, epsilon, mask, dim, cost, n_anchor_steps)
-    # The common case, every score finite, in one reduction: a sum is finite only if no entry is
-    # NaN or infinite (if it overflows, the entry-wise checks below decide).
-    finite = bool(torch.isfinite(x.sum())) or bool(torch.isfinite(x).all())
-    if not finite:
-        if torch.isnan(x).any():
-            raise ValueError("scores contain NaN")
-        losing_inf, winning_inf = (-float("inf"), float("inf")) if largest else (float("inf"), -float("inf"))
-        if (x == winning_inf).any():
-            raise ValueError(f"scores contain {winning_inf}; only {losing_inf} (= excluded) is allowed "
-                             f"with largest={largest}")
-        valid = x != losing_inf
-    else:
-        valid = torch.ones_like(x, dtype=torch.bool)
-    if mask is not None:
-        valid &= ~mask.detach().movedim(dim, -1).reshape(-1, n)
-    all_valid = finite and mask is None
-    n_valid = torch.full((x.shape[0],), n, device=x.device) if all_valid else valid.sum(-1)
-    if x.shape[0] > 0 and int(n_valid.min()) < k:
-        raise ValueError(f"k={k} exceeds the number of valid (unmasked, finite) entries in a row "
-                         f"(smallest such count: {int(n_valid.min())}, n={n})")
-    if not all_valid:
-        x = torch.where(valid, x, torch.zeros((), dtype=x.dtype, device=x.device))
+        return _prepare_unchecked(*unchecked_rows(scores, dim, largest, mask), k, largest, epsilon, cost,
+                                  n_anchor_steps)
+    x, valid, n_valid, all_valid = checked_rows(scores, k, dim, largest, mask)
+    n = x.shape[-1]
     eps = effective_epsilon(x, None if all_valid else valid, epsilon, cost, n_anchor_steps)
     scale = None
     if not _in_safe_range(x, eps, n_anchor_steps):
@@ -229,14 +207,61 @@ def prepare_scores(scores: Tensor, k: int, dim: int, largest: bool, epsilon: flo
                           top_index=top_index, all_valid=all_valid, scale=scale)
 
 
-def _prepare_unchecked(x: Tensor, k: int, n: int, largest: bool, epsilon: float, mask: Optional[Tensor], dim: int,
-                       cost: str, n_anchor_steps: int) -> PreparedScores:
-    """:func:`prepare_scores` without host synchronisation (``checks=False``): the same centred rows."""
-    losing_inf = -float("inf") if largest else float("inf")
-    valid = x != losing_inf
+def checked_rows(scores: Tensor, k: int, dim: int, largest: bool,
+                 mask: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor, bool]:
+    """``scores`` flattened to rows along ``dim`` in the working dtype, with the data checked.
+
+    Returns:
+        ``(x, valid, n_valid, all_valid)``: ``x`` ``(rows, n)`` (not oriented; 0 where excluded), ``valid``
+        ``(rows, n)`` bool, ``n_valid`` ``(rows,)`` integer counts, ``all_valid`` (no mask, no infinity).
+    Raises:
+        ValueError: NaN scores, the winning infinity (``+inf`` with ``largest=True``), or fewer than ``k``
+        valid entries in a row.
+    """
+    x = scores.detach().movedim(dim, -1)
+    n = x.shape[-1]
+    x = x.reshape(-1, n).to(working_dtype(scores.dtype))
+    # The common case, every score finite, in one reduction: a sum is finite only if no entry is
+    # NaN or infinite (if it overflows, the entry-wise checks below decide).
+    finite = bool(torch.isfinite(x.sum())) or bool(torch.isfinite(x).all())
+    if not finite:
+        if torch.isnan(x).any():
+            raise ValueError("scores contain NaN")
+        losing_inf, winning_inf = (-float("inf"), float("inf")) if largest else (float("inf"), -float("inf"))
+        if (x == winning_inf).any():
+            raise ValueError(f"scores contain {winning_inf}; only {losing_inf} (= excluded) is allowed "
+                             f"with largest={largest}")
+        valid = x != losing_inf
+    else:
+        valid = torch.ones_like(x, dtype=torch.bool)
+    if mask is not None:
+        valid &= ~mask.detach().movedim(dim, -1).reshape(-1, n)
+    all_valid = finite and mask is None
+    n_valid = torch.full((x.shape[0],), n, device=x.device) if all_valid else valid.sum(-1)
+    if x.shape[0] > 0 and int(n_valid.min()) < k:
+        raise ValueError(f"k={k} exceeds the number of valid (unmasked, finite) entries in a row "
+                         f"(smallest such count: {int(n_valid.min())}, n={n})")
+    if not all_valid:
+        x = torch.where(valid, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    return x, valid, n_valid, all_valid
+
+
+def unchecked_rows(scores: Tensor, dim: int, largest: bool, mask: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    """:func:`checked_rows` without looking at the data (no host synchronisation): ``(x, valid)``, the losing
+    infinity and the masked entries excluded (0 in ``x``), nothing checked."""
+    x = scores.detach().movedim(dim, -1)
+    n = x.shape[-1]
+    x = x.reshape(-1, n).to(working_dtype(scores.dtype))
+    valid = x != (-float("inf") if largest else float("inf"))
     if mask is not None:
         valid = valid & ~mask.detach().movedim(dim, -1).reshape(-1, n)
-    x = torch.where(valid, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    return torch.where(valid, x, torch.zeros((), dtype=x.dtype, device=x.device)), valid
+
+
+def _prepare_unchecked(x: Tensor, valid: Tensor, k: int, largest: bool, epsilon: float, cost: str,
+                       n_anchor_steps: int) -> PreparedScores:
+    """:func:`prepare_scores` without host synchronisation (``checks=False``): the same centred rows."""
+    n = x.shape[-1]
     eps = effective_epsilon(x, valid, epsilon, cost, n_anchor_steps)
     sign = 1.0 if largest else -1.0
     z = sign * x
@@ -361,14 +386,15 @@ def restore_shape(rows: Tensor, scores: Tensor, dim: int, extra: Tuple[int, ...]
     return out.movedim(len(moved) - 1, dim if dim >= 0 else scores.dim() + dim)
 
 
-def oriented_rows(scores: Tensor, dim: int, prep: PreparedScores) -> Tensor:
+def oriented_rows(scores: Tensor, dim: int, prep: PreparedScores, dtype: Optional[torch.dtype] = None) -> Tensor:
     """``(rows, n)`` view of ``sign * scores`` that carries autograd back to ``scores``.
 
     The solvers work on detached copies; the autograd Functions take this tensor as their
     differentiable input (excluded entries are zeroed so that ``-inf`` never enters a gradient).
+    ``dtype``: the rows' (default ``prep.z``'s).
     """
     n = scores.shape[dim]
-    rows = scores.movedim(dim, -1).reshape(-1, n).to(prep.z.dtype)
+    rows = scores.movedim(dim, -1).reshape(-1, n).to(prep.z.dtype if dtype is None else dtype)
     if prep.all_valid:
         return rows if prep.sign > 0 else -rows
     return prep.sign * torch.where(prep.valid, rows, torch.zeros_like(rows))

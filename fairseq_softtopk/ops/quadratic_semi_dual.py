@@ -22,7 +22,7 @@ search; once the supports settle, a step is exact (the semi-dual is quadratic on
 plan is formed in float64 (the line search compares objectives), ``(rows, n, k + 1)``: O(n k) memory.
 """
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -142,8 +142,8 @@ _WINDOW_MIN = 32
 
 
 def quadratic_newton_solve(prep: PreparedScores, k: int, tol: float, max_iter: int,
-                           fixed_iterations: bool = False,
-                           window_only: bool = False) -> Tuple[Tensor, Tensor, Tensor, SolverInfo]:
+                           fixed_iterations: bool = False, window_only: bool = False,
+                           dtype: Optional[torch.dtype] = None) -> Tuple[Tensor, Tensor, Tensor, SolverInfo]:
     """The plan of the quadratically regularised sorted top-k (module docstring) for prepared rows.
 
     The adaptive solve runs on a window of each row's best ``m`` entries with the rest anchor's mass
@@ -162,7 +162,8 @@ def quadratic_newton_solve(prep: PreparedScores, k: int, tol: float, max_iter: i
         units) in the prepared dtype; ``support`` ``(rows, m, k + 1)`` bool, the plan's support on the
         entries ``index`` ``(rows, m)`` (the window; every entry outside it is on the rest anchor alone);
         and the info. With ``window_only``, ``ranks`` is the window's ``(rows, m, k)`` (not scattered into
-        the whole rows).
+        the whole rows). ``dtype``: the ranks' (default ``prep.z``'s: the sparse operators prepare float64 rows,
+        :mod:`.sparse_rows`, and ask for the scores' working dtype).
     """
     rows, n = prep.z.shape
     x_scale = 1.0 / prep.eps.double()  # (rows, 1)
@@ -193,9 +194,11 @@ def quadratic_newton_solve(prep: PreparedScores, k: int, tol: float, max_iter: i
         if bool(((room >= 1.0) | ~torch.isfinite(outside.squeeze(-1))).all()):
             break
         m = min(n, 4 * m)
-    ranks_window = P[..., :k].to(prep.z.dtype)
+    dtype = prep.z.dtype if dtype is None else dtype
+    ranks_window = P[..., :k].to(dtype)
     if m < n and not window_only:
-        ranks = prep.z.new_zeros(rows, n, k).scatter_(1, index.unsqueeze(-1).expand(-1, -1, k), ranks_window)
+        ranks = prep.z.new_zeros(rows, n, k, dtype=dtype)
+        ranks.scatter_(1, index.unsqueeze(-1).expand(-1, -1, k), ranks_window)
     else:
         ranks = ranks_window
     if fixed_iterations:

@@ -7,7 +7,9 @@ element's row of the plan is a Euclidean projection onto the simplex, so most en
 an element shares ranks only with the elements within about ``lambda`` of it, and elements far below
 the k-th best give everything to the rest anchor. :mod:`.quadratic_semi_dual` solves the semi-dual
 by Newton steps; the backward pass differentiates its optimality condition (implicit function
-theorem), one ``(k + 1) x (k + 1)`` solve per row.
+theorem), one ``(k + 1) x (k + 1)`` solve per row. The solver sees the float64 rows of
+:func:`.sparse_rows.sparse_rows` (units of lambda, gaps of more than 2 lambda between ranks capped: the
+same plan), so its line search compares objectives of moderate numbers whatever the magnitude of the scores.
 """
 
 from typing import Optional
@@ -15,10 +17,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._common import SolverInfo, check_inputs, hard_topk_indices, oriented_rows, prepare_scores, restore_shape, \
-    warn_if_unconverged
+from ._common import SolverInfo, check_inputs, oriented_rows, restore_shape, warn_if_unconverged, working_dtype
 from .quadratic_semi_dual import quadratic_newton_solve, solve_support_hessian
 from .semi_dual import anchors
+from .sparse_rows import sparse_rows
 from .sparse_soft_topk import check_regularization
 
 
@@ -109,17 +111,18 @@ def sorted_sparse_soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: b
     check_regularization(regularization, 2)
     check_inputs(scores, k, regularization, mask, "linear", tol, max_iter, dim)
     with torch.profiler.record_function("softtopk::sorted_sparse_soft_topk"):
-        prep = prepare_scores(scores, k, dim, largest, regularization, mask, "linear", n_anchor_steps=k,
-                              checks=not fixed_iterations)
+        # the rows in units of lambda with the gaps that cannot matter capped (.sparse_rows)
+        prep = sparse_rows(scores, k, dim, largest, regularization, mask, sorted_ranks=True,
+                           checks=not fixed_iterations)
+        dtype = working_dtype(scores.dtype)  # the positions are float64, the plan is not
         if hard:
-            idx = hard_topk_indices(prep.z, k, prep.valid, largest=True)  # (rows, k)
-            out = torch.zeros(*prep.z.shape, k, dtype=prep.z.dtype, device=prep.z.device)
-            out.scatter_(1, idx.unsqueeze(1), 1.0)
+            out = torch.zeros(*prep.z.shape, k, dtype=dtype, device=prep.z.device)
+            out.scatter_(1, prep.top_index[:, :k].unsqueeze(1), 1.0)
             info = SolverInfo(True, 0, 0.0)
         else:
-            ranks, support, index, info = quadratic_newton_solve(prep, k, tol, max_iter, fixed_iterations)
-            out = SortedSparseSoftTopKFunction.apply(oriented_rows(scores, dim, prep), ranks, support, index,
-                                                     prep.grad_eps)
+            ranks, support, index, info = quadratic_newton_solve(prep, k, tol, max_iter, fixed_iterations, dtype=dtype)
+            out = SortedSparseSoftTopKFunction.apply(oriented_rows(scores, dim, prep, dtype), ranks, support, index,
+                                                     torch.full_like(prep.eps, regularization))
         out = restore_shape(out, scores, dim, extra=(k,)).to(scores.dtype)
     if warn and not fixed_iterations:
         warn_if_unconverged(info, "sorted_sparse_soft_topk", tol, max_iter)
@@ -154,10 +157,11 @@ def sorted_sparse_soft_topk_window(scores: Tensor, k: int, *, regularization: fl
     check_regularization(regularization, 2)
     check_inputs(scores, k, regularization, mask, "linear", tol, max_iter, -1)
     with torch.profiler.record_function("softtopk::sorted_sparse_soft_topk"):
-        prep = prepare_scores(scores, k, -1, True, regularization, mask, "linear", n_anchor_steps=k)
-        ranks, support, index, info = quadratic_newton_solve(prep, k, tol, max_iter, window_only=True)
-        out = SortedSparseSoftTopKFunction.apply(oriented_rows(scores, -1, prep), ranks, support, index,
-                                                 prep.grad_eps).to(scores.dtype)
+        prep = sparse_rows(scores, k, -1, True, regularization, mask, sorted_ranks=True)
+        dtype = working_dtype(scores.dtype)
+        ranks, support, index, info = quadratic_newton_solve(prep, k, tol, max_iter, window_only=True, dtype=dtype)
+        out = SortedSparseSoftTopKFunction.apply(oriented_rows(scores, -1, prep, dtype), ranks, support, index,
+                                                 torch.full_like(prep.eps, regularization)).to(scores.dtype)
     if warn:
         warn_if_unconverged(info, "sorted_sparse_soft_topk_window", tol, max_iter)
     return (out, index, info) if return_info else (out, index)

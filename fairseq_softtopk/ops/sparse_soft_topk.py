@@ -15,6 +15,11 @@ The threshold is exact (:func:`.simplex_projection.capped_simplex_threshold`: a 
 over breakpoints, no iteration), searched among the entries above ``x_(k+1) - lambda`` only (the
 others get 0 whatever the threshold; one host read for the window's width). The backward pass is closed-form: with
 ``F`` the entries strictly inside ``(0, 1)``, ``dy/dx = (diag(1_F) - 1_F 1_F^T / |F|) / lambda``.
+
+The search runs on the rows of :func:`.sparse_rows.sparse_rows`: the scores minus the k-th best, in units of
+lambda, clamped to ``[-3, 1]`` where that cannot change the mask, so that it keeps its precision whatever the
+magnitude of the scores relative to lambda (the scores divided first, ``1e7`` over ``lambda = 1`` in float32 had
+no digits left below 1 and prefix sums off by more than 1).
 """
 
 from typing import Optional
@@ -22,8 +27,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._common import check_inputs, hard_topk_indices, oriented_rows, prepare_scores, restore_shape, threshold_vjp
+from ._common import check_inputs, oriented_rows, restore_shape, threshold_vjp
 from .simplex_projection import capped_cubic_threshold, capped_simplex_threshold
+from .sparse_rows import UNSORTED_GAP_CAP, sparse_rows
 
 
 def check_regularization(regularization: float, p: float) -> None:
@@ -97,7 +103,7 @@ def sparse_soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = T
     threshold get exactly 0 (and gradient 0), entries above it exactly 1; as ``regularization
     -> 0`` it becomes the hard top-k indicator, and as it grows, the uniform ``k / n``. Tied scores
     get equal values. Unlike :func:`~fairseq_softtopk.ops.soft_topk` there is no tolerance: the
-    threshold is exact up to rounding.
+    threshold is exact up to rounding, at any magnitude of the scores relative to ``regularization``.
 
     Args:
         scores: ``(*, n, *)`` floating tensor (float16/bfloat16 are solved in float32).
@@ -131,15 +137,21 @@ def sparse_soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = T
     check_regularization(regularization, p)
     check_inputs(scores, k, regularization, mask, "linear", 1.0, 1, dim)
     with torch.profiler.record_function("softtopk::sparse_soft_topk"):
-        prep = prepare_scores(scores, k, dim, largest, regularization, mask, "linear", n_anchor_steps=1)
+        # the rows in units of lambda, relative to the k-th best, clamped to [-3, 1] (.sparse_rows)
+        prep = sparse_rows(scores, k, dim, largest, regularization, mask, sorted_ranks=False)
         if hard:
-            idx = hard_topk_indices(prep.z, k, prep.valid, largest=True)
-            out = torch.zeros_like(prep.z).scatter_(-1, idx, 1.0)
+            out = torch.zeros_like(prep.z).scatter_(-1, prep.top_index[:, :k], 1.0)
         else:
-            x = torch.where(prep.valid, prep.z / prep.eps, -torch.inf)
+            x = prep.z if prep.all_valid else torch.where(prep.valid, prep.z, -torch.inf)
             threshold = capped_simplex_threshold if p == 2 else capped_cubic_threshold
-            tau = threshold(_threshold_window(x, prep.top / prep.eps, prep.n_valid, k), torch.full_like(prep.eps, k))
-            out = SparseSoftTopKFunction.apply(oriented_rows(scores, dim, prep), x - tau, prep.grad_eps,
+            tau = threshold(_threshold_window(x, prep.top, prep.n_valid, k), torch.full_like(prep.eps, k))
+            # a gap >= 1 below the k-th best (x_(k) = 0, x_(k+1) = -gap): the hard top-k, from a threshold in the
+            # middle of [x_(k+1), x_(k) - 1] whose clip is exactly 0 or 1 (rounding cannot leave 1 - 1e-7)
+            gap = -prep.top[:, k:] if prep.top.shape[1] > k else torch.full_like(tau, UNSORTED_GAP_CAP)
+            tau = torch.where(gap >= 1.0, -0.5 * (gap + 1.0), tau)
+            # lambda for the backward (1 / lambda); beyond the dtype's range the gradient is below its smallest number
+            grad_lambda = torch.full_like(prep.eps, min(regularization, torch.finfo(prep.eps.dtype).max))
+            out = SparseSoftTopKFunction.apply(oriented_rows(scores, dim, prep), x - tau, grad_lambda,
                                                1 if p == 2 else 3)
         out = restore_shape(out, scores, dim).to(scores.dtype)
     return out
