@@ -12,7 +12,7 @@ import torch
 
 from fairseq_softtopk.cli import bleu
 from fairseq_softtopk.experiments import scoring
-from fairseq_softtopk.experiments.eval_inputs import refused_checkpoint
+from fairseq_softtopk.experiments.scoring import refused_checkpoint
 
 
 @pytest.fixture
