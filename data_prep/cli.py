@@ -7,13 +7,14 @@ end with ``error: ...`` on stderr and exit status 1.
 """
 
 import argparse
+import json
 import logging
 import sys
 from pathlib import Path
 from typing import List, Optional, Sequence
 
 from data_prep.bpe import BPE_KINDS
-from data_prep.state import PrepError, claim_out_dir, marker_path, relative_name, run_step
+from data_prep.state import PrepError, claim_out_dir, marker_path, relative_name, run_step, write_json_atomic
 
 logger = logging.getLogger("data_prep")
 
@@ -27,12 +28,40 @@ def cmd_claim(args: argparse.Namespace) -> None:
     claim_out_dir(args.out, args.raw_dir)
 
 
+def _unverified_earlier(marker: Path) -> bool:
+    """Whether the finished fetch step of ``marker`` skipped the checksum (``--no-checksums``)."""
+    with open(marker, encoding="utf-8") as f:
+        return not json.load(f).get("stats", {}).get("checksum_checked", False)
+
+
+def _verify_late(path: Path, checksum: str, marker: Path) -> None:
+    """Checks an archive that an earlier ``--no-checksums`` run took unchecked, and records the check."""
+    from data_prep.fetch import check_checksum
+
+    logger.warning("%s was not checked against its checksum: the run that fetched it had --no-checksums; "
+                   "checking it now", path)
+    try:
+        check_checksum(path, checksum)
+    except PrepError as err:
+        raise PrepError(f"{err} (what the earlier --no-checksums run made from it is suspect too)") from err
+    with open(marker, encoding="utf-8") as f:
+        done = json.load(f)
+    done.setdefault("stats", {})["checksum_checked"] = True
+    write_json_atomic(marker, done)
+
+
 def cmd_fetch(args: argparse.Namespace) -> None:
-    """Downloads an archive unless it is there, then checks its checksum and readability once."""
+    """Downloads an archive unless it is there, then checks its checksum and readability once (and its
+    checksum later, when the run that checked it had ``--no-checksums`` and this one has not)."""
     from data_prep.fetch import check_checksum, download, verify_archive
 
     path, name = args.raw_dir / args.file, f"verify/{args.file}"
-    if not path.exists() and marker_path(args.out, name).exists():
+    marker = marker_path(args.out, name)
+    checksum = None if args.no_checksums else args.checksum
+    if not path.exists() and marker.exists():
+        if checksum and _unverified_earlier(marker):
+            logger.warning("%s was never checked against its checksum (the run that fetched it had "
+                           "--no-checksums) and has been removed since: it cannot be checked now", path)
         logger.info("skip %s: already done (the archive has been removed since)", name)
         return
     if not path.is_file():
@@ -40,7 +69,6 @@ def cmd_fetch(args: argparse.Namespace) -> None:
             raise PrepError(f"missing archive {path}" + (f" (download it from {args.url})" if args.url else ""))
         logger.info("download %s -> %s", args.url, path)
         download(args.url, path)
-    checksum = None if args.no_checksums else args.checksum
 
     def verify() -> dict:
         if checksum:
@@ -48,7 +76,9 @@ def cmd_fetch(args: argparse.Namespace) -> None:
         members = verify_archive(path)
         return {"checksum_checked": bool(checksum), "members": len(members)}
 
-    run_step(args.out, name, {"size": path.stat().st_size}, [], verify)
+    ran = run_step(args.out, name, {"size": path.stat().st_size}, [], verify)
+    if not ran and checksum and _unverified_earlier(marker):
+        _verify_late(path, checksum, marker)
 
 
 def expand_spec(spec: str, lang: str, role: str) -> str:
@@ -104,6 +134,12 @@ def cmd_learn_bpe(args: argparse.Namespace) -> None:
     from data_prep.bpe import learn_bpe, model_files
 
     inputs, outputs = _langs(args.input, args.langs), model_files(args.kind, args.bpe_dir)
+    for other in BPE_KINDS:  # each kind is its own step (its own model file): refused here, before learning
+        learnt = relative_name(model_files(other, args.bpe_dir)[0], args.out)
+        if other != args.kind and marker_path(args.out, learnt).exists():
+            raise PrepError(f"BPE was learnt in {args.out} with --bpe {other} ({learnt}); this run asks for "
+                            f"--bpe {args.kind}, which would not match the segmented and binarised data there: "
+                            f"use another --out, or the same --bpe")
     params = {"input": [relative_name(p, args.out) for p in inputs], "kind": args.kind, "size": args.size}
     run_step(args.out, relative_name(outputs[0], args.out), params, outputs,
              lambda *tmp: learn_bpe(args.kind, inputs, tmp, args.size, args.workers))

@@ -14,12 +14,14 @@ __version__ = "0.1.0"
 
 def register() -> None:
     """Registers the models and criterions with fairseq, allowlists checkpoint globals and makes a
-    refused checkpoint a plain error (:mod:`.checkpoint_safety`). Raises RuntimeError under a torch
-    older than 2.6, whose ``torch.load`` is not weights-only by default."""
+    refused, damaged or missing checkpoint a plain error (:mod:`.checkpoint_safety`). Raises RuntimeError
+    under a torch older than 2.6, whose ``torch.load`` is not weights-only by default; warns (once per
+    process) when ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` turns weights-only loading off."""
     from .checkpoint_safety import (allow_fairseq_checkpoint_globals, guard_checkpoint_loading,
-                                    require_weights_only_torch)
+                                    require_weights_only_torch, warn_if_unsafe_loading_forced)
 
     require_weights_only_torch()
+    warn_if_unsafe_loading_forced()
     allow_fairseq_checkpoint_globals()
     guard_checkpoint_loading()
     from . import criterions, models  # noqa: F401  (importing registers the components)

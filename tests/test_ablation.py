@@ -10,6 +10,7 @@ import types
 from pathlib import Path
 
 import pytest
+import torch
 
 from fairseq_softtopk.cli import ablation as ablation_cli
 from fairseq_softtopk.cli import bleu
@@ -285,7 +286,7 @@ def test_evaluate_refuses_a_reference_of_another_length_before_translating(toy_d
     short = tmp_path / "short.tgt"
     short.write_text("".join(line + "\n" for line in lines[:-3]), encoding="utf-8")
     checkpoint = tmp_path / "checkpoint.pt"
-    checkpoint.write_bytes(b"")
+    torch.save({}, checkpoint)  # a whole checkpoint file: an empty one is refused before translating
 
     def generate(*args, **kwargs):
         raise AssertionError("fairseq-generate ran")
@@ -302,17 +303,26 @@ def test_evaluate_refuses_a_reference_of_another_length_before_translating(toy_d
         scoring.evaluate_checkpoint(str(data_bin), str(checkpoint), str(raw / "test.tgt"), subset="test")
 
 
+def _dictionaries_only(tmp_path: Path) -> Path:
+    """A data directory with dictionaries and no binarised subset (its size cannot be read)."""
+    data = tmp_path / "bin"
+    data.mkdir(exist_ok=True)
+    for lang in ("src", "tgt"):
+        (data / f"dict.{lang}.txt").write_text("a 1\n", encoding="utf-8")
+    return data
+
+
 def test_evaluate_names_the_reference_when_every_sentence_was_translated(tmp_path, monkeypatch):
     """Where the subset's size cannot be read beforehand, a complete translation of another number of
     sentences than the reference has lines is the reference's fault, and the error says so."""
     ref = tmp_path / "ref.txt"
     ref.write_text("a\nb\nc\n", encoding="utf-8")
     checkpoint = tmp_path / "checkpoint.pt"
-    checkpoint.write_bytes(b"")
+    torch.save({}, checkpoint)  # a whole checkpoint file: an empty one is refused before translating
     monkeypatch.setattr(scoring, "run_fairseq_generate",
                         lambda *args, **kwargs: "D-1\t-0.1\tb\nD-0\t-0.2\ta\n")
     with pytest.raises(ValueError, match=rf"reference file {ref} has 3 lines but fairseq-generate translated all 2"):
-        scoring.evaluate_checkpoint(str(tmp_path / "no_such_bin"), str(checkpoint), str(ref))
+        scoring.evaluate_checkpoint(str(_dictionaries_only(tmp_path)), str(checkpoint), str(ref))
 
 
 def _fake_eval(hypotheses, references):
@@ -588,7 +598,7 @@ def test_bleu_command_passes_the_length_penalty_to_fairseq_generate(tmp_path, mo
     ref = tmp_path / "ref.txt"
     ref.write_text("a b\n", encoding="utf-8")
     checkpoint = tmp_path / "checkpoint.pt"
-    checkpoint.write_bytes(b"")
+    torch.save({}, checkpoint)  # a whole checkpoint file: an empty one is refused before translating
     seen = []
 
     def generate(*args, **kwargs):
@@ -598,7 +608,7 @@ def test_bleu_command_passes_the_length_penalty_to_fairseq_generate(tmp_path, mo
 
     monkeypatch.setattr(scoring, "run_fairseq_generate", generate)
     for extra in (["--lenpen", "0.6"], []):
-        assert bleu.main([str(tmp_path / "no_such_bin"), str(checkpoint), "--ref", str(ref), *extra]) == 0
+        assert bleu.main([str(_dictionaries_only(tmp_path)), str(checkpoint), "--ref", str(ref), *extra]) == 0
     with_penalty, without = seen
     assert "--lenpen" in with_penalty and with_penalty[with_penalty.index("--lenpen") + 1] == "0.6"
     assert "--lenpen" not in without

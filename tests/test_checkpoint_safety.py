@@ -89,3 +89,111 @@ def test_register_refuses_an_old_torch_before_registering_anything(monkeypatch):
     monkeypatch.setattr(torch, "__version__", "2.5.1")
     with pytest.raises(RuntimeError, match="needs torch >= 2.6"):
         fairseq_softtopk.register()
+
+
+# ---------------------------------------------------------------------------------------------
+# Truncated, damaged and missing files; TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD
+
+
+@pytest.fixture
+def whole_checkpoint(tmp_path):
+    """A small checkpoint that fairseq's loader takes (config, weights, optimizer history): its path."""
+    import torch
+
+    path = tmp_path / "whole.pt"
+    history = [{"criterion_name": "c", "optimizer_name": "o", "lr_scheduler_state": {"best": 0.0}, "num_updates": 0}]
+    torch.save({"cfg": {"model": {"_name": "lstm"}}, "model": {"w": torch.arange(4096.0).view(64, 64)},
+                "optimizer_history": history, "extra_state": {"train_iterator": {"epoch": 1}}}, path)
+    return path
+
+
+def _fairseq_loader():
+    import fairseq  # noqa: F401  (the plugin registers, and guards fairseq's loader, once fairseq is imported)
+
+    import fairseq_softtopk
+    from fairseq import checkpoint_utils
+
+    fairseq_softtopk.register()
+    return checkpoint_utils.load_checkpoint_to_cpu
+
+
+@pytest.mark.parametrize("keep", [0, 1, 3, 100, 0.5, -1])
+def test_a_truncated_checkpoint_is_named_with_its_size_by_fairseqs_loader(whole_checkpoint, tmp_path, keep):
+    """Cut at the start, inside the zip header, in the middle and one byte short: torch raised EOFError,
+    "Weights only load failed", OSError [Errno 22] or a miniz error, naming no file."""
+    data = whole_checkpoint.read_bytes()
+    size = keep if isinstance(keep, int) and keep >= 0 else int(len(data) * keep) if keep > 0 else len(data) + keep
+    cut = tmp_path / "ckpt" / "cut.pt"
+    cut.parent.mkdir()
+    cut.write_bytes(data[:size])
+    with pytest.raises(checkpoint_safety.CorruptCheckpointError) as error:
+        _fairseq_loader()(str(cut))
+    message = str(error.value)
+    assert message.startswith(f"{cut} is not a complete checkpoint: ") and "\n" not in message
+    assert f"{size:,} bytes" in message and "truncated by an interrupted copy or write?" in message
+    assert _fairseq_loader()(str(whole_checkpoint))["cfg"]["model"]["_name"] == "lstm"  # the whole file loads
+
+
+def test_a_damaged_or_foreign_file_and_a_missing_one_are_named(whole_checkpoint, tmp_path):
+    """One flipped byte in the pickled part (found by the zip's CRC-32), a text file, no file at all."""
+    import zipfile
+
+    with zipfile.ZipFile(whole_checkpoint) as archive:
+        pickled = next(info for info in archive.infolist() if info.filename.endswith("data.pkl"))
+    data = bytearray(whole_checkpoint.read_bytes())
+    data[pickled.header_offset + 30 + len(pickled.filename) + 20] ^= 0x01  # inside data.pkl, past its header
+    flipped, text = tmp_path / "flipped.pt", tmp_path / "text.pt"
+    flipped.write_bytes(bytes(data))
+    text.write_text("not a checkpoint\n")
+    load = _fairseq_loader()
+    with pytest.raises(checkpoint_safety.CorruptCheckpointError, match=rf"^{re.escape(str(flipped))} is not a "
+                       r"complete checkpoint: its member \S*data\.pkl fails its CRC-32 check"):
+        load(str(flipped))
+    with pytest.raises(checkpoint_safety.CorruptCheckpointError,
+                       match=rf"^{re.escape(str(text))} is not a complete checkpoint: not a zip archive"):
+        load(str(text))
+    with pytest.raises(checkpoint_safety.MissingCheckpointError, match="no_such.pt: no such checkpoint file"):
+        load(str(tmp_path / "no_such.pt"))
+
+
+def test_a_truncated_checkpoint_is_one_line_from_fairseq_generate(toy_data_bin, whole_checkpoint, tmp_path):
+    """Through a real fairseq-generate (the plugin as --user-dir), as the scoring runs it: one line
+    naming the file, not fairseq's config dump and a traceback ending in OSError [Errno 22]."""
+    from fairseq_softtopk.experiments import scoring
+
+    _, data_bin = toy_data_bin
+    cut = tmp_path / "cut.pt"
+    data = whole_checkpoint.read_bytes()
+    cut.write_bytes(data[:len(data) // 2])
+    with pytest.raises(RuntimeError) as error:
+        scoring.run_fairseq_generate(str(data_bin), str(cut), "test")
+    message = str(error.value)
+    assert message.startswith(f"fairseq-generate refused the checkpoint: {cut} is not a complete checkpoint: ")
+    assert f"{len(data) // 2:,} bytes" in message and "\n" not in message
+
+
+@pytest.mark.parametrize("value, warns", [("1", True), ("YES", True), ("True", True), ("y", True),
+                                          ("0", False), ("no", False), ("", False)])
+def test_forced_unsafe_loading_warns_once_when_the_plugin_registers(monkeypatch, value, warns):
+    """torch honours TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1/y/yes/true (any case): fairseq's loads then unpickle
+    anything, and nothing said so."""
+    import warnings
+
+    import fairseq  # noqa: F401
+
+    import fairseq_softtopk
+
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", value)
+    monkeypatch.delenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", raising=False)
+    monkeypatch.setattr(checkpoint_safety, "_warned_unsafe_loading", False)  # as in a fresh process
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # Python's own once-per-place filter would hide a second warning
+        fairseq_softtopk.register()
+        fairseq_softtopk.register()
+    found = [w for w in caught if issubclass(w.category, checkpoint_safety.UnsafeLoadingWarning)]
+    assert len(found) == (1 if warns else 0)
+    if warns:
+        assert f"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD={value} is set" in str(found[0].message)
+        assert "can run code" in str(found[0].message)
+    monkeypatch.setenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "1")  # both: torch refuses every load, nothing unsafe
+    assert not checkpoint_safety.unsafe_loading_forced()

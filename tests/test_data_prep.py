@@ -486,6 +486,10 @@ def test_other_settings_or_changed_outputs_are_refused(tmp_path, multi30k, multi
     proc = run_script("prepare_multi30k.sh", "--local", local, "--out", out, *COMMON, "--bpe-size", 77, check=False)
     failed(proc, "step 'bpe/spm.model' already finished", "size: 150 -> 77")
     assert tree_digest(out) == before
+    proc = run_script("prepare_multi30k.sh", "--local", local, "--out", out, *COMMON, "--bpe-size", 150,
+                      "--bpe", "subword_nmt", check=False)  # another kind is another step: it wrote bpe/codes
+    failed(proc, f"BPE was learnt in {out} with --bpe sentencepiece")
+    assert tree_digest(out) == before
     with open(out / "tok" / "train.en", "a", encoding="utf-8") as f:
         f.write("an extra line\n")
     proc = run_script("prepare_multi30k.sh", "--local", local, "--out", out, *COMMON, "--bpe-size", 150, check=False)
@@ -636,3 +640,63 @@ def test_failed_step_leaves_no_output_and_no_marker(tmp_path):
     assert state.run_step(out, "a", {"x": 1}, [target], lambda tmp: tmp.write_text("whole")) is True
     assert target.read_text() == "whole" and not state.partial_path(target).exists()
     assert state.run_step(out, "a", {"x": 1}, [target], crash) is False  # done: not run again
+
+
+def _learn_bpe(out: Path, kind: str) -> int:
+    from data_prep import cli
+
+    return cli.main(["learn-bpe", "--out", str(out), "--langs", "en", "de", "--kind", kind, "--size", "100",
+                     "--input", str(out / "tok" / "train.clean"), "--bpe-dir", str(out / "bpe")])
+
+
+def test_bpe_of_another_kind_is_refused_before_anything_is_written(tmp_path, seed, capsys):
+    """A finished sentencepiece output rerun with --bpe subword_nmt wrote bpe/codes (a new step: the kinds'
+    model files differ), and only the next step, applying it, refused."""
+    out = tmp_path / "out"
+    state.claim_out_dir(out)
+    (out / "tok").mkdir()
+    pairs = make_pairs(random.Random(seed), 60, "de")
+    for side, lang in enumerate(("en", "de")):
+        (out / "tok" / f"train.clean.{lang}").write_bytes(lines_bytes([p[side] for p in pairs]))
+    assert _learn_bpe(out, "sentencepiece") == 0
+    before = tree_digest(out)
+    assert _learn_bpe(out, "subword_nmt") == 1
+    err = capsys.readouterr().err
+    assert f"error: BPE was learnt in {out} with --bpe sentencepiece (bpe/spm.model); this run asks for --bpe " \
+           f"subword_nmt" in err
+    assert tree_digest(out) == before and not (out / "bpe" / "codes").exists()
+    assert _learn_bpe(out, "sentencepiece") == 0 and tree_digest(out) == before  # the same kind: skipped
+
+
+def _fetch(out: Path, raw: Path, checksum: str, *extra: str) -> int:
+    from data_prep import cli
+
+    return cli.main(["fetch", "--out", str(out), "--raw-dir", str(raw), "--file", "x.tgz", "--offline",
+                     "--checksum", checksum, *extra])
+
+
+def test_a_run_with_checksums_checks_what_a_run_without_them_fetched(tmp_path, seed, capsys, caplog):
+    """The step was finished (its marker written) by a --no-checksums run: a later run with checksums
+    skipped it without checking anything."""
+    raw, out = tmp_path / "raw", tmp_path / "out"
+    raw.mkdir()
+    write_tar(raw / "x.tgz", parallel_members("x.{l}", make_pairs(random.Random(seed), 5, "de"), "en", "de"))
+    right = "sha256:" + hashlib.sha256((raw / "x.tgz").read_bytes()).hexdigest()
+    wrong = "sha256:" + "0" * 64
+    assert _fetch(out, raw, wrong, "--no-checksums") == 0
+    caplog.set_level("INFO", logger="data_prep")
+    assert _fetch(out, raw, wrong) == 1
+    err = capsys.readouterr().err
+    assert f"error: checksum mismatch for {raw / 'x.tgz'}" in err and "earlier --no-checksums run" in err
+    assert "the run that fetched it had --no-checksums; checking it now" in caplog.text
+    caplog.clear()
+    assert _fetch(out, raw, right) == 0  # checked now, and recorded: not checked again
+    assert "checking it now" in caplog.text
+    caplog.clear()
+    assert _fetch(out, raw, wrong) == 0 and "checking it now" not in caplog.text
+    # the archive removed since the unchecked run: said plainly, it cannot be checked any more
+    other = tmp_path / "other"
+    assert _fetch(other, raw, right, "--no-checksums") == 0
+    (raw / "x.tgz").unlink()
+    assert _fetch(other, raw, right) == 0
+    assert "was never checked against its checksum" in caplog.text and "cannot be checked now" in caplog.text

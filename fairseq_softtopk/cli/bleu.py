@@ -4,8 +4,11 @@ fairseq-generate -> hypotheses in corpus order -> remove BPE (fairseq's ``--post
 -> detokenise (sacremoses, optional) -> sacrebleu BLEU and chrF against the untouched reference
 (:mod:`fairseq_softtopk.experiments.scoring`). Every source line must get exactly one hypothesis:
 fairseq-generate has been seen to drop long inputs without a word, so a missing or duplicated id is
-an error, not a silently lower BLEU. A reference file with another number of lines than the binarised
-subset has sentences is an error found before translating (it names the file and both counts).
+an error, not a silently lower BLEU. Bad input is found before translating and reported in one line,
+exit status 2: a reference file with another number of lines than the binarised subset has sentences
+(it names the file and both counts), ``--beam``/``--batch-size`` below 1 or a non-finite ``--lenpen``,
+a ``--json``/``--hyp-out`` that cannot be written, a missing data directory or subset, a checkpoint
+that is missing, truncated or damaged, or trained with another dictionary than the data directory's.
 
 Example::
 
@@ -21,6 +24,7 @@ import logging
 import sys
 from pathlib import Path
 
+from fairseq_softtopk.experiments.eval_inputs import check_decoding_numbers, check_output_file
 from fairseq_softtopk.experiments.scoring import DEFAULT_BATCH_SIZE, evaluate_checkpoint
 
 
@@ -44,6 +48,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s | %(levelname)s | %(name)s | %(message)s")
     try:
+        check_decoding_numbers(args.beam, args.batch_size, args.lenpen)
+        if args.json:  # before translating: the scores are not lost to an unwritable path
+            check_output_file(args.json, "--json")
         result = evaluate_checkpoint(args.data_bin, args.checkpoint, args.ref, args.subset, args.beam,
                                      args.batch_size, args.post_process, args.detok_lang, args.hyp_out,
                                      extra_args=[] if args.lenpen is None else ["--lenpen", str(args.lenpen)])
@@ -52,8 +59,11 @@ def main(argv=None) -> int:
     print(f"BLEU {result['bleu']:.2f}  chrF {result['chrf']:.2f}  ({result['n_sentences']} sentences)")
     print(f"signature: {result['bleu_signature']}")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2))
+        try:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(result, indent=2))
+        except OSError as error:  # checked before translating; changed since: the scores are printed above
+            parser.exit(1, f"{parser.prog}: error: cannot write --json {args.json} ({error}); the scores are above\n")
     return 0
 
 

@@ -5,7 +5,9 @@ fairseq-generate -> hypotheses in corpus order -> remove BPE (fairseq's ``--post
 Every source line must get exactly one hypothesis: fairseq-generate has been seen to drop long
 inputs without a word, so a missing or duplicated id is an error, not a silently lower BLEU.
 A reference file with another number of lines than the binarised subset has sentences is an
-error found before translating (it names the file and both counts).
+error found before translating (it names the file and both counts), as are bad decoding numbers,
+an output file that cannot be written, a missing data directory or subset, and a checkpoint that
+is damaged or was trained with another dictionary (:mod:`.eval_inputs`).
 
 The command ``fairseq-softtopk-bleu`` (:mod:`fairseq_softtopk.cli.bleu`) scores one checkpoint;
 the ablation runner (:mod:`.ablation_runner`) scores every run and compares the arms with
@@ -19,20 +21,14 @@ import subprocess
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+from .eval_inputs import (check_checkpoint_matches_data, check_data_dir, check_decoding_numbers,
+                          check_output_file, refused_checkpoint)  # noqa: F401 (the ablation runner's import)
 from .fairseq_commands import fairseq_command, subprocess_env
 
 logger = logging.getLogger("evaluate")
 
 _HYPOTHESIS_LINE = re.compile(r"^D-(\d+)\t([^\t]*)\t(.*)$")
 _TARGET_LINE = re.compile(r"^T-(\d+)\t(.*)$")
-#: the last line of a fairseq tool that refused a checkpoint (fairseq_softtopk.checkpoint_safety)
-_REFUSED_CHECKPOINT = re.compile(r"^\S*UnsafeCheckpointError: (.*)$", re.M)
-
-
-def refused_checkpoint(output: str) -> Optional[str]:
-    """The plain message of a fairseq tool's output that ends in a refused checkpoint, else None."""
-    found = _REFUSED_CHECKPOINT.findall(output)
-    return found[-1] if found else None
 
 
 #: sentences per generation batch by default: on a GPU a beam-5 batch of 64 leaves it mostly idle
@@ -209,18 +205,33 @@ def evaluate_checkpoint(data_bin: str, checkpoint: str, ref: Optional[str], subs
                         extra_args: Sequence[str] = (), keep_hypotheses: bool = False) -> Dict[str, object]:
     """Generates, checks completeness, detokenises and scores one checkpoint.
 
+    Before translating (:mod:`.eval_inputs`): ``beam`` and ``batch_size``, that ``hyp_out`` can be
+    written, the data directory and its ``subset``, the reference's line count, and that the
+    checkpoint is a whole file trained with ``data_bin``'s dictionaries.
+
     Args:
         ref: raw reference file of ``subset``; None scores against fairseq-generate's ``T-``
             lines (the binarised target, after ``post_process`` and ``detok_lang``), for
             subsets without a line-aligned raw reference. ``result["reference"]`` says which.
         keep_hypotheses: also return the detokenised ``hypotheses`` and the ``references``
             (lists of strings, corpus order), e.g. for :func:`paired_bootstrap`.
+
+    Raises:
+        ValueError: bad input found before translating (one line naming it; a damaged checkpoint
+            is a ``CorruptCheckpointError``), or hypotheses missing after it.
+        FileNotFoundError: no such checkpoint, reference or data directory.
+        RuntimeError: fairseq-generate failed.
     """
+    check_decoding_numbers(beam, batch_size)
     if not os.path.exists(checkpoint):
         raise FileNotFoundError(f"checkpoint not found: {checkpoint}")
+    if hyp_out:
+        check_output_file(hyp_out, "--hyp-out")
+    check_data_dir(data_bin, subset)
     references = read_lines(ref) if ref else None
     if references is not None:  # before translating: a wrong reference is found in seconds, not after generation
         check_reference_lines(ref, len(references), data_bin, subset, extra_args)
+    check_checkpoint_matches_data(checkpoint, data_bin, **_language_args(extra_args))
     stdout = run_fairseq_generate(data_bin, checkpoint, subset, beam, batch_size, post_process, extra_args)
     if references is None:
         references = detokenize(parse_targets(stdout), detok_lang)
