@@ -48,8 +48,7 @@ from ..modules.beam_search import BeamSearchConfig, unroll_beam_search
 from ..modules.beam_search_to_eos import search_max_len, unroll_beam_search_to_eos
 from ..modules.incremental_decoder_unroll import IncrementalDecoderUnroll, incremental_unroll_missing
 from ..modules.sequence_risk import expected_risk, sentence_bleu_costs
-from ._soft_beam_search_config import (BEAM_LOSS_CHOICES, TOPK_GRAD_CHOICES, TOPK_REGULARIZERS,  # noqa: F401
-                                       SoftBeamSearchConfig, check_soft_beam_search_options, resolve_renamed)
+from ._soft_beam_search_config import SoftBeamSearchConfig, check_soft_beam_search_options, resolve_renamed
 
 #: logged per sentence and step from the backward pass (see SelectionGradientStats)
 SELGRAD_KEYS = ("selgrad_count", "selgrad_log10_sum", "selgrad_capped", "selgrad_over100")
@@ -241,6 +240,7 @@ class SoftBeamSearchCriterion(FairseqCriterion):
                  candidate_pool=None, selection_grad=None, selection_grad_cap=None, sentence_avg=False,
                  beam_loss="gold", beam_loss_temperature=1.0, beam_lenpen=1.0, beam_max_len_a=1.2, beam_max_len_b=10,
                  topk_regularizer="entropic", bf16=False):
+        # the keyword arguments (the config's fields, as build_criterion fills them): no other local exists yet
         given = SimpleNamespace(**{name: value for name, value in locals().items() if name not in ("self", "task")
                                    and not name.startswith("__")})
         super().__init__(task)
