@@ -211,7 +211,7 @@ def test_alignment_weights_are_normalised_and_skip_source_padding(rng):
 
 
 def test_bad_normaliser_options_raise_value_error():
-    with pytest.raises(ValueError, match="needs an integer k"):
+    with pytest.raises(ValueError, match="--attention-topk must be an integer >= 1, got 0"):
         build_model(attention_normalizer="soft_topk", attention_topk=0)
 
 

@@ -13,6 +13,8 @@ installed torch); without it the criterion refuses to start, naming the command.
 """
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Optional
 
 import torch
 from fairseq.criterions import FairseqCriterion, register_criterion
@@ -21,6 +23,8 @@ from omegaconf import II
 
 from ..modules.incremental_decoder_unroll import IncrementalDecoderUnroll
 from ..modules.sequence_risk import sentence_bleu_costs
+from ..option_checks import check_bf16, check_number, requested_bf16
+from ._soft_beam_search_config import check_max_len
 from .soft_beam_search import (SoftBeamSearchCriterion, forward_with_beam_search, teacher_forcing_loss,
                                training_search_max_len, unroll_kind, weighted_risk)
 
@@ -43,6 +47,29 @@ class BeamgradRiskConfig(FairseqDataclass):
         "help": "the search ends at a * source length + b tokens, as soft_beam_search's"})
     beam_max_len_b: int = field(default=10, metadata={"help": "b of --beam-max-len-a"})
     sentence_avg: bool = II("optimization.sentence_avg")
+    bf16: bool = II("common.bf16")  # refused without torch_xla (option_checks.check_bf16)
+
+
+def check_beamgrad_risk_options(options, vocab_size: Optional[int] = None) -> None:
+    """Raises ``ValueError`` naming the first bad option of ``options`` (a namespace or config with the fields
+    of :class:`BeamgradRiskConfig`), its value and the allowed range.
+
+    Args:
+        vocab_size: the target dictionary's size, where known: beamgrad's first step extends one beam with
+            every type but padding (banned; EOS may end a hypothesis there), so ``--train-beam`` fits in that.
+    """
+    check_bf16(requested_bf16(options))
+    high = vocab_size - 1 if vocab_size is not None else None
+    why = "the risk of one hypothesis has no gradient"
+    if high is not None:
+        why += f"; the first decoding step extends one beam: {high} candidates, the {vocab_size} types but padding"
+    check_number("train_beam", options.train_beam, 2, high, integer=True, why=why)
+    check_number("teacher_forcing_ratio", options.teacher_forcing_ratio, 0.0, 1.0, high_open=True,
+                 why="1 would run no search")
+    check_number("label_smoothing", options.label_smoothing, 0.0, 1.0, high_open=True)
+    check_number("beam_loss_temperature", options.beam_loss_temperature, 0.0, low_open=True)
+    check_number("beamgrad_length_penalty", options.beamgrad_length_penalty, 0.0, why="beamgrad's BeamOptions")
+    check_max_len(options.beam_max_len_a, options.beam_max_len_b)
 
 
 def import_beamgrad():
@@ -65,13 +92,14 @@ def reorder_state(decoder, state, order: torch.Tensor):
 @register_criterion("beamgrad_risk", dataclass=BeamgradRiskConfig)
 class BeamgradRiskCriterion(FairseqCriterion):
     def __init__(self, task, train_beam=5, teacher_forcing_ratio=0.23, label_smoothing=0.0, beam_loss_temperature=1.0,
-                 beamgrad_length_penalty=0.0, beam_max_len_a=1.2, beam_max_len_b=10, sentence_avg=False):
+                 beamgrad_length_penalty=0.0, beam_max_len_a=1.2, beam_max_len_b=10, sentence_avg=False, bf16=False):
         super().__init__(task)
+        options = SimpleNamespace(train_beam=train_beam, teacher_forcing_ratio=teacher_forcing_ratio,
+                                  label_smoothing=label_smoothing, beam_loss_temperature=beam_loss_temperature,
+                                  beamgrad_length_penalty=beamgrad_length_penalty, beam_max_len_a=beam_max_len_a,
+                                  beam_max_len_b=beam_max_len_b, bf16=bf16)
+        check_beamgrad_risk_options(options, vocab_size=len(task.target_dictionary))  # checked also without beamgrad
         self.beamgrad = import_beamgrad()
-        if train_beam < 1 or not 0.0 <= teacher_forcing_ratio < 1.0 or not beam_loss_temperature > 0:
-            raise ValueError(f"beamgrad_risk needs --train-beam >= 1 (got {train_beam}), --teacher-forcing-ratio in "
-                             f"[0, 1) (got {teacher_forcing_ratio}) and --beam-loss-temperature > 0 (got "
-                             f"{beam_loss_temperature})")
         self.beam, self.p, self.label_smoothing = train_beam, teacher_forcing_ratio, label_smoothing
         self.temperature, self.alpha = beam_loss_temperature, beamgrad_length_penalty
         self.max_len_a, self.max_len_b = beam_max_len_a, beam_max_len_b

@@ -37,99 +37,21 @@ what it lacks.
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Callable, Dict, List, NamedTuple, Optional
 
 import torch
 from fairseq import metrics, utils
 from fairseq.criterions import FairseqCriterion, register_criterion
-from fairseq.dataclass import ChoiceEnum, FairseqDataclass
-from omegaconf import II
 
 from ..modules.beam_search import BeamSearchConfig, unroll_beam_search
 from ..modules.beam_search_to_eos import search_max_len, unroll_beam_search_to_eos
 from ..modules.incremental_decoder_unroll import IncrementalDecoderUnroll, incremental_unroll_missing
 from ..modules.sequence_risk import expected_risk, sentence_bleu_costs
-from ..renamed_options import alias_metadata, use_renamed
+from ._soft_beam_search_config import SoftBeamSearchConfig, check_soft_beam_search_options, resolve_renamed
 
 #: logged per sentence and step from the backward pass (see SelectionGradientStats)
 SELGRAD_KEYS = ("selgrad_count", "selgrad_log10_sum", "selgrad_capped", "selgrad_over100")
-
-
-#: the choices of --topk-grad
-TOPK_GRAD_CHOICES = ["capped", "full", "none"]
-
-#: the choices of --beam-loss
-BEAM_LOSS_CHOICES = ["gold", "risk"]
-#: the choices of --topk-regularizer
-TOPK_REGULARIZERS = ["entropic", "quadratic"]
-
-
-def _advanced(help_text: str) -> dict:
-    """Metadata of an option for experiments and tuning, listed apart (README, fairseq-softtopk-options)."""
-    return {"help": help_text, "advanced": True}
-
-
-@dataclass
-class SoftBeamSearchConfig(FairseqDataclass):
-    """The criterion's options. Every option of the selection starts with ``--topk-``; what the
-    numbers mean in practice (and their measurements) is in docs/beam_search_training.md."""
-
-    train_beam: int = field(default=5, metadata={"help": "beam size k of the search unrolled in training"})
-    teacher_forcing_ratio: float = field(default=0.8, metadata={
-        "help": "the weight p of the teacher-forcing loss, loss = p * L_tf + (1 - p) * L_beam (the paper's name; "
-                "not scheduled sampling); 1.0 = teacher forcing only"})
-    topk_mode: ChoiceEnum(["soft", "hard"]) = field(default="soft", metadata={
-        "help": "soft: the sorted SOFT top-k (differentiable); hard: the exact top-k (the ablation)"})
-    topk_epsilon: float = field(default=0.03, metadata={
-        "help": "regularisation of the soft top-k (in nats of log-likelihood with --topk-cost linear): the "
-                "entropic epsilon, or the quadratic lambda with --topk-regularizer quadratic"})
-    topk_regularizer: ChoiceEnum(TOPK_REGULARIZERS) = field(default="entropic", metadata={
-        "help": "entropic: the sorted SOFT top-k of the paper (every candidate keeps a weight); quadratic: the "
-                "sorted sparse soft top-k (exact zeros: the beams mix only the candidates of its support)"})
-    topk_grad: ChoiceEnum(TOPK_GRAD_CHOICES) = field(default="capped", metadata={
-        "help": "gradient through the selection: capped (the exact one, capped per sentence and step), "
-                "full (the paper's) or none"})
-    label_smoothing: float = field(default=0.0, metadata={"help": "label smoothing of both loss terms"})
-    beam_loss: ChoiceEnum(BEAM_LOSS_CHOICES) = field(default="gold", metadata={
-        "help": "the beam term: gold (the paper's: gold-token NLL along the best beam) or risk (expected "
-                "1 - sentence BLEU+1 of the final beams under a softmax of their scores)"})
-    beam_loss_temperature: float = field(default=1.0, metadata=_advanced(
-        "with --beam-loss risk: the temperature of the softmax over the final beams' scores"))
-    beam_lenpen: float = field(default=1.0, metadata={
-        "help": "with --beam-loss risk: the training search's length penalty, as fairseq-generate's --lenpen"})
-    beam_max_len_a: float = field(default=1.2, metadata=_advanced(
-        "with --beam-loss risk: the training search ends at a * source length + b tokens (fairseq-generate's "
-        "--max-len-a)"))
-    beam_max_len_b: int = field(default=10, metadata=_advanced(
-        "with --beam-loss risk: b of --beam-max-len-a (fairseq-generate's --max-len-b)"))
-    topk_cost: ChoiceEnum(["linear", "sqeuclidean", "paper"]) = field(default="linear", metadata=_advanced(
-        "cost of the transport problem: linear (epsilon in score units), sqeuclidean or paper (the paper's "
-        "normalised cost)"))
-    topk_tol: float = field(default=1e-4, metadata=_advanced("marginal tolerance of the solver"))
-    topk_max_iter: int = field(default=50, metadata=_advanced(
-        "Newton iterations at most per solve (exactly this many with --topk-fixed-iterations)"))
-    topk_candidate_pool: int = field(default=0, metadata=_advanced(
-        "solve on the m best of the k*V candidates only; 0 = all"))
-    topk_fixed_iterations: bool = field(default=False, metadata=_advanced(
-        "a search without host synchronisation, for GPUs: every solve runs --topk-max-iter iterations"))
-    topk_compile: ChoiceEnum(["none", "default", "reduce-overhead", "max-autotune"]) = field(
-        default="none", metadata=_advanced("with --topk-fixed-iterations: each solve under torch.compile in this "
-                                           "mode; none = eager"))
-    topk_grad_cap: float = field(default=0.3, metadata=_advanced(
-        "with --topk-grad capped: the cap per sentence and step, in gold-token gradients of the beam term "
-        "(follows fp16/amp loss scaling)"))
-    topk_epsilon_start: float = field(default=0.0, metadata=_advanced(
-        "an epsilon schedule: start here, anneal geometrically to --topk-epsilon; 0 = no schedule"))
-    topk_epsilon_anneal_updates: int = field(default=0, metadata=_advanced(
-        "the schedule's length in updates (constant --topk-epsilon after)"))
-    topk_epsilon_relative: float = field(default=0.0, metadata=_advanced(
-        "per step, epsilon at least this times the mean gap of the k+1 best scores (--topk-cost linear); 0 = off"))
-    # deprecated aliases (renamed_options): None = not given
-    candidate_pool: Optional[int] = field(default=None, metadata=alias_metadata("candidate_pool"))
-    selection_grad: Optional[str] = field(default=None, metadata=alias_metadata("selection_grad"))
-    selection_grad_cap: Optional[float] = field(default=None, metadata=alias_metadata("selection_grad_cap"))
-    sentence_avg: bool = II("optimization.sentence_avg")
 
 
 class SelectionGradientStats:
@@ -317,81 +239,34 @@ class SoftBeamSearchCriterion(FairseqCriterion):
                  topk_epsilon_start=0.0, topk_epsilon_anneal_updates=0, topk_epsilon_relative=0.0,
                  candidate_pool=None, selection_grad=None, selection_grad_cap=None, sentence_avg=False,
                  beam_loss="gold", beam_loss_temperature=1.0, beam_lenpen=1.0, beam_max_len_a=1.2, beam_max_len_b=10,
-                 topk_regularizer="entropic"):
+                 topk_regularizer="entropic", bf16=False):
+        # the keyword arguments (the config's fields, as build_criterion fills them): no other local exists yet
+        given = SimpleNamespace(**{name: value for name, value in locals().items() if name not in ("self", "task")
+                                   and not name.startswith("__")})
         super().__init__(task)
-        if beam_max_len_a < 0 or beam_max_len_b < 0:
-            raise ValueError(f"--beam-max-len-a and --beam-max-len-b must be >= 0, got {beam_max_len_a} and "
-                             f"{beam_max_len_b}")
-        self.lenpen, self.max_len_a, self.max_len_b = beam_lenpen, beam_max_len_a, beam_max_len_b
-        if str(beam_loss) not in BEAM_LOSS_CHOICES:
-            raise ValueError(f"--beam-loss must be one of {BEAM_LOSS_CHOICES}, got {beam_loss!r}")
-        if not beam_loss_temperature > 0:
-            raise ValueError(f"--beam-loss-temperature must be > 0, got {beam_loss_temperature}")
-        self.beam_loss, self.beam_loss_temperature = str(beam_loss), beam_loss_temperature
+        # the deprecated names (renamed_options), then every check under the new names, before the first update
+        o = resolve_renamed(given)
+        check_soft_beam_search_options(o, vocab_size=len(task.target_dictionary))
+        self.lenpen, self.max_len_a, self.max_len_b = o.beam_lenpen, o.beam_max_len_a, o.beam_max_len_b
+        self.beam_loss, self.beam_loss_temperature = str(o.beam_loss), o.beam_loss_temperature
         self.eos = task.target_dictionary.eos()
-        # the deprecated names (renamed_options), then the checks under the new names
-        default = {f.name: f.default for f in dataclasses.fields(SoftBeamSearchConfig)}
-        candidate_pool = use_renamed("candidate_pool", candidate_pool, topk_candidate_pool,
-                                     default["topk_candidate_pool"])
-        selection_grad = use_renamed("selection_grad", selection_grad, str(topk_grad), default["topk_grad"],
-                                     TOPK_GRAD_CHOICES)
-        selection_grad_cap = use_renamed("selection_grad_cap", selection_grad_cap, topk_grad_cap,
-                                         default["topk_grad_cap"])
-        if not 0.0 <= teacher_forcing_ratio <= 1.0:
-            raise ValueError(f"--teacher-forcing-ratio must be in [0, 1], got {teacher_forcing_ratio}")
-        if train_beam < 1:
-            raise ValueError(f"--train-beam must be >= 1, got {train_beam}")
-        if candidate_pool and candidate_pool < train_beam:
-            raise ValueError(f"--topk-candidate-pool ({candidate_pool}) must be 0 or >= --train-beam ({train_beam})")
-        if not selection_grad_cap > 0:
-            raise ValueError(f"--topk-grad-cap must be > 0, got {selection_grad_cap}")
-        if topk_epsilon_start < 0 or topk_epsilon_anneal_updates < 0:
-            raise ValueError("--topk-epsilon-start and --topk-epsilon-anneal-updates must be >= 0, got "
-                             f"{topk_epsilon_start} and {topk_epsilon_anneal_updates}")
-        if (topk_epsilon_start > 0) != (topk_epsilon_anneal_updates > 0):
-            raise ValueError("an epsilon schedule needs both --topk-epsilon-start and --topk-epsilon-anneal-updates "
-                             f"(got {topk_epsilon_start} and {topk_epsilon_anneal_updates})")
-        if topk_epsilon_start > 0 and str(topk_mode) != "soft":
-            raise ValueError("--topk-epsilon-start is an option of --topk-mode soft")
-        if topk_fixed_iterations and str(topk_mode) != "soft":
-            raise ValueError("--topk-fixed-iterations is an option of --topk-mode soft (hard mode never waits "
-                             "on a solver)")
-        if str(topk_compile) != "none" and not (topk_fixed_iterations and str(topk_mode) == "soft"):
-            raise ValueError("--topk-compile needs --topk-fixed-iterations (the default solve reads values on the "
-                             "host, which torch.compile cannot trace whole)")
-        if str(topk_compile) != "none" and topk_epsilon_start > 0:
-            raise ValueError("--topk-compile does not go with an epsilon schedule (--topk-epsilon-start): every new "
-                             "epsilon would compile the solve again")
-        if str(topk_regularizer) not in TOPK_REGULARIZERS:
-            raise ValueError(f"--topk-regularizer must be one of {TOPK_REGULARIZERS}, got {topk_regularizer!r}")
-        if str(topk_regularizer) == "quadratic" and (str(topk_mode) != "soft" or str(topk_cost) != "linear"):
-            raise ValueError("--topk-regularizer quadratic is an option of --topk-mode soft with --topk-cost linear "
-                             f"(got --topk-mode {topk_mode} --topk-cost {topk_cost})")
-        if str(topk_regularizer) == "quadratic" and str(topk_compile) != "none":
-            raise ValueError("--topk-compile is not available with --topk-regularizer quadratic (its solve is run "
-                             "eagerly, also with --topk-fixed-iterations)")
-        if topk_epsilon_relative < 0:
-            raise ValueError(f"--topk-epsilon-relative must be >= 0, got {topk_epsilon_relative}")
-        if topk_epsilon_relative > 0 and (str(topk_mode) != "soft" or str(topk_cost) != "linear"):
-            raise ValueError("--topk-epsilon-relative is an option of --topk-mode soft with --topk-cost linear "
-                             f"(got --topk-mode {topk_mode} --topk-cost {topk_cost})")
-        self.epsilon_schedule = (topk_epsilon_start, topk_epsilon_anneal_updates) if topk_epsilon_start > 0 else None
+        self.epsilon_schedule = (o.topk_epsilon_start, o.topk_epsilon_anneal_updates) if o.topk_epsilon_start > 0 \
+            else None
         # the cap is given relative to one gold token's gradient in the beam term, (1 - p); p = 1 runs no search
-        unit = 1.0 - teacher_forcing_ratio if teacher_forcing_ratio < 1.0 else 1.0
-        self.search = BeamSearchConfig(beam=train_beam, mode=str(topk_mode), epsilon=topk_epsilon,
-                                       cost=str(topk_cost), tol=topk_tol, max_iter=topk_max_iter,
-                                       candidate_pool=candidate_pool, selection_grad=str(selection_grad),
-                                       selection_grad_cap=selection_grad_cap * unit,
-                                       epsilon_relative=topk_epsilon_relative,
-                                       fixed_iterations=bool(topk_fixed_iterations),
-                                       regularizer=str(topk_regularizer),
-                                       compile="" if str(topk_compile) == "none" else str(topk_compile))
-        self.p = teacher_forcing_ratio
-        self.label_smoothing = label_smoothing
+        unit = 1.0 - o.teacher_forcing_ratio if o.teacher_forcing_ratio < 1.0 else 1.0
+        self.search = BeamSearchConfig(beam=o.train_beam, mode=str(o.topk_mode), epsilon=o.topk_epsilon,
+                                       cost=str(o.topk_cost), tol=o.topk_tol, max_iter=o.topk_max_iter,
+                                       candidate_pool=o.topk_candidate_pool, selection_grad=str(o.topk_grad),
+                                       selection_grad_cap=o.topk_grad_cap * unit,
+                                       epsilon_relative=o.topk_epsilon_relative,
+                                       fixed_iterations=bool(o.topk_fixed_iterations),
+                                       regularizer=str(o.topk_regularizer),
+                                       compile="" if str(o.topk_compile) == "none" else str(o.topk_compile))
+        self.p = o.teacher_forcing_ratio
+        self.label_smoothing = o.label_smoothing
         #: set to a list to collect every selection-gradient norm (scripts/diagnostics/diagnose_beam_gradients.py)
         self.record_selection_grads: Optional[List[float]] = None
-        self.sentence_avg = sentence_avg
-
+        self.sentence_avg = o.sentence_avg
 
     def search_config(self, model) -> BeamSearchConfig:
         """The search's options at the model's current update (the epsilon schedule, if any)."""

@@ -1,10 +1,12 @@
 """The ablation runner's stage configs (``configs/*.yaml``): loading, ``--set`` overrides,
 validation, and the fairseq-train flags of a stage and arm (used by :mod:`.ablation_runner`),
-checked against fairseq-train's own parser before anything runs (:func:`check_train_flags`)."""
+checked against fairseq-train's own parser, and their values against the checks of this package's
+criteria and models, before anything runs (:func:`check_train_flags`)."""
 
 import contextlib
 import io
 import re
+import warnings
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -180,12 +182,14 @@ def _stages(config: dict) -> List[Tuple[dict, Optional[str]]]:
 
 def fairseq_train_rejects(flags: Mapping[str, object]) -> Tuple[List[str], Optional[str]]:
     """Parses ``flags`` with fairseq-train's parser (in this process, with the imported copy of this
-    package as ``--user-dir``: :func:`package_dir`).
+    package as ``--user-dir``: :func:`package_dir`), then checks the values of this package's criterion
+    and model options as fairseq-train would when it builds them (:func:`check_option_values`).
 
     Returns:
         ``(unknown, error)``: the flag names the parser does not know (its architecture, task,
         criterion, optimizer and scheduler options included) and, where it refused a value
-        (an unknown ``--arch``, say), its message; ``([], None)`` when fairseq-train accepts them.
+        (an unknown ``--arch``, say) or a value check did (``--topk-epsilon -1``), its message;
+        ``([], None)`` when fairseq-train accepts them.
     """
     from fairseq import options
 
@@ -196,11 +200,50 @@ def fairseq_train_rejects(flags: Mapping[str, object]) -> Tuple[List[str], Optio
     stderr = io.StringIO()
     try:
         with contextlib.redirect_stderr(stderr):
-            _, extra = options.parse_args_and_arch(options.get_training_parser(), argv, parse_known=True)
+            args, extra = options.parse_args_and_arch(options.get_training_parser(), argv, parse_known=True)
     except SystemExit:
         lines = [line for line in stderr.getvalue().splitlines() if line.strip()]
         return [], lines[-1] if lines else "fairseq-train's parser exited"
-    return [arg[2:] for arg in extra if arg.startswith("--")], None
+    unknown = [arg[2:] for arg in extra if arg.startswith("--")]
+    try:
+        check_option_values(args)
+    except ValueError as error:
+        return unknown, str(error)
+    return unknown, None
+
+
+def check_option_values(args) -> None:
+    """Runs the value checks of this package's criterion (``--criterion soft_beam_search`` or
+    ``beamgrad_risk``) and model (an ``--arch`` of ``softtopk_lstm`` or ``softtopk_transformer``) on
+    fairseq-train's parsed arguments, without building anything (the target dictionary is not read:
+    ``--train-beam``'s bound by the vocabulary is checked when fairseq-train builds the criterion).
+
+    Raises:
+        ValueError: the first bad value, naming its flag and the allowed range.
+    """
+    import dataclasses
+    from types import SimpleNamespace
+
+    from fairseq.models import ARCH_MODEL_REGISTRY
+
+    from ..criterions._soft_beam_search_config import check_soft_beam_search_options, resolve_renamed
+    from ..criterions.beamgrad_risk import check_beamgrad_risk_options
+    from ..models._attention_config import AttentionNormalizerConfig, check_model_options
+    from ..models.softtopk_lstm import SoftTopKLSTMModel
+    from ..models.softtopk_transformer import SoftTopKTransformerModel
+
+    with warnings.catch_warnings():  # a deprecated name warns when the stage trains, not once per check
+        warnings.simplefilter("ignore", FutureWarning)
+        if getattr(args, "criterion", None) == "soft_beam_search":
+            check_soft_beam_search_options(resolve_renamed(args))
+        elif getattr(args, "criterion", None) == "beamgrad_risk":
+            check_beamgrad_risk_options(args)
+    model = ARCH_MODEL_REGISTRY.get(getattr(args, "arch", None))
+    if model is not None and issubclass(model, (SoftTopKLSTMModel, SoftTopKTransformerModel)):
+        # the LSTM's options are added to the parser without defaults: those of its config where not given
+        defaults = {f.name: f.default for f in dataclasses.fields(AttentionNormalizerConfig)}
+        given = {name: value for name, value in vars(args).items() if value is not None}
+        check_model_options(SimpleNamespace(**{**defaults, **given}))
 
 
 def package_dir() -> Path:
@@ -213,11 +256,12 @@ def package_dir() -> Path:
 
 def check_train_flags(config: dict) -> None:
     """Raises ``ValueError`` naming each flag of the config's ``model``, ``train`` and arm sections (its
-    pretrain config's too) that fairseq-train does not accept, and the section that sets it.
+    pretrain config's too) that fairseq-train does not accept, its value where a check refuses that
+    (:func:`check_option_values`: ``--topk-epsilon -1``), and the section that sets it.
 
-    fairseq-train would stop on a misspelt flag only when the stage that has it starts, after
-    the stages before it have trained (a misspelt pretraining flag: at once, but a misspelt arm
-    flag: after pretraining); this parses every stage and arm before anything runs.
+    fairseq-train would stop on a misspelt flag or a bad value only when the stage that has it
+    starts, after the stages before it have trained (a misspelt pretraining flag: at once, but a
+    misspelt arm flag: after pretraining); this checks every stage and arm before anything runs.
     """
     problems = []
     for stage_config, arm in _stages(config):
@@ -228,7 +272,7 @@ def check_train_flags(config: dict) -> None:
 
         if error:  # argparse's "...: error: argument --arch/-a: invalid choice: 'x' (choose from <every arch>)"
             error = re.sub(r" \(choose from [^)]*\)", "", error.split("error: ", 1)[-1])
-            flag = re.search(r"argument --([\w-]+)", error)
+            flag = re.search(r"--([\w-]+)", error)
             where = set_in(flag.group(1)) if flag else ""
             label = f"arm {arm!r}" if arm is not None else f"the {stage_config['stage']} stage"
             problems.append(f"{error} (set in {where})" if where else f"{label}: {error}")

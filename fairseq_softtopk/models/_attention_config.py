@@ -1,10 +1,11 @@
-"""The attention-normaliser options that ``softtopk_lstm`` and ``softtopk_transformer`` share."""
+"""The attention-normaliser options that ``softtopk_lstm`` and ``softtopk_transformer`` share, and their checks."""
 
 from dataclasses import dataclass, field
 
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 
 from fairseq_softtopk.modules.attention_normalizer import ATTENTION_NORMALIZERS
+from fairseq_softtopk.option_checks import check_bf16, check_choice, check_epsilon, check_number, requested_bf16
 
 
 @dataclass
@@ -20,3 +21,17 @@ class AttentionNormalizerConfig(FairseqDataclass):
     attention_topk_epsilon: float = field(default=0.1, metadata={
         "help": "epsilon of soft_topk (entropic) or sparse_topk (quadratic regularisation), in units of the "
                 "attention scores"})
+
+
+def check_model_options(cfg) -> None:
+    """Raises ``ValueError`` naming the first bad attention option of ``cfg`` (the model's config or parsed
+    arguments, with the fields of :class:`AttentionNormalizerConfig`), its value and the allowed range, and
+    refuses ``--bf16`` without torch_xla (:func:`~fairseq_softtopk.option_checks.check_bf16`).
+
+    The options are checked whatever the normaliser (a value that the chosen one ignores is still refused),
+    when the model is built and in the ablation runner's check of every arm.
+    """
+    check_bf16(requested_bf16(cfg))
+    check_choice("attention_normalizer", cfg.attention_normalizer, ATTENTION_NORMALIZERS)
+    check_number("attention_topk", cfg.attention_topk, 1, integer=True)
+    check_epsilon("attention_topk_epsilon", cfg.attention_topk_epsilon)

@@ -13,7 +13,7 @@ from fairseq.models import FairseqEncoderDecoderModel, register_model, register_
 from fairseq.utils import safe_getattr
 from omegaconf import II
 
-from fairseq_softtopk.models._attention_config import AttentionNormalizerConfig
+from fairseq_softtopk.models._attention_config import AttentionNormalizerConfig, check_model_options
 from fairseq_softtopk.models.softtopk_lstm_decoder import SoftTopKLSTMDecoder, SoftTopKLSTMDecoderState
 from fairseq_softtopk.models.softtopk_lstm_encoder import SoftTopKLSTMEncoder, SoftTopKLSTMEncoderOut
 
@@ -51,6 +51,7 @@ class SoftTopKLSTMConfig(AttentionNormalizerConfig):
         "help": "tie the decoder output projection to its input embeddings"})
     max_source_positions: int = II("task.max_source_positions")
     max_target_positions: int = II("task.max_target_positions")
+    bf16: bool = II("common.bf16")  # refused without torch_xla (option_checks.check_bf16)
 
 
 @register_model("softtopk_lstm", dataclass=SoftTopKLSTMConfig)
@@ -68,7 +69,12 @@ class SoftTopKLSTMModel(FairseqEncoderDecoderModel):
 
     @classmethod
     def build_model(cls, cfg: SoftTopKLSTMConfig, task) -> "SoftTopKLSTMModel":
-        """Builds the model from ``cfg`` and the task's dictionaries."""
+        """Builds the model from ``cfg`` and the task's dictionaries.
+
+        Raises:
+            ValueError: for a bad attention option or ``--bf16`` (:func:`check_model_options`).
+        """
+        check_model_options(cfg)
         encoder = SoftTopKLSTMEncoder(
             task.source_dictionary,
             embed_dim=cfg.encoder_embed_dim,

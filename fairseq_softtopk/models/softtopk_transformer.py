@@ -32,7 +32,7 @@ from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
 from fairseq.utils import safe_getattr
 
-from fairseq_softtopk.models._attention_config import AttentionNormalizerConfig
+from fairseq_softtopk.models._attention_config import AttentionNormalizerConfig, check_model_options
 from fairseq_softtopk.modules.attention_normalizer import AttentionNormalizer
 from fairseq_softtopk.modules.topk_multihead_attention import TopKMultiheadAttention
 from fairseq_softtopk.renamed_options import alias_metadata, use_renamed
@@ -136,10 +136,11 @@ class SoftTopKTransformerModel(TransformerModel):
         """Fills defaults, checks the normaliser options, builds as fairseq's Transformer does.
 
         Raises:
-            ValueError: for bad normaliser options, or xFormers attention (not supported).
+            ValueError: for a bad normaliser option or ``--bf16`` (:func:`check_model_options`), or xFormers
+                attention (not supported).
         """
         softtopk_defaults(args)
-        build_attention_normalizer(args)  # raises ValueError naming a bad option
+        check_model_options(args)
         for side in ("encoder", "decoder"):
             if safe_getattr(args, f"{side}_xformers_att_config", None):
                 raise ValueError(f"--{side}-xformers-att-config is not supported by softtopk_transformer")
