@@ -5,7 +5,8 @@
 its own process with its output kept:
 
 1. ``pytest -m cuda tests``: the operators and the criterion on CUDA against the CPU, the sync-free
-   search under CUDA's sync debug mode, and fairseq-train / fairseq-generate with --fp16, --bf16, --amp;
+   search under CUDA's sync debug mode, and fairseq-train / fairseq-generate with --fp16 and --amp (not
+   --bf16: fairseq 0.12 trains in bfloat16 on TPUs only);
 2. ``scripts/bench/bench_ops.py``: the operators' forward + backward against ``torch.topk`` (the target case and
    the beam-search shape; plain, sync-free and in CUDA graphs; and the sparse operators beside the entropic ones);
 3. ``scripts/bench/bench_train.py``: updates per second of teacher forcing, hard and soft beam search (default,
