@@ -334,7 +334,7 @@ def test_generation_batch_defaults_to_the_device(monkeypatch, cuda, expected):
         return subprocess.CompletedProcess(command, 0, stdout="", stderr="")
 
     monkeypatch.setattr(scoring, "_has_cuda", lambda: cuda)
-    monkeypatch.setattr(scoring.subprocess, "run", fake_run)
+    monkeypatch.setattr(scoring, "run_captured", fake_run)
     scoring.run_fairseq_generate("bin", "ckpt.pt")
     scoring.run_fairseq_generate("bin", "ckpt.pt", batch_size=8)
     first, second = calls

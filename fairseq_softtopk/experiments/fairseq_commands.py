@@ -7,7 +7,9 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from . import child_processes
 
 #: The directory of the imported copy of this package (this module is part of it): the ``--user-dir``
 #: of the fairseq subprocesses, so that they load the same checkout (a pinned git worktree included)
@@ -76,28 +78,42 @@ def progress_line(label: str, line: str) -> Optional[str]:
 
 
 def run_logged(cmd: Sequence[str], log_path: Optional[Path] = None, echo: bool = True,
-               progress: Optional[str] = None) -> str:
+               progress: Optional[str] = None, on_start: Optional[Callable[[subprocess.Popen], None]] = None) -> str:
     """Runs ``cmd``, keeping a copy of its output (fairseq's progress logging) in ``log_path``.
+
+    The process is started with :func:`.child_processes.start`: a stop request (SIGINT, SIGTERM)
+    ends it, and on Linux it dies with this thread.
 
     Args:
         echo: print every output line as it comes.
         progress: with ``echo=False``, print one line per validation, labelled ``progress``.
+        on_start: called with the process once it runs (e.g. to record its PID in a lock).
     Raises:
         RuntimeError: on a non-zero exit, with the tail of the output.
+        RunStopped: a stop was requested before or while it ran (nothing started, or it was ended).
     """
     lines: List[str] = []
     log = open(log_path, "a", encoding="utf-8", buffering=1) if log_path else None  # line-buffered: tail -f works
     try:
-        with subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env=subprocess_env()) as proc:
-            for line in proc.stdout:
-                lines.append(line)
-                if log:
-                    log.write(line)
-                summary = progress_line(progress, line) if progress and not echo else None
-                if echo or summary:
-                    sys.stdout.write(line if echo else summary + "\n")
-                    sys.stdout.flush()
+        with child_processes.start(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                   env=subprocess_env()) as proc:
+            try:
+                if on_start:
+                    on_start(proc)
+                for line in proc.stdout:
+                    lines.append(line)
+                    if log:
+                        log.write(line)
+                    summary = progress_line(progress, line) if progress and not echo else None
+                    if echo or summary:
+                        sys.stdout.write(line if echo else summary + "\n")
+                        sys.stdout.flush()
+            except BaseException:  # a stop, or a failed write: it must not outlive this thread's wait
+                proc.kill()
+                raise
+            finally:
+                proc.wait()
+                child_processes.forget(proc)  # raises RunStopped where a stop ended it
         if proc.returncode != 0:
             tail = "".join(lines[-40:])
             raise RuntimeError(f"command failed with exit code {proc.returncode}: {' '.join(cmd)}\n{tail}")
