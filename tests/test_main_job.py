@@ -113,3 +113,16 @@ def test_bad_seeds_and_work_dir_are_one_line_errors(tmp_path, capsys, args, mess
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and message.format(file=file) in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "work").exists()
+
+
+def test_an_incomplete_bin_holding_other_files_is_not_deleted(tmp_path):
+    """The data step redoes a bin/ without its last file by deleting it: only one that holds nothing but its own
+    output (a user's fairseq-preprocess directory of other data is left as it is, and named)."""
+    from fairseq_softtopk.experiments.fairseq_commands import binarize_generated_corpus
+
+    splits = {"train": (20, 11), "valid": (5, 12), "test": (5, 13)}
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "train.en-de.en.idx").write_text("mine")
+    with pytest.raises(ValueError, match=r"bin is not an incomplete binarisation .* train\.en-de\.en\.idx"):
+        binarize_generated_corpus(tmp_path, splits=splits)
+    assert (tmp_path / "bin" / "train.en-de.en.idx").read_text() == "mine"

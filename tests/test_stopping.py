@@ -369,3 +369,21 @@ def test_sigterm_to_the_main_job_ends_its_fairseq_process_and_the_rerun_line_dro
     assert stop["output"].rstrip().splitlines()[-1].strip() == shlex.join(["fairseq-softtopk-main-job", *args])
     assert json.loads((work / "main_job.json").read_text())["created"] == [
         "raw", "bin", "seed1", "results.json", "results.md", "curves.png", "agreement.md"]
+
+
+def test_a_run_stopped_after_fairseq_train_ended_is_recorded_not_trained_again(tmp_path, caplog):
+    """The runner killed between fairseq-train's end and done.json: resuming would train one update past the
+    budget (fairseq steps once more before it checks max-update); the rerun records the run instead."""
+    run = tmp_path / "run"
+    run.mkdir()
+    flags = {"arch": "softtopk_lstm_tiny", "max-update": 8}
+    (run / "checkpoint_last.pt").write_bytes(b"the last checkpoint")
+    (run / "train.log").write_text("| train_inner | epoch 001: 8 / 25 num_updates=8\n"
+                                   "2026-01-01 00:00:00 | INFO | fairseq_cli.train | done training in 3.3 seconds\n\n")
+    log = (run / "train.log").read_text()
+    with caplog.at_level("INFO", logger="ablation"):
+        done = ablation_runner.train_run(tmp_path / "no_bin", flags, run, verbose=False)
+    assert "fairseq-train had finished; recording it" in caplog.text and "training " not in caplog.text
+    assert (run / "train.log").read_text() == log  # no fairseq-train ran
+    assert done["checkpoint_sha256"] == hashlib.sha256(b"the last checkpoint").hexdigest()
+    assert done["wall_seconds"] is None and json.loads((run / "done.json").read_text()) == done

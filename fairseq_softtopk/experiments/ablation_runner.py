@@ -408,15 +408,15 @@ def run_ablation(config: dict, data_bin, work_dir, ref_dir=None, seeds: Sequence
         try:
             runs = _schedule(config, work_dir, seeds, arms, jobs, per_seed, shared_pretrain, start_ckpt,
                              train_and_score)
+            results = summarise(config, runs, arms, list(seeds), bootstrap_samples, skipped)
+            results.update({"command": command, "commit": source_commit(),
+                            "data_bin": str(data_bin), "work_dir": str(work_dir), "pretrain_per_seed": per_seed,
+                            "pretrained_checkpoint": str(start_ckpt) if start_ckpt else None})
+            results["curves_png"] = plot_curves(work_dir, arms, seeds, work_dir / "curves.png")
+            _write_json_atomic(work_dir / "results.json", results)
+            (work_dir / "results.md").write_text(results_markdown(results), encoding="utf-8")
         except RunStopped as stop:
             raise RunStopped(stop.signum, describe_runs(plan)) from None
-    results = summarise(config, runs, arms, list(seeds), bootstrap_samples, skipped)
-    results.update({"command": command, "commit": source_commit(),
-                    "data_bin": str(data_bin), "work_dir": str(work_dir), "pretrain_per_seed": per_seed,
-                    "pretrained_checkpoint": str(start_ckpt) if start_ckpt else None})
-    results["curves_png"] = plot_curves(work_dir, arms, seeds, work_dir / "curves.png")
-    _write_json_atomic(work_dir / "results.json", results)
-    (work_dir / "results.md").write_text(results_markdown(results), encoding="utf-8")
     logger.info("wrote %s, %s and %s", work_dir / "results.md", work_dir / "results.json", work_dir / "curves.png")
     return results
 

@@ -3,6 +3,7 @@
 import contextlib
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -127,7 +128,7 @@ def binarize_generated_corpus(work: Path, splits=None, joined_dictionary: bool =
     """An embedded generated corpus -> ``work/raw`` (text) and ``work/bin`` (fairseq binary data).
 
     Both steps are skipped when their output exists (the writers refuse to overwrite different
-    text; a ``bin`` without its last file is redone).
+    text; a ``bin`` without its last file is redone, when it holds nothing but what this step writes).
 
     Args:
         splits: ``{split: (pairs, seed)}`` for the corpus writer (default: its standard sizes).
@@ -135,9 +136,10 @@ def binarize_generated_corpus(work: Path, splits=None, joined_dictionary: bool =
             or ``"demo"`` (:mod:`fairseq_softtopk.data.demo_language_pair`, the main job's).
     Returns:
         ``work/bin``.
+    Raises:
+        ValueError: ``work/bin`` is incomplete and holds files this step does not write (someone
+            else's): it is left as it is.
     """
-    import shutil
-
     from fairseq_softtopk.data import demo_language_pair, toy_language_pair
 
     writers = {"toy": (toy_language_pair.write_toy_corpus, toy_language_pair.SPLITS),
@@ -150,10 +152,25 @@ def binarize_generated_corpus(work: Path, splits=None, joined_dictionary: bool =
     write(raw, splits=splits)
     last = list(splits)[-1]
     if not (data_bin / f"{last}.src-tgt.tgt.idx").exists():
-        shutil.rmtree(data_bin, ignore_errors=True)
+        _remove_partial_output(data_bin, splits)
         prefixes = [arg for split, flag in (("train", "--trainpref"), ("valid", "--validpref"), ("test", "--testpref"))
                     if split in splits for arg in (flag, raw / split)]
         run_logged(fairseq_command("preprocess", ["--source-lang", "src", "--target-lang", "tgt", *prefixes,
                                                   "--destdir", data_bin, "--workers", "2"]
                                    + (["--joined-dictionary"] if joined_dictionary else [])), echo=False)
     return data_bin
+
+
+def _remove_partial_output(data_bin: Path, splits) -> None:
+    """Removes an incomplete ``data_bin`` of :func:`binarize_generated_corpus`; ``ValueError`` (and
+    nothing removed) where it holds a file that fairseq-preprocess of ``splits`` does not write."""
+    if not data_bin.exists():
+        return
+    ours = {"dict.src.txt", "dict.tgt.txt", "preprocess.log"} | {
+        f"{split}.src-tgt.{lang}.{ext}" for split in splits for lang in ("src", "tgt") for ext in ("bin", "idx")}
+    foreign = sorted(path.name for path in data_bin.iterdir() if path.name not in ours) if data_bin.is_dir() else []
+    if foreign or not data_bin.is_dir():
+        raise ValueError(f"{data_bin} is not an incomplete binarisation of the generated corpus (it holds "
+                         f"{', '.join(foreign[:5]) or 'a file'}{', ...' if len(foreign) > 5 else ''}): left as it is; "
+                         f"move it away or pass another work directory")
+    shutil.rmtree(data_bin)
