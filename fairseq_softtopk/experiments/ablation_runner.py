@@ -262,7 +262,9 @@ def _train(args: Sequence[str], save_dir: Path, verbose: bool, record_child) -> 
 
 
 def evaluate_run(run_dir: Path, data_bin: Path, ref_dir: Optional[Path], eval_cfg: Mapping, pair: tuple) -> dict:
-    """Scores ``run_dir/checkpoint_last.pt`` on every eval subset; cached in ``eval.json``."""
+    """Scores ``run_dir/checkpoint_last.pt`` on every eval subset; cached in ``eval.json`` (a cached
+    score needs no checkpoint). Before scoring, the checkpoint is checked against the digest in
+    ``done.json`` (``CheckpointChanged`` where it differs; :mod:`.checkpoint_integrity`)."""
     from .scoring import evaluate_checkpoint
 
     settings = {key: eval_cfg.get(key) for key in EVAL_KEYS}
