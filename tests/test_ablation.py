@@ -150,6 +150,25 @@ def test_misspelt_config_flags_are_named_with_their_section_before_any_run(tmp_p
     assert "--topk-modee (set in" in capsys.readouterr().err and not work.exists()
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--seeds", "3", "1", "3"], "--seeds: seeds [3] are given more than once (3 1 3)"),
+    (["--work-dir", "{file}"], "--work-dir: work directory {file} is a file")])
+def test_bad_seeds_and_work_dir_are_one_line_errors(tmp_path, capsys, args, message):
+    """Duplicate seeds trained one run twice over; a file as work directory ended in a traceback."""
+    file = tmp_path / "notes.txt"
+    file.write_text("not a directory")
+    args = [arg.format(file=file) for arg in args]
+    with pytest.raises(SystemExit) as exit_info:
+        ablation_cli.main([str(REPO / "configs" / "toy_finetune.yaml"), "--data-bin", str(tmp_path / "bin"),
+                           "--work-dir", str(tmp_path / "work"), *args])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and message.format(file=file) in err and len(err.strip().splitlines()) == 1
+    with pytest.raises(ValueError, match=r"seeds \[1, 2\] are given more than once"):
+        run_ablation(load_config(REPO / "configs" / "toy_finetune.yaml"), _fake_data_bin(tmp_path / "bin"),
+                     tmp_path / "work", seeds=[1, 2, 2, 1])
+    assert not (tmp_path / "work").exists()
+
+
 BEAMGRAD_INSTALL = "pip install --no-build-isolation beamgrad==2.3.0"
 
 
@@ -344,7 +363,7 @@ def test_generation_batch_defaults_to_the_device(monkeypatch, cuda, expected):
         return subprocess.CompletedProcess(command, 0, stdout="", stderr="")
 
     monkeypatch.setattr(scoring, "_has_cuda", lambda: cuda)
-    monkeypatch.setattr(scoring.subprocess, "run", fake_run)
+    monkeypatch.setattr(scoring, "run_captured", fake_run)
     scoring.run_fairseq_generate("bin", "ckpt.pt")
     scoring.run_fairseq_generate("bin", "ckpt.pt", batch_size=8)
     first, second = calls

@@ -9,6 +9,8 @@ import sys
 import pytest
 
 from conftest import clean_env
+from fairseq_softtopk.cli import main_job
+from fairseq_softtopk.experiments.work_dir_marker import MARKER, clear_for_fresh, record_created
 
 
 @pytest.mark.slow
@@ -49,3 +51,78 @@ def test_main_job_is_quiet_and_ends_with_the_table(tmp_path, repo_root):
     assert re.fullmatch(r"[0-9a-f]{12}(\+dirty)?", results["commit"])
     assert f"- command: `{results['command']}` at commit `{results['commit']}`" in table
     assert len((work / "raw" / "train.src").read_text().splitlines()) == 200
+
+
+def _listing(root):
+    return sorted(str(path.relative_to(root)) for path in root.rglob("*"))
+
+
+def _ablation_work_dir(work):
+    """What fairseq-softtopk-ablation leaves in its work directory."""
+    for run in ("pretrain", "seed1/tf", "seed1/soft"):
+        (work / run).mkdir(parents=True)
+        for name in ("checkpoint_last.pt", "done.json", "train.log"):
+            (work / run / name).write_text(name)
+    (work / "results.json").write_text("{}")
+
+
+@pytest.mark.parametrize("make", [
+    lambda work: (work / "seed_corpus_do_not_delete").mkdir(parents=True) or
+    (work / "seed_corpus_do_not_delete" / "corpus.txt").write_text("mine"),
+    _ablation_work_dir], ids=["foreign seed* directory", "an ablation's work directory"])
+def test_fresh_refuses_a_directory_the_main_job_did_not_make(tmp_path, capsys, make):
+    """--fresh deleted WORK/pretrain and every WORK/seed* of any directory; now a non-empty one without the main
+    job's marker is refused, naming it, and nothing is deleted."""
+    work = tmp_path / "work"
+    make(work)
+    before = _listing(work)
+    with pytest.raises(SystemExit) as exit_info:
+        main_job.main(["--work-dir", str(work), "--fresh", "--seeds", "1"])
+    message = capsys.readouterr().err
+    assert exit_info.value.code == 2 and f"{work} was not made by the main job (no {MARKER}" in message
+    assert len(message.strip().splitlines()) == 1 and _listing(work) == before
+
+
+def test_fresh_removes_only_what_the_main_job_recorded_creating(tmp_path):
+    work = tmp_path / "work"
+    (work / "seed_corpus_do_not_delete").mkdir(parents=True)  # the user's, there before the main job
+    record_created(work, ["raw", "bin", "seed1", "seed_corpus_do_not_delete", "results.md"])
+    assert json.loads((work / MARKER).read_text())["created"] == ["raw", "bin", "seed1", "results.md"]
+    for path in ("raw/train.src", "bin/dict.src.txt", "seed1/tf/checkpoint_last.pt", "results.md",
+                 "seed_corpus_do_not_delete/corpus.txt"):
+        (work / path).parent.mkdir(parents=True, exist_ok=True)
+        (work / path).write_text("x")
+    (work / "seed2").mkdir()  # a run directory the marker does not list: refused, nothing removed
+    with pytest.raises(ValueError, match=r"holds seed2, which the main job did not create"):
+        clear_for_fresh(work)
+    (work / "seed2").rmdir()
+    assert clear_for_fresh(work) == [work / "seed1", work / "results.md"]
+    assert _listing(work) == ["bin", "bin/dict.src.txt", MARKER, "raw", "raw/train.src", "seed_corpus_do_not_delete",
+                              "seed_corpus_do_not_delete/corpus.txt"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--seeds", "1", "2", "1"], "--seeds: seeds [1] are given more than once (1 2 1)"),
+    (["--work-dir", "{file}"], "--work-dir: work directory {file} is a file")])
+def test_bad_seeds_and_work_dir_are_one_line_errors(tmp_path, capsys, args, message):
+    file = tmp_path / "notes.txt"
+    file.write_text("not a directory")
+    args = [arg.format(file=file) for arg in args]
+    with pytest.raises(SystemExit) as exit_info:
+        main_job.main(["--work-dir", str(tmp_path / "work"), *args])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and message.format(file=file) in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "work").exists()
+
+
+def test_an_incomplete_bin_holding_other_files_is_not_deleted(tmp_path):
+    """The data step redoes a bin/ without its last file by deleting it: only one that holds nothing but its own
+    output (a user's fairseq-preprocess directory of other data is left as it is, and named)."""
+    from fairseq_softtopk.experiments.fairseq_commands import binarize_generated_corpus
+
+    splits = {"train": (20, 11), "valid": (5, 12), "test": (5, 13)}
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "train.en-de.en.idx").write_text("mine")
+    with pytest.raises(ValueError, match=r"bin is not an incomplete binarisation .* train\.en-de\.en\.idx"):
+        binarize_generated_corpus(tmp_path, splits=splits)
+    assert (tmp_path / "bin" / "train.en-de.en.idx").read_text() == "mine"

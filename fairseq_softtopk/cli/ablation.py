@@ -19,6 +19,13 @@ the config section that sets it. A requested arm that cannot train here (``--cri
 beamgrad_risk`` without the optional package beamgrad) is skipped then, with a warning naming
 the install command, and listed in the report; a request of such arms only is an error.
 
+Ctrl-C or SIGTERM stops every fairseq process the runner started (within seconds), starts no
+further run, keeps every finished run and prints what finished, what will resume and the
+command to rerun; the exit status is 130 (SIGINT) or 143 (SIGTERM). Each run directory is
+locked while a process trains in it (``run.lock``): a second runner on the same directory is
+refused. A finished run's ``checkpoint_last.pt`` is checked against the SHA-256 recorded in its
+``done.json`` before it is fine-tuned from or scored.
+
 Example (``DIR`` as written by ``data_prep/prepare_multi30k.sh --out DIR``: ``DIR/bin``
 and ``DIR/raw``)::
 
@@ -31,12 +38,15 @@ and ``DIR/raw``)::
 
 import argparse
 import logging
+import shlex
 import sys
 from pathlib import Path
+from typing import Sequence
 
 from fairseq_softtopk.experiments.ablation_config import load_config
 from fairseq_softtopk.experiments.ablation_report import results_markdown
-from fairseq_softtopk.experiments.ablation_runner import run_ablation
+from fairseq_softtopk.experiments.ablation_runner import check_seeds, check_work_dir, run_ablation
+from fairseq_softtopk.experiments.child_processes import RunStopped, stop_on_signals
 
 
 def main(argv=None) -> int:
@@ -59,22 +69,40 @@ def main(argv=None) -> int:
     parser.add_argument("--quiet", action="store_true",
                         help="print one line per validation instead of fairseq's logs (kept in each train.log)")
     args = parser.parse_args(argv)
-    command = " ".join(["fairseq-softtopk-ablation", *(sys.argv[1:] if argv is None else argv)])
+    typed = ["fairseq-softtopk-ablation", *(sys.argv[1:] if argv is None else argv)]
+    command = " ".join(typed)
+    for flag, check, value in (("--seeds", check_seeds, args.seeds), ("--work-dir", check_work_dir, Path(args.work_dir))):
+        try:
+            check(value)
+        except ValueError as error:
+            parser.exit(2, f"{parser.prog}: error: {flag}: {error}\n")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s | %(levelname)s | %(name)s | %(message)s")
-    try:
-        config = load_config(args.config, args.set)
-        if not (args.data_dir or args.data_bin):
-            raise ValueError(f"pass --data-dir or --data-bin ({args.config} expects: {config.get('data')})")
-        data_bin = Path(args.data_bin or Path(args.data_dir) / "bin")
-        ref_dir = args.ref_dir or (Path(args.data_dir) / "raw" if args.data_dir else None)
-        results = run_ablation(config, data_bin, args.work_dir, ref_dir, args.seeds, args.arms, args.pretrained,
-                               args.bootstrap_samples, verbose=not args.quiet, jobs=args.jobs,
-                               command=command)
-    except (FileNotFoundError, ValueError, RuntimeError) as error:
-        parser.exit(1 if isinstance(error, RuntimeError) else 2, f"{parser.prog}: error: {error}\n")
+    with stop_on_signals():
+        try:
+            config = load_config(args.config, args.set)
+            if not (args.data_dir or args.data_bin):
+                raise ValueError(f"pass --data-dir or --data-bin ({args.config} expects: {config.get('data')})")
+            data_bin = Path(args.data_bin or Path(args.data_dir) / "bin")
+            ref_dir = args.ref_dir or (Path(args.data_dir) / "raw" if args.data_dir else None)
+            results = run_ablation(config, data_bin, args.work_dir, ref_dir, args.seeds, args.arms, args.pretrained,
+                                   args.bootstrap_samples, verbose=not args.quiet, jobs=args.jobs,
+                                   command=command)
+        except (FileNotFoundError, ValueError, RuntimeError) as error:
+            parser.exit(1 if isinstance(error, RuntimeError) else 2, f"{parser.prog}: error: {error}\n")
+        except RunStopped as stop:
+            sys.stderr.write(stopped_message(parser.prog, stop, typed))
+            return stop.exit_status
     print(results_markdown(results))
     return 0
 
+
+def stopped_message(prog: str, stop: RunStopped, typed: Sequence[str]) -> str:
+    """The message of a stopped command (``typed``: its words, to rerun): what finished, what resumes."""
+    lines = [f"{prog}: stopped by {stop.signal_name}; every fairseq process it started has ended.",
+             *(stop.lines or ["  (stopped before any run started)"]),
+             "Finished runs are kept and unfinished ones resume from their last checkpoint; to go on, rerun:",
+             f"  {shlex.join(typed)}"]
+    return "\n".join(lines) + "\n"
 
 if __name__ == "__main__":
     sys.exit(main())

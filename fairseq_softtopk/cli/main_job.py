@@ -18,7 +18,9 @@
    (``WORK/agreement.md``; :mod:`fairseq_softtopk.experiments.reference_comparison`).
 
 Re-running reuses the data and every finished stage; ``--fresh`` trains again (the data are
-kept). The pair is generated, so the table shows what the pipeline measures, not the paper's
+kept): it removes only what the main job recorded creating in ``WORK/main_job.json``, and refuses
+a non-empty directory without that file (naming it). Ctrl-C or SIGTERM stops every fairseq
+process (exit status 130 or 143) and prints what finished and the command that resumes the rest. The pair is generated, so the table shows what the pipeline measures, not the paper's
 claim about real translation (see the notes in results.md).
 
     fairseq-softtopk-main-job [--work-dir runs/main_job] [--seeds 1 2 3] [--set train.max-update=200]
@@ -30,7 +32,6 @@ repository, so it runs from a clone of it (an editable install), not from an ins
 import argparse
 import json
 import logging
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -38,9 +39,12 @@ from pathlib import Path
 from fairseq_softtopk.data.demo_language_pair import DEMO_SPLITS
 from fairseq_softtopk.experiments.ablation_config import load_config
 from fairseq_softtopk.experiments.ablation_report import results_markdown
-from fairseq_softtopk.experiments.ablation_runner import run_ablation
+from fairseq_softtopk.cli.ablation import stopped_message
+from fairseq_softtopk.experiments.ablation_runner import check_seeds, check_work_dir, run_ablation
+from fairseq_softtopk.experiments.child_processes import RunStopped, stop_on_signals
 from fairseq_softtopk.experiments.fairseq_commands import PACKAGE_DIR, binarize_generated_corpus
 from fairseq_softtopk.experiments.reference_comparison import compare, comparison_markdown
+from fairseq_softtopk.experiments.work_dir_marker import clear_for_fresh, record_created
 
 #: The repository: the parent of the fairseq_softtopk directory (a clone; an installed wheel has no configs/).
 REPO = PACKAGE_DIR.parent
@@ -66,40 +70,58 @@ def main(argv=None) -> int:
                         help="sentence pairs per split (default: 8000 400 500; smaller for smoke tests)")
     parser.add_argument("--fresh", action="store_true", help="discard earlier checkpoints and results")
     args = parser.parse_args(argv)
-    command = " ".join(["fairseq-softtopk-main-job", *(sys.argv[1:] if argv is None else argv)])
+    typed = ["fairseq-softtopk-main-job", *(sys.argv[1:] if argv is None else argv)]
+    command = " ".join(typed)
     if not CONFIG.parent.is_dir():  # a non-editable install: the package without the repository around it
         parser.exit(2, f"{parser.prog}: error: no configs/ next to {REPO / 'fairseq_softtopk'}: the main job runs "
                        f"from a clone of the repository (it reads configs/demo_finetune.yaml and results/), "
                        f"e.g. `make demo` there, not from an installed package\n")
+    work = Path(args.work_dir)
+    for flag, check, value in (("--seeds", check_seeds, args.seeds), ("--work-dir", check_work_dir, work)):
+        try:
+            check(value)
+        except ValueError as error:
+            parser.exit(2, f"{parser.prog}: error: {flag}: {error}\n")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s | %(message)s" if not args.verbose else
                         "%(asctime)s | %(levelname)s | %(name)s | %(message)s", datefmt="%H:%M:%S")
     if not args.verbose:  # fairseq's info lines (the runner's flag check) and sacrebleu's advice on
         # tokenised references (the generated pair is tokenised by construction) are noise here
         logging.getLogger("fairseq").setLevel(logging.WARNING)
         logging.getLogger("sacrebleu").setLevel(logging.ERROR)
-    work = Path(args.work_dir)
-    try:
-        config = load_config(CONFIG, args.set)
-    except (FileNotFoundError, ValueError) as error:
-        parser.exit(2, f"{parser.prog}: error: {error}\n")
-    if args.fresh:
-        for path in [work / "pretrain", *work.glob("seed*")]:
-            if path.exists():
-                shutil.rmtree(path)
     start = time.time()
-    print(f"main job: generating and binarising the demo language pair into {work}", flush=True)
-    splits = None
-    if args.sizes:
-        splits = {split: (n, seed) for (split, (_, seed)), n in zip(DEMO_SPLITS.items(), args.sizes)}
-    data_bin = binarize_generated_corpus(work, splits=splits, corpus="demo")
-    results = run_ablation(config, data_bin, work, ref_dir=work / "raw", seeds=args.seeds, arms=args.arms,
-                           verbose=args.verbose, jobs=args.jobs, command=command)
+    with stop_on_signals():
+        try:
+            config = load_config(CONFIG, args.set)
+            if args.fresh:
+                removed = clear_for_fresh(work)
+                if removed:
+                    print(f"main job: --fresh removed {', '.join(p.name for p in removed)} from {work}", flush=True)
+            # what this run will create, recorded before it exists: --fresh removes only that
+            runs = [f"seed{seed}" for seed in args.seeds] + ([] if config.get("pretrain_per_seed") else ["pretrain"])
+            record_created(work, ["raw", "bin", *runs, "results.json", "results.md", "curves.png", "agreement.md"])
+            results = run_main_job(config, args, work, command)
+        except (FileNotFoundError, ValueError, RuntimeError) as error:
+            parser.exit(1 if isinstance(error, RuntimeError) else 2, f"{parser.prog}: error: {error}\n")
+        except RunStopped as stop:  # the rerun must not discard what this one trained: no --fresh
+            sys.stderr.write(stopped_message(parser.prog, stop, [word for word in typed if word != "--fresh"]))
+            return stop.exit_status
     print()
     print(results_markdown(results))
     print(agreement_with_published(results, args, work))
     print(f"main job: {time.time() - start:.0f} s this call; results in {work / 'results.md'}, "
           f"{work / 'results.json'} and {work / 'curves.png'}")
     return 0
+
+
+def run_main_job(config: dict, args, work: Path, command: str) -> dict:
+    """Generates and binarises the demo pair into ``work`` (kept when there) and runs the ablation."""
+    print(f"main job: generating and binarising the demo language pair into {work}", flush=True)
+    splits = None
+    if args.sizes:
+        splits = {split: (n, seed) for (split, (_, seed)), n in zip(DEMO_SPLITS.items(), args.sizes)}
+    data_bin = binarize_generated_corpus(work, splits=splits, corpus="demo")
+    return run_ablation(config, data_bin, work, ref_dir=work / "raw", seeds=args.seeds, arms=args.arms,
+                        verbose=args.verbose, jobs=args.jobs, command=command)
 
 
 def agreement_with_published(results: dict, args, work: Path) -> str:

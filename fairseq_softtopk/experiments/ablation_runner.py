@@ -16,7 +16,11 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 from .ablation_config import EVAL_KEYS, check_train_flags, flags_to_args, stage_flags
 from .ablation_plot import plot_curves
 from .ablation_report import results_markdown, summarise
+from .checkpoint_integrity import KEY as DIGEST_KEY, LAST, check_resumable, checkpoint_digest, verify_run_checkpoint
+from .child_processes import RunStopped, check_not_stopping, stop_on_signals
 from .fairseq_commands import PACKAGE_DIR, fairseq_command, intra_op_threads, run_logged
+from .run_lock import run_lock
+from .run_status import describe_runs
 
 logger = logging.getLogger("ablation")
 
@@ -173,42 +177,81 @@ def read_train_stats(log_path: Path) -> dict:
 
 
 
+def _fairseq_finished(log_path: Path) -> bool:
+    """Whether the last fairseq-train of ``log_path`` ended normally (its last line: ``done training``)."""
+    if not log_path.is_file():
+        return False
+    lines = [line for line in log_path.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
+    return bool(lines) and "| done training in " in lines[-1]
+
+
 def train_run(data_bin: Path, flags: Mapping[str, object], save_dir: Path,
               finetune_from: Optional[Path] = None, verbose: bool = True, alone: bool = True) -> dict:
     """Trains (or resumes, or skips when ``done.json`` exists) one run into ``save_dir``.
 
-    fairseq's output goes to ``save_dir/train.log``; ``verbose`` also prints it, otherwise one
-    line per validation is printed. ``alone``: no other run trains meanwhile, so this process's
-    children's CPU time is this run's (else ``cpu_seconds`` is None).
+    fairseq's output goes to ``save_dir/train.log`` (appended: a resumed run keeps every part);
+    ``verbose`` also prints it, otherwise one line per validation is printed. ``alone``: no other
+    run trains meanwhile, so this process's children's CPU time is this run's (else
+    ``cpu_seconds`` is None). The run holds ``save_dir/run.lock`` (:mod:`.run_lock`) meanwhile.
 
     ``run.json`` records the fairseq-train arguments when the run starts; a later call with
     different arguments raises ``ValueError`` instead of mixing two settings in one directory.
-    Returns the contents of ``done.json`` (arguments, wall and CPU seconds of this call).
+    A ``finetune_from`` that is a finished run's ``checkpoint_last.pt`` is checked against the
+    digest in that run's ``done.json`` first (:mod:`.checkpoint_integrity`).
+    Returns the contents of ``done.json`` (arguments, wall and CPU seconds of this call, and the
+    SHA-256 of ``checkpoint_last.pt``).
+
+    Raises:
+        RunDirectoryInUse: another live process trains in ``save_dir``.
+        CheckpointChanged: ``finetune_from`` differs from the file its run finished with.
+        RunStopped: a stop was requested (the run resumes on the next call).
     """
     flags = {"required-batch-size-multiple": 1, "log-format": "simple", **flags}
     args = [str(data_bin), *flags_to_args(flags), "--save-dir", str(save_dir)]
     if finetune_from is not None:
         args += ["--finetune-from-model", str(finetune_from)]
     save_dir.mkdir(parents=True, exist_ok=True)
-    if (save_dir / RUN).exists():
-        earlier = json.loads((save_dir / RUN).read_text())["args"]
-        if _run_flags(earlier) != _run_flags(args):
-            changed = differing_flags(earlier, args) or ["the same flags in another order"]
-            raise ValueError(f"{save_dir} holds a run with other fairseq-train arguments (differing, earlier -> "
-                             f"now: {'; '.join(changed)}); use another --work-dir or remove {save_dir}")
-    else:
-        _write_json_atomic(save_dir / RUN, {"args": args})
-    if (save_dir / DONE).exists():
-        logger.info("%s: finished earlier, skipping training", save_dir)
-        return json.loads((save_dir / DONE).read_text())
-    if (save_dir / "checkpoint_last.pt").exists():
+    with run_lock(save_dir) as record_child:
+        if (save_dir / RUN).exists():
+            earlier = json.loads((save_dir / RUN).read_text())["args"]
+            if _run_flags(earlier) != _run_flags(args):
+                changed = differing_flags(earlier, args) or ["the same flags in another order"]
+                raise ValueError(f"{save_dir} holds a run with other fairseq-train arguments (differing, earlier -> "
+                                 f"now: {'; '.join(changed)}); use another --work-dir or remove {save_dir}")
+        else:
+            _write_json_atomic(save_dir / RUN, {"args": args})
+        if (save_dir / DONE).exists():
+            logger.info("%s: finished earlier, skipping training", save_dir)
+            return json.loads((save_dir / DONE).read_text())
+        if finetune_from is not None and finetune_from.name == LAST and (finetune_from.parent / DONE).exists():
+            verify_run_checkpoint(finetune_from.parent)
+        start, cpu = time.time(), _children_cpu_seconds()
+        if (save_dir / LAST).exists() and _fairseq_finished(save_dir / "train.log"):
+            # stopped after fairseq-train ended but before done.json: resuming would train one update too many
+            logger.info("%s: fairseq-train had finished; recording it", save_dir)
+            start = cpu = None
+        else:
+            _train(args, save_dir, verbose, record_child)
+        done = {"args": args, "wall_seconds": round(time.time() - start, 1) if start else None,
+                "cpu_seconds": round(_children_cpu_seconds() - cpu, 1) if alone and cpu is not None else None,
+                "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
+        if not (save_dir / LAST).exists():
+            raise RuntimeError(f"fairseq-train finished without writing {save_dir / LAST}")
+        done[DIGEST_KEY] = checkpoint_digest(save_dir / LAST)
+        _write_json_atomic(save_dir / DONE, done)
+        return done
+
+
+def _train(args: Sequence[str], save_dir: Path, verbose: bool, record_child) -> None:
+    """Runs fairseq-train ``args`` (resuming from ``save_dir/checkpoint_last.pt`` if there)."""
+    if (save_dir / LAST).exists():
+        check_resumable(save_dir)
         logger.info("%s: resuming from checkpoint_last.pt", save_dir)
     logger.info("training %s", save_dir)
-    start, cpu = time.time(), _children_cpu_seconds()
     device = [] if _has_cuda() else ["--cpu"]  # not in run.json: a run may resume on another device
     try:
         run_logged(fairseq_command("train", [*args, *device]), log_path=save_dir / "train.log", echo=verbose,
-                   progress=f"{save_dir.parent.name}/{save_dir.name}")
+                   progress=f"{save_dir.parent.name}/{save_dir.name}", on_start=record_child)
     except RuntimeError as error:
         from .scoring import refused_checkpoint
 
@@ -216,16 +259,12 @@ def train_run(data_bin: Path, flags: Mapping[str, object], save_dir: Path,
         if refused:  # alone: the rest of the output is fairseq's config, not the cause
             raise RuntimeError(f"fairseq-train ({save_dir}) refused a checkpoint: {refused}") from None
         raise
-    done = {"args": args, "wall_seconds": round(time.time() - start, 1),
-            "cpu_seconds": round(_children_cpu_seconds() - cpu, 1) if alone else None, "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
-    if not (save_dir / "checkpoint_last.pt").exists():
-        raise RuntimeError(f"fairseq-train finished without writing {save_dir / 'checkpoint_last.pt'}")
-    _write_json_atomic(save_dir / DONE, done)
-    return done
 
 
 def evaluate_run(run_dir: Path, data_bin: Path, ref_dir: Optional[Path], eval_cfg: Mapping, pair: tuple) -> dict:
-    """Scores ``run_dir/checkpoint_last.pt`` on every eval subset; cached in ``eval.json``."""
+    """Scores ``run_dir/checkpoint_last.pt`` on every eval subset; cached in ``eval.json`` (a cached
+    score needs no checkpoint). Before scoring, the checkpoint is checked against the digest in
+    ``done.json`` (``CheckpointChanged`` where it differs; :mod:`.checkpoint_integrity`)."""
     from .scoring import evaluate_checkpoint
 
     settings = {key: eval_cfg.get(key) for key in EVAL_KEYS}
@@ -241,6 +280,7 @@ def evaluate_run(run_dir: Path, data_bin: Path, ref_dir: Optional[Path], eval_cf
             if "trained" not in cached:
                 _write_json_atomic(cache, {"settings": settings, "trained": trained, "subsets": cached["subsets"]})
             return cached["subsets"]
+    verify_run_checkpoint(run_dir)  # the file scored is the one its run finished with
     subsets = {}
     for subset in eval_cfg.get("subsets") or ["valid", "test"]:
         n = subset_size(data_bin, subset, *pair)
@@ -291,6 +331,20 @@ def select_arms(config: dict, arms: Optional[Sequence[str]]) -> Tuple[List[str],
     return [baseline] + [a for a in dict.fromkeys(chosen) if a not in (baseline, *skipped)], skipped
 
 
+def check_seeds(seeds: Sequence[int]) -> None:
+    """``ValueError`` naming the seeds given more than once (each seed is one run per arm)."""
+    twice = sorted({seed for seed in seeds if list(seeds).count(seed) > 1})
+    if twice:
+        raise ValueError(f"seeds {twice} are given more than once ({' '.join(map(str, seeds))}): "
+                         f"list each seed once")
+
+
+def check_work_dir(work_dir: Path) -> None:
+    """``ValueError`` where ``work_dir`` exists and is not a directory (it is created when missing)."""
+    if work_dir.exists() and not work_dir.is_dir():
+        raise ValueError(f"work directory {work_dir} is a file: pass a directory (created if missing)")
+
+
 def run_ablation(config: dict, data_bin, work_dir, ref_dir=None, seeds: Sequence[int] = (1,),
                  arms: Optional[Sequence[str]] = None, pretrained=None, bootstrap_samples: int = 1000,
                  verbose: bool = True, jobs: int = 1, command: Optional[str] = None) -> dict:
@@ -298,12 +352,17 @@ def run_ablation(config: dict, data_bin, work_dir, ref_dir=None, seeds: Sequence
     arm that cannot train here (:func:`unavailable_arms`) is skipped before anything runs, with a
     warning, and the report names it with the reason.
 
+    Called from the main thread, SIGINT and SIGTERM stop it (:mod:`.child_processes`): every
+    fairseq process ends, no run starts after the signal, finished runs are kept and unfinished
+    ones resume on the next call.
+
     Args:
         config: from :func:`.ablation_config.load_config`, stage ``finetune`` or ``scratch``.
         data_bin: fairseq-preprocess output directory.
         work_dir: where checkpoints, logs and the report go.
         ref_dir: directory of raw references ``{subset}.{target language}`` (None: score
             against the binarised target).
+        seeds: distinct seeds.
         pretrained: use this teacher-forcing checkpoint instead of training ``pretrain``.
         verbose: print fairseq's logs (else one line per validation; the logs are kept in
             each run's ``train.log`` either way).
@@ -311,11 +370,15 @@ def run_ablation(config: dict, data_bin, work_dir, ref_dir=None, seeds: Sequence
             fairseq-train process; results do not depend on it.
     Returns:
         the ``results.json`` contents.
+    Raises:
+        RunStopped: on SIGINT or SIGTERM; its ``lines`` say what finished and what will resume.
     """
     if config["stage"] == "pretrain":
         raise ValueError(f"{config['path']} is a pretrain config; pass its finetune config (which names it)")
     data_bin, work_dir = Path(data_bin), Path(work_dir)
     ref_dir = Path(ref_dir) if ref_dir is not None else None
+    check_seeds(seeds)
+    check_work_dir(work_dir)
     check_data_bin(data_bin)
     check_train_flags(config)  # every stage and arm, before the first one trains
     pair = language_pair(data_bin, stage_flags(config))
@@ -323,27 +386,51 @@ def run_ablation(config: dict, data_bin, work_dir, ref_dir=None, seeds: Sequence
     arms, skipped = select_arms(config, arms)
     for why in dict.fromkeys(skipped.values()):
         logger.warning("skipping arm(s) %s: %s", ", ".join(a for a, w in skipped.items() if w == why), why)
-    runs: Dict[str, dict] = {}
-    start_ckpt = None
+    if pretrained is not None and not Path(pretrained).is_file():
+        raise FileNotFoundError(f"pretrained checkpoint not found: {pretrained}")
 
     def train_and_score(run_dir: Path, flags: dict, finetune_from: Optional[Path], side_by_side: int) -> dict:
         """Trains one run (the cores shared among ``side_by_side`` runs) and scores it."""
-        with intra_op_threads(_threads_per_run(side_by_side)):
+        check_not_stopping()  # a run still queued when a stop came does not start
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with run_lock(run_dir), intra_op_threads(_threads_per_run(side_by_side)):
             train = train_run(data_bin, flags, run_dir, finetune_from=finetune_from, verbose=verbose,
                               alone=side_by_side <= 1)
             return {"train": {**train, **read_train_stats(run_dir / "train.log")},
                     "eval": evaluate_run(run_dir, data_bin, ref_dir, eval_cfg, pair)}
 
     per_seed = config["stage"] == "finetune" and pretrained is None and bool(config.get("pretrain_per_seed"))
-    if config["stage"] == "finetune" and not per_seed:
-        if pretrained is not None:
-            start_ckpt = Path(pretrained)
-            if not start_ckpt.is_file():
-                raise FileNotFoundError(f"pretrained checkpoint not found: {start_ckpt}")
-        else:
-            pre_dir = work_dir / "pretrain"
-            runs["pretrained"] = {"0": train_and_score(pre_dir, stage_flags(config["pretrain"]), None, 1)}
-            start_ckpt = pre_dir / "checkpoint_last.pt"
+    shared_pretrain = config["stage"] == "finetune" and pretrained is None and not per_seed
+    start_ckpt = None if config["stage"] != "finetune" else \
+        Path(pretrained) if pretrained is not None else work_dir / "pretrain" / LAST if shared_pretrain else None
+    plan = [("pretrain", work_dir / "pretrain")] if shared_pretrain else []
+    plan += [(f"seed{seed}/pretrain", work_dir / f"seed{seed}" / "pretrain") for seed in seeds if per_seed]
+    plan += [(f"seed{seed}/{arm}", work_dir / f"seed{seed}" / arm) for seed in seeds for arm in arms]
+    with stop_on_signals():
+        try:
+            runs = _schedule(config, work_dir, seeds, arms, jobs, per_seed, shared_pretrain, start_ckpt,
+                             train_and_score)
+            results = summarise(config, runs, arms, list(seeds), bootstrap_samples, skipped)
+            results.update({"command": command, "commit": source_commit(),
+                            "data_bin": str(data_bin), "work_dir": str(work_dir), "pretrain_per_seed": per_seed,
+                            "pretrained_checkpoint": str(start_ckpt) if start_ckpt else None})
+            results["curves_png"] = plot_curves(work_dir, arms, seeds, work_dir / "curves.png")
+            _write_json_atomic(work_dir / "results.json", results)
+            (work_dir / "results.md").write_text(results_markdown(results), encoding="utf-8")
+        except RunStopped as stop:
+            raise RunStopped(stop.signum, describe_runs(plan)) from None
+    logger.info("wrote %s, %s and %s", work_dir / "results.md", work_dir / "results.json", work_dir / "curves.png")
+    return results
+
+
+def _schedule(config: dict, work_dir: Path, seeds: Sequence[int], arms: Sequence[str], jobs: int, per_seed: bool,
+              shared_pretrain: bool, start_ckpt: Optional[Path], train_and_score) -> Dict[str, dict]:
+    """Trains and scores every run of :func:`run_ablation` in a thread pool; returns ``{arm or
+    "pretrained": {seed: result}}``. Every fairseq process runs from a worker thread, so that a
+    signal (raised in the main thread) never interrupts a run between its training and its
+    ``done.json``; on a stop, queued runs are cancelled."""
+    runs: Dict[str, dict] = {}
+    order = [(seed, arm) for seed in seeds for arm in arms]
 
     def pretrain(seed: int) -> dict:
         return train_and_score(work_dir / f"seed{seed}" / "pretrain",
@@ -352,26 +439,25 @@ def run_ablation(config: dict, data_bin, work_dir, ref_dir=None, seeds: Sequence
     def train_and_evaluate(seed: int, arm: str) -> dict:
         if per_seed:
             pretrained_runs[seed].result()  # submitted earlier, so running or done: no deadlock
-        start = work_dir / f"seed{seed}" / "pretrain" / "checkpoint_last.pt" if per_seed else start_ckpt
+        start = work_dir / f"seed{seed}" / "pretrain" / LAST if per_seed else start_ckpt
         return train_and_score(work_dir / f"seed{seed}" / arm, {**stage_flags(config, arm), "seed": seed}, start, jobs)
 
-    order = [(seed, arm) for seed in seeds for arm in arms]
     # threads suffice: each run is a fairseq subprocess. Per-seed pretraining runs go first; a
     # fine-tuning run waits for its own pretraining only.
-    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+    pool = ThreadPoolExecutor(max_workers=max(1, jobs))
+    try:
+        if shared_pretrain:
+            shared = pool.submit(train_and_score, work_dir / "pretrain", stage_flags(config["pretrain"]), None, 1)
+            runs["pretrained"] = {"0": shared.result()}
         pretrained_runs = {seed: pool.submit(pretrain, seed) for seed in seeds} if per_seed else {}
         finetuned = [pool.submit(train_and_evaluate, *run) for run in order]
         if per_seed:
             runs["pretrained"] = {str(seed): future.result() for seed, future in pretrained_runs.items()}
-        done = [future.result() for future in finetuned]
-    for (seed, arm), result in zip(order, done):
-        runs.setdefault(arm, {})[str(seed)] = result
-    results = summarise(config, runs, arms, list(seeds), bootstrap_samples, skipped)
-    results.update({"command": command, "commit": source_commit(),
-                    "data_bin": str(data_bin), "work_dir": str(work_dir), "pretrain_per_seed": per_seed,
-                    "pretrained_checkpoint": str(start_ckpt) if start_ckpt else None})
-    results["curves_png"] = plot_curves(work_dir, arms, seeds, work_dir / "curves.png")
-    _write_json_atomic(work_dir / "results.json", results)
-    (work_dir / "results.md").write_text(results_markdown(results), encoding="utf-8")
-    logger.info("wrote %s, %s and %s", work_dir / "results.md", work_dir / "results.json", work_dir / "curves.png")
-    return results
+        for (seed, arm), future in zip(order, finetuned):
+            runs.setdefault(arm, {})[str(seed)] = future.result()
+    except RunStopped:
+        pool.shutdown(wait=True, cancel_futures=True)  # the running ones end with their fairseq processes
+        raise
+    finally:
+        pool.shutdown(wait=True)
+    return runs

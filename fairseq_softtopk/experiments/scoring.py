@@ -17,10 +17,10 @@ the ablation runner (:mod:`.ablation_runner`) scores every run and compares the 
 import logging
 import os
 import re
-import subprocess
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+from .child_processes import run_captured
 from .eval_inputs import (check_checkpoint_matches_data, check_data_dir, check_decoding_numbers,
                           check_output_file, refused_checkpoint)  # noqa: F401 (the ablation runner's import)
 from .fairseq_commands import fairseq_command, subprocess_env
@@ -57,8 +57,7 @@ def run_fairseq_generate(data_bin: str, checkpoint: str, subset: str = "test", b
         args.append("--cpu")
     if post_process:
         args += ["--post-process", post_process]
-    proc = subprocess.run(fairseq_command("generate", [*args, *extra_args]), capture_output=True, text=True,
-                          env=subprocess_env())
+    proc = run_captured(fairseq_command("generate", [*args, *extra_args]), env=subprocess_env())  # stops with the runner
     if proc.returncode != 0:
         refused = refused_checkpoint(proc.stderr)
         if refused:  # alone: the rest of the output is fairseq's config, not the cause

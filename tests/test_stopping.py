@@ -1,0 +1,389 @@
+"""Stopping and resuming long jobs (fairseq_softtopk.experiments.child_processes, run_lock, checkpoint_integrity,
+and the runner behind fairseq-softtopk-ablation): signals to a real runner process end every fairseq child, start
+no further run and leave the runs resumable to the exact update budget; a run directory is trained by one process
+at a time; a finished checkpoint that changed on disk is refused."""
+
+import hashlib
+import json
+import os
+import queue
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, clean_env
+from fairseq_softtopk.cli import ablation as ablation_cli
+from fairseq_softtopk.experiments import ablation_runner, child_processes, run_lock
+from fairseq_softtopk.experiments.checkpoint_integrity import CheckpointChanged, checkpoint_digest, verify_run_checkpoint
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; PR_SET_PDEATHSIG is Linux's")
+
+MAX_UPDATE = 60
+#: one arm trained from scratch, a checkpoint every 4 updates, a log line every update
+SCRATCH = f"""
+description: tiny scratch ablation (stopping tests)
+stage: scratch
+baseline: tf
+model: {{arch: softtopk_lstm_tiny}}
+train: {{criterion: soft_beam_search, teacher-forcing-ratio: 1.0, optimizer: adam, lr: 0.005, batch-size: 16,
+        max-update: {MAX_UPDATE}, save-interval-updates: 4, keep-interval-updates: 1, no-epoch-checkpoints: true,
+        num-workers: 0, log-interval: 1}}
+arms:
+  tf: {{}}
+eval: {{beam: 1, subsets: [test]}}
+"""
+WAIT = 300  # seconds to wait for a line of a runner (start-up is slow on a loaded machine)
+
+
+def _stat(pid: int):
+    """``(state, parent PID)`` of a process, None once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return fields[0], int(fields[1])
+
+
+def children_of(pid: int):
+    return [int(p) for p in os.listdir("/proc") if p.isdigit() and (_stat(int(p)) or ("", 0))[1] == pid]
+
+
+def running(pid: int) -> bool:
+    stat = _stat(pid)
+    return stat is not None and stat[0] != "Z"
+
+
+def still_running_after(pids, seconds: float):
+    """The PIDs of ``pids`` still running after ``seconds`` (returns as soon as none is)."""
+    deadline = time.monotonic() + seconds
+    while any(map(running, pids)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [pid for pid in pids if running(pid)]
+
+
+class Watched:
+    """A command in its own process group (as a shell runs one), its output (stdout and stderr
+    together) read as it comes."""
+
+    def __init__(self, cmd):
+        self.cmd = cmd
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                                     env=clean_env(), start_new_session=True)
+        self.lines, self.ended = [], False
+        self._changed = threading.Condition()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            with self._changed:
+                self.lines.append(line)
+                self._changed.notify_all()
+        with self._changed:
+            self.ended = True
+            self._changed.notify_all()
+
+    def wait_for(self, pattern: str, start: int = 0) -> int:
+        """The index of the first line from ``start`` on that matches ``pattern``."""
+        deadline = time.monotonic() + WAIT
+        with self._changed:
+            while True:
+                for i in range(start, len(self.lines)):
+                    if re.search(pattern, self.lines[i]):
+                        return i
+                start = len(self.lines)
+                if self.ended or time.monotonic() > deadline:
+                    raise AssertionError(f"no line matching {pattern!r}:\n{self.output[-4000:]}")
+                self._changed.wait(0.2)
+
+    def child_running(self, module: str) -> int:
+        """The PID of this command's child that runs ``python -m <module>``, once it runs."""
+        deadline = time.monotonic() + WAIT
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            for pid in children_of(self.proc.pid):
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if module.encode() in f.read():
+                        return pid
+            time.sleep(0.05)
+        raise AssertionError(f"no {module} child:\n{self.output[-4000:]}")
+
+    def stop(self, signum: int, group: bool = False) -> dict:
+        """Sends ``signum`` (to the process group: a terminal's Ctrl-C), waits for the end: the exit status,
+        the seconds it took, and the children running before and after."""
+        children = children_of(self.proc.pid)
+        sent = time.monotonic()
+        (os.killpg if group else os.kill)(self.proc.pid, signum)
+        status = self.proc.wait(timeout=60)
+        self._reader.join(10)
+        return {"status": status, "seconds": time.monotonic() - sent, "children": children,
+                "left": still_running_after(children, 5.0), "output": self.output}
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def kill(self):
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def stopped(toy_data_bin, tmp_path_factory):
+    """One tiny scratch ablation (seeds 1 and 2, one after the other), stopped three times in seed 1: by SIGINT to
+    its process group once fairseq-train saved its first checkpoint, by SIGKILL once the resumed run saved one, by
+    SIGTERM once the rerun trained to the end and scores with fairseq-generate. Returns what each stop left."""
+    root = tmp_path_factory.mktemp("stopping")
+    (root / "scratch.yaml").write_text(SCRATCH)
+    work = root / "work"
+    cmd = [sys.executable, "-m", "fairseq_softtopk.cli.ablation", str(root / "scratch.yaml"),
+           "--data-bin", str(toy_data_bin[1]), "--work-dir", str(work), "--seeds", "1", "2"]
+    record = {"root": root, "work": work, "run": work / "seed1" / "tf", "cmd": cmd}
+    runner = Watched(cmd)
+    try:
+        runner.wait_for(r"Saved checkpoint \S+seed1/tf/checkpoint_1_4\.pt")
+        record["sigint"] = {**runner.stop(signal.SIGINT, group=True), "seed2": (work / "seed2").exists()}
+
+        runner = Watched(cmd)
+        runner.wait_for(r"Saved checkpoint", runner.wait_for(r"Loaded checkpoint \S+seed1/tf"))
+        lock = record["run"] / "run.lock"
+        record["sigkill"] = {**runner.stop(signal.SIGKILL), "pid": runner.proc.pid,
+                             "lock": json.loads(lock.read_text()) if lock.exists() else None}
+
+        runner = Watched(cmd)
+        runner.wait_for(r"evaluating \S+seed1/tf on test")
+        runner.child_running("fairseq_cli.generate")
+        record["sigterm"] = {**runner.stop(signal.SIGTERM), "seed2": (work / "seed2").exists()}
+    finally:
+        runner.kill()
+    return record
+
+
+def _assert_stopped_cleanly(stop: dict, status: int):
+    assert stop["status"] == status, stop["output"][-3000:]
+    assert stop["children"] and not stop["left"], f"children {stop['children']}, still running: {stop['left']}"
+    assert stop["seconds"] < 15
+    assert "Traceback" not in stop["output"], stop["output"][-3000:]
+
+
+def test_ctrl_c_ends_fairseq_train_starts_nothing_more_and_says_how_to_resume(stopped):
+    stop = stopped["sigint"]
+    _assert_stopped_cleanly(stop, 130)
+    assert not stop["seed2"]  # the queued run did not start
+    message = stop["output"][stop["output"].index("stopped by SIGINT"):]
+    assert re.search(r"will resume: seed1/tf \(from update \d+\)", message) and "not started: seed2/tf" in message
+    assert message.rstrip().splitlines()[-1].strip() == shlex.join(["fairseq-softtopk-ablation", *stopped["cmd"][3:]])
+
+
+def test_sigkill_of_the_runner_kills_its_fairseq_process_and_leaves_a_lock_naming_both(stopped):
+    stop = stopped["sigkill"]
+    assert stop["status"] == -signal.SIGKILL
+    assert stop["children"] and not stop["left"], f"orphans after SIGKILL: {stop['left']}"
+    assert stop["lock"]["pid"] == stop["pid"] and stop["lock"]["child_pid"] == stop["children"][0]
+
+
+def test_sigterm_ends_the_scoring_step_and_the_rerun_took_over_the_stale_lock(stopped):
+    stop = stopped["sigterm"]
+    _assert_stopped_cleanly(stop, 143)
+    assert not stopped["sigterm"]["seed2"]
+    assert f"taking over the lock of process {stopped['sigkill']['pid']} on " in stop["output"]
+    assert "trained, scored on the rerun: seed1/tf" in stop["output"]
+    assert not (stopped["run"] / "run.lock").exists()  # released on the way out
+
+
+def test_the_resumed_run_kept_every_part_of_its_log_and_ended_at_the_exact_budget(stopped):
+    run = stopped["run"]
+    log = (run / "train.log").read_text()
+    assert len(re.findall(r"\| fairseq_cli\.train \| \{", log)) == 3  # three fairseq-train starts, one log
+    assert len(re.findall(r"Loaded checkpoint \S+ \(epoch \d+ @ \d+ updates\)", log)) == 2
+    updates = [int(n) for n in re.findall(r"\| train_inner \| .*\bnum_updates=(\d+)", log)]
+    assert max(updates) == MAX_UPDATE and log.count("done training in") == 1
+    assert f"@ {MAX_UPDATE} updates" in re.findall(r"Saved checkpoint .*", log)[-1]
+    done = json.loads((run / "done.json").read_text())
+    assert done["checkpoint_sha256"] == checkpoint_digest(run / "checkpoint_last.pt")
+
+
+def test_a_changed_finished_checkpoint_is_refused_before_scoring(stopped, capsys):
+    """seed1/tf finished training and was stopped while scored: a flipped byte in its checkpoint stops the rerun
+    before fairseq-generate, with both digests and the file named."""
+    checkpoint = stopped["run"] / "checkpoint_last.pt"
+    intact = checkpoint.read_bytes()
+    flipped = bytearray(intact)
+    flipped[len(flipped) // 2] ^= 0x01
+    checkpoint.write_bytes(bytes(flipped))
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            ablation_cli.main([*stopped["cmd"][3:-1]])  # --seeds 1
+    finally:
+        checkpoint.write_bytes(intact)
+    message = capsys.readouterr().err
+    assert exit_info.value.code == 1
+    assert f"{checkpoint} changed after its run finished" in message
+    assert checkpoint_digest(checkpoint) in message and hashlib.sha256(bytes(flipped)).hexdigest() in message
+    assert not (stopped["run"] / "eval.json").exists() and not (stopped["run"] / "test.hyp").exists()
+
+
+# ----------------------------------------------------------------------------- without fairseq processes
+
+@pytest.fixture
+def sleeper():
+    """A live process that is not this one (the owner of a lock)."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def _lock_of(pid: int, **fields) -> str:
+    import socket
+
+    return json.dumps({"pid": pid, "pid_started": run_lock.process_start(pid), "host": socket.gethostname(),
+                       "started": "2026-01-01 00:00:00", **fields})
+
+
+def test_a_live_lock_refuses_the_run_naming_the_process_and_the_directory(tmp_path, sleeper, capsys):
+    """A second runner on a run directory in use stops before it writes anything there (the CLI: one line)."""
+    from test_ablation import _fake_data_bin
+
+    data_bin, work = _fake_data_bin(tmp_path / "bin"), tmp_path / "work"
+    run = work / "seed1" / "tf"
+    run.mkdir(parents=True)
+    (run / "run.lock").write_text(_lock_of(sleeper.pid))
+    (tmp_path / "scratch.yaml").write_text(SCRATCH)
+    with pytest.raises(SystemExit) as exit_info:
+        ablation_cli.main([str(tmp_path / "scratch.yaml"), "--data-bin", str(data_bin), "--work-dir", str(work)])
+    message = capsys.readouterr().err
+    assert exit_info.value.code == 1 and f"{run} is in use by process {sleeper.pid} on " in message
+    assert len(message.strip().splitlines()) == 1
+    assert sorted(p.name for p in run.iterdir()) == ["run.lock"]  # nothing written, the lock kept
+    # the owner's fairseq process alone (its runner gone) holds the directory as well
+    (run / "run.lock").write_text(_lock_of(2 ** 22 + 1, child_pid=sleeper.pid))
+    with pytest.raises(run_lock.RunDirectoryInUse, match=f"running fairseq process {sleeper.pid}"):
+        with run_lock.run_lock(run):
+            pass
+
+
+def test_a_stale_lock_is_taken_over_with_a_log_line_and_released(tmp_path, caplog):
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    (tmp_path / "run.lock").write_text(_lock_of(gone.pid))
+    with caplog.at_level("WARNING", logger="ablation"):
+        with run_lock.run_lock(tmp_path), run_lock.run_lock(tmp_path):  # nested: the same lock
+            assert json.loads((tmp_path / "run.lock").read_text())["pid"] == os.getpid()
+    assert f"taking over the lock of process {gone.pid} on " in caplog.text
+    assert not (tmp_path / "run.lock").exists()
+
+
+def test_done_json_without_a_checksum_gets_one_keeping_its_time_then_a_change_is_refused(tmp_path, caplog):
+    """A run finished before checksums were recorded: its digest is recorded at the first reuse (done.json keeps
+    its modification time, which older eval.json caches are keyed on); a later change of the file is an error."""
+    checkpoint = tmp_path / "checkpoint_last.pt"
+    checkpoint.write_bytes(b"weights" * 100)
+    (tmp_path / "done.json").write_text(json.dumps({"args": [], "finished": "2026-01-01 00:00:00"}))
+    os.utime(tmp_path / "done.json", ns=(10 ** 18, 10 ** 18))
+    with caplog.at_level("INFO", logger="ablation"):
+        assert verify_run_checkpoint(tmp_path) == checkpoint
+    assert "recorded the SHA-256 of checkpoint_last.pt in done.json" in caplog.text
+    done = json.loads((tmp_path / "done.json").read_text())
+    assert done["checkpoint_sha256"] == hashlib.sha256(b"weights" * 100).hexdigest() and done["args"] == []
+    assert (tmp_path / "done.json").stat().st_mtime_ns == 10 ** 18
+    checkpoint.write_bytes(b"weightz" * 100)
+    with pytest.raises(CheckpointChanged, match=re.escape(done["checkpoint_sha256"])) as error:
+        verify_run_checkpoint(tmp_path)
+    assert str(checkpoint) in str(error.value) and hashlib.sha256(b"weightz" * 100).hexdigest() in str(error.value)
+
+
+def test_a_checkpoint_last_cut_short_is_named_before_fairseq_train_starts(tmp_path):
+    """fairseq copies each checkpoint to checkpoint_last.pt: a stop during the copy leaves it truncated, and the
+    error names the intact checkpoint to resume from."""
+    run = tmp_path / "run"
+    run.mkdir()
+    with zipfile.ZipFile(run / "checkpoint_1_8.pt", "w") as archive:
+        archive.writestr("archive/data.pkl", os.urandom(4000))
+    (run / "checkpoint_last.pt").write_bytes((run / "checkpoint_1_8.pt").read_bytes()[:3000])
+    flags = {"arch": "softtopk_lstm_tiny", "max-update": 8}
+    with pytest.raises(RuntimeError, match=rf"{run / 'checkpoint_last.pt'} is cut short .* copy the newest intact "
+                                           rf"checkpoint, {run / 'checkpoint_1_8.pt'}"):
+        ablation_runner.train_run(tmp_path / "bin", flags, run)
+    assert "train.log" not in os.listdir(run)  # fairseq-train did not start
+
+
+def test_a_child_dies_with_the_thread_that_started_it(tmp_path):
+    """PR_SET_PDEATHSIG is tied to the starting thread: a child lives while that thread waits for it (the
+    runner's worker threads do, and other threads ending does not matter), and dies once the thread is gone."""
+    started, release = queue.Queue(), threading.Event()
+
+    def starter():
+        started.put(child_processes.start([sys.executable, "-c", "import time; time.sleep(60)"]))
+        release.wait()  # returns without waiting for the child: what no caller may do
+
+    thread = threading.Thread(target=starter, daemon=True)
+    thread.start()
+    child = started.get(timeout=10)
+    other = threading.Thread(target=lambda: None)
+    other.start()
+    other.join()
+    try:
+        assert still_running_after([child.pid], 0.3) == [child.pid]
+        assert os.getsid(child.pid) == child.pid  # its own session: a terminal's Ctrl-C reaches the runner only
+        release.set()
+        thread.join()
+        assert child.wait(timeout=5) == -signal.SIGKILL
+    finally:
+        child.kill()
+        child_processes.forget(child)
+
+
+def test_no_child_starts_once_a_stop_was_requested():
+    with child_processes.stop_on_signals():
+        with pytest.raises(child_processes.RunStopped) as stop:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler raises here
+        assert stop.value.exit_status == 143
+        with pytest.raises(child_processes.RunStopped):
+            child_processes.run_captured([sys.executable, "-c", "print(1)"])
+    assert child_processes.stopping() is None  # over on leaving: a later call runs again
+    assert child_processes.run_captured([sys.executable, "-c", "print(1)"]).stdout == "1\n"
+
+
+def test_sigterm_to_the_main_job_ends_its_fairseq_process_and_the_rerun_line_drops_fresh(tmp_path):
+    """Stopped while it binarises its data: the rerun it prints must not repeat --fresh (which would discard what
+    this call made)."""
+    work = tmp_path / "main_job"
+    args = ["--work-dir", str(work), "--sizes", "200", "20", "30", "--seeds", "1"]
+    job = Watched([sys.executable, "-m", "fairseq_softtopk.cli.main_job", *args, "--fresh"])
+    try:
+        job.child_running("fairseq_cli.preprocess")
+        stop = job.stop(signal.SIGTERM)
+    finally:
+        job.kill()
+    _assert_stopped_cleanly(stop, 143)
+    assert stop["output"].rstrip().splitlines()[-1].strip() == shlex.join(["fairseq-softtopk-main-job", *args])
+    assert json.loads((work / "main_job.json").read_text())["created"] == [
+        "raw", "bin", "seed1", "results.json", "results.md", "curves.png", "agreement.md"]
+
+
+def test_a_run_stopped_after_fairseq_train_ended_is_recorded_not_trained_again(tmp_path, caplog):
+    """The runner killed between fairseq-train's end and done.json: resuming would train one update past the
+    budget (fairseq steps once more before it checks max-update); the rerun records the run instead."""
+    run = tmp_path / "run"
+    run.mkdir()
+    flags = {"arch": "softtopk_lstm_tiny", "max-update": 8}
+    (run / "checkpoint_last.pt").write_bytes(b"the last checkpoint")
+    (run / "train.log").write_text("| train_inner | epoch 001: 8 / 25 num_updates=8\n"
+                                   "2026-01-01 00:00:00 | INFO | fairseq_cli.train | done training in 3.3 seconds\n\n")
+    log = (run / "train.log").read_text()
+    with caplog.at_level("INFO", logger="ablation"):
+        done = ablation_runner.train_run(tmp_path / "no_bin", flags, run, verbose=False)
+    assert "fairseq-train had finished; recording it" in caplog.text and "training " not in caplog.text
+    assert (run / "train.log").read_text() == log  # no fairseq-train ran
+    assert done["checkpoint_sha256"] == hashlib.sha256(b"the last checkpoint").hexdigest()
+    assert done["wall_seconds"] is None and json.loads((run / "done.json").read_text()) == done
