@@ -405,6 +405,25 @@ def test_the_window_form_is_the_dense_operator_on_its_window(rng, monkeypatch, r
     assert bool((window_leaf.grad[1, 40:] == 0).all()) and bool((window_leaf.grad[2, :5] == 0).all())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_window_holds_the_best_scores_whatever_ties_the_capped_rows_make(rng, dtype):
+    """The solver's window is each row's best entries by score: the sparse rows clamp every entry far below the
+    (k+1)-th best to one position, and a window picked among those ties by position would depend on the device's
+    topk (a GPU check found CPU and CUDA windows that differed). Rows with -inf and masked entries included."""
+    x = torch.randn(4, 3000, generator=rng, dtype=dtype) * 3
+    x[2, 100:] = -math.inf
+    mask = torch.zeros(4, 3000, dtype=torch.bool)
+    mask[3, ::2] = True
+    _, index = sorted_sparse_soft_topk_window(x, 5, regularization=0.3, mask=mask)
+    assert index.shape[1] < 3000
+    ranked = x.masked_fill(mask, -math.inf)
+    for row in range(4):
+        n_valid = int(torch.isfinite(ranked[row]).sum())
+        best = ranked[row].topk(min(index.shape[1], n_valid)).indices
+        window = index[row][torch.isfinite(ranked[row, index[row]])]
+        assert sorted(window.tolist()) == sorted(best.tolist())
+
+
 def test_the_window_form_gradcheck_and_errors(rng, monkeypatch):
     from fairseq_softtopk.ops import quadratic_semi_dual
 

@@ -97,6 +97,10 @@ class PreparedScores:
         all_valid: every entry takes part (no mask, no infinity): passes over ``valid`` can be skipped.
         scale: ``(rows, 1)`` float64 powers of two, or None (all 1): ``z`` and ``eps`` are the
             scores and the temperature divided by it (extreme magnitudes, see the module docstring).
+        order: ``(rows, n)`` a key that orders the entries as ``z`` does and breaks ``z``'s ties by the
+            scores, or None (``z`` itself): the sparse rows clamp the entries that cannot carry weight to
+            equal positions, and a solver's window of the best entries must not pick among those ties
+            arbitrarily (a device's ``topk`` breaks ties its own way).
     """
 
     z: Tensor
@@ -108,6 +112,7 @@ class PreparedScores:
     top_index: Tensor
     all_valid: bool = False
     scale: Optional[Tensor] = None
+    order: Optional[Tensor] = None
 
     @property
     def grad_eps(self) -> Tensor:

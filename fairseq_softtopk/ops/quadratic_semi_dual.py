@@ -175,7 +175,11 @@ def quadratic_newton_solve(prep: PreparedScores, k: int, tol: float, max_iter: i
     m = n if fixed_iterations else min(n, _WINDOW_MIN + 4 * k)
     while True:
         if m < n:
-            values, index = torch.where(prep.valid, prep.z, -torch.inf).topk(m + 1, dim=-1, sorted=True)
+            if prep.order is None:
+                values, index = torch.where(prep.valid, prep.z, -torch.inf).topk(m + 1, dim=-1, sorted=True)
+            else:  # the best by the scores: z's order, its ties (clamped entries) broken by the scores
+                index = torch.where(prep.valid, prep.order, -torch.inf).topk(m + 1, dim=-1, sorted=True).indices
+                values = torch.where(prep.valid.gather(-1, index), prep.z.gather(-1, index), -torch.inf)
             outside = values[:, m:].double() * x_scale  # the best entry below the window (-inf: none)
             values, index = values[:, :m], index[:, :m]
             valid = torch.isfinite(values)

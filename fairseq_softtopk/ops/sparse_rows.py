@@ -73,6 +73,7 @@ def sparse_rows(scores: Tensor, k: int, dim: int, largest: bool, regularization:
         # a row's entries past its valid count are -inf: no gap to them is finite
         counted = torch.arange(width, device=s.device) < n_valid.unsqueeze(-1)
         top = torch.where(counted, s.gather(-1, top_index), -torch.inf)
+    order = s  # the window of the sorted solver: by the scores, not among the clamped positions' ties
     if regularization > torch.finfo(s.dtype).max / 4:
         # a difference of scores that overflows could still be a few lambdas: scores and lambda divided by 4 (exact)
         s, top, regularization = s / 4, top / 4, regularization / 4
@@ -84,7 +85,7 @@ def sparse_rows(scores: Tensor, k: int, dim: int, largest: bool, regularization:
         z = torch.where(valid, z, torch.zeros((), dtype=z.dtype, device=z.device))
     ones = torch.ones(s.shape[0], 1, dtype=z.dtype, device=s.device)  # the positions are in units of lambda
     return PreparedScores(z=z, valid=valid, n_valid=n_valid.to(z.dtype), eps=ones, sign=sign, top=top,
-                          top_index=top_index, all_valid=all_valid)
+                          top_index=top_index, all_valid=all_valid, order=order)
 
 
 def in_units_(difference: Tensor, regularization: float) -> Tensor:
