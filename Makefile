@@ -2,8 +2,10 @@
 #   make demo   the main job: the beam-search training ablation on the embedded generated demo pair
 #               (no download, no GPU; about 20 minutes on 2 idle cores; prints the results table
 #               and whether it agrees with README's)
-#   make test   the whole test suite
+#   make test   the whole test suite, in TEST_WORKERS processes (pytest-xdist; 0: in make's one). Each test file
+#               stays in one process (--dist loadfile): its tests share module fixtures and run in order.
 PY := .venv/bin/python
+TEST_WORKERS ?= 2
 
 .PHONY: setup demo test bench gpu-check gpu-check-dry-run
 setup:
@@ -13,7 +15,7 @@ demo: setup
 	$(PY) -m fairseq_softtopk.cli.main_job
 
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 bench: setup
 	$(PY) scripts/bench/bench_ops.py

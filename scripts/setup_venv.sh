@@ -30,7 +30,7 @@ fi
 "${pip[@]}" -r "${root}/requirements.txt"
 # the [dev] extra (tests, figures, sparse attention); entmax without its declared dependency, torch,
 # which the constraints pin: a CUDA torch kept above must not be replaced by the pinned CPU one
-"${pip[@]}" pytest pyflakes matplotlib cvxpy
+"${pip[@]}" pytest pytest-xdist pyflakes matplotlib cvxpy
 "${pip[@]}" --no-deps entmax
 "${pip[@]}" --no-deps --no-build-isolation -e "${root}"
 "${venv}/bin/python" -c "import torch, fairseq, fairseq_softtopk; print('[setup] torch', torch.__version__, 'fairseq', fairseq.__version__)" >&2
