@@ -2,8 +2,8 @@
 #   make demo   the main job: the beam-search training ablation on the embedded generated demo pair
 #               (no download, no GPU; about 20 minutes on 2 idle cores; prints the results table
 #               and whether it agrees with README's)
-#   make test   the whole test suite, in TEST_WORKERS processes (pytest-xdist; 0: in make's one). Each test file
-#               stays in one process (--dist loadfile): its tests share module fixtures and run in order.
+#   make test   the whole test suite, in TEST_WORKERS processes (pytest-xdist; 0: no worker processes);
+#               each test file stays in one process (--dist loadfile): its tests share fixtures, run in order
 PY := .venv/bin/python
 TEST_WORKERS ?= 2
 
