@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from conftest import clean_env
+from conftest import clean_env, script_module
 from fairseq_softtopk.ops import SoftTopKConvergenceWarning, soft_topk
 from fairseq_softtopk.ops.kernels import (KernelFallbackWarning, backend as backend_module, fallback_counts,
                                           reset_fallback_counts, resolve_backend, triton_available)
@@ -351,3 +351,29 @@ exit 0
     else:
         assert len(triton_installs) == 1 and "-c" in triton_installs[0]
         assert str(root / "constraints.txt") in triton_installs[0]
+
+
+def test_bench_ops_lists_the_kernels_row_and_skips_it_off_cuda(monkeypatch, capsys):
+    bench_ops = script_module("bench/bench_ops.py")
+    monkeypatch.setattr(bench_ops, "MIN_TIMED_SECONDS", 0.0)
+    assert bench_ops.main(["--n", "300", "--k", "3", "--eps", "0.1", "--repeats", "1", "--threads", "1",
+                           "--cost", "linear", "--batch", "2", "--triton"]) == 0
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines()
+            if line.startswith(("| topk n=", "| sorted n="))]
+    methods = [r[1].strip() for r in rows]
+    # the kernels exist for the unsorted operator only
+    assert methods == ["ours", "ours_triton", "paper", "unrolled", "topk", "ours", "paper", "unrolled", "topk"]
+    triton_row = next(r for r in rows if r[1].strip() == "ours_triton")
+    assert triton_row[8].strip() == "skipped: CUDA only (on the CPU the kernels run under Triton's interpreter)"
+
+
+@kernel_test
+def test_bench_ops_times_the_kernels(monkeypatch):
+    """The ours_triton row's time, marginal error and iterations (here under the interpreter, its skip lifted)."""
+    bench_ops = script_module("bench/bench_ops.py")
+    monkeypatch.setattr(bench_ops, "MIN_TIMED_SECONDS", 0.0)
+    monkeypatch.setattr(bench_ops, "triton_skip_reason", lambda device: "")
+    rows = {r["method"]: r for r in bench_ops.bench_case(300, 3, 0.1, False, 1, 1e-5, DEVICE, cost="linear",
+                                                         batch=2, triton=True)}
+    assert rows["ours_triton"]["seconds"] > 0 and rows["ours_triton"]["err"] <= 1e-5
+    assert rows["ours_triton"]["note"] == rows["ours"]["note"]  # the same iterations, converged
