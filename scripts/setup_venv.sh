@@ -32,6 +32,13 @@ fi
 # which the constraints pin: a CUDA torch kept above must not be replaced by the pinned CPU one
 "${pip[@]}" pytest pytest-xdist pyflakes matplotlib cvxpy
 "${pip[@]}" --no-deps entmax
+# triton (the dev extra; soft_topk's opt-in kernels, tested on the CPU under its interpreter): the pinned one,
+# unless the virtualenv has one already: a CUDA torch depends on the triton it was built with
+if "${venv}/bin/python" -c "import triton" 2>/dev/null; then
+    echo "[setup] keeping the virtualenv's triton $("${venv}/bin/python" -c 'import triton; print(triton.__version__)')" >&2
+else
+    "${pip[@]}" triton
+fi
 "${pip[@]}" --no-deps --no-build-isolation -e "${root}"
 "${venv}/bin/python" -c "import torch, fairseq, fairseq_softtopk; print('[setup] torch', torch.__version__, 'fairseq', fairseq.__version__)" >&2
 echo "${stamp_value}" > "${stamp_file}"

@@ -14,11 +14,16 @@ A solve that misses its tolerance emits :class:`SoftTopKConvergenceWarning`.
 counterparts (Sander et al., ICML 2023; Blondel et al., AISTATS 2018): the same selections with
 exact zeros, an exact threshold (unsorted) or Newton to a tolerance (sorted), implicit backward.
 ``sorted_sparse_soft_topk_window`` returns the sorted plan on the entries that can carry weight only.
+
+``soft_topk(..., backend="triton")`` runs fused Triton kernels instead of the torch path (opt-in; see
+:mod:`fairseq_softtopk.ops.kernels`): ``BACKENDS`` lists the choices, and a call the kernels cannot take runs on
+the torch path with a :class:`KernelFallbackWarning`.
 """
 
 from ._common import COSTS, SoftTopKConvergenceWarning, SolverInfo
 from .candidate_window import candidate_window
 from .gradient_cap import RowGradientCapFunction, cap_row_grad_norm
+from .kernels import BACKENDS, KernelFallbackWarning
 from .sinkhorn import sinkhorn_log
 from .soft_topk import SoftTopKFunction, soft_topk
 from .sorted_soft_topk import SortedSoftTopKFunction, sorted_soft_topk
@@ -26,7 +31,9 @@ from .sorted_sparse_soft_topk import SortedSparseSoftTopKFunction, sorted_sparse
 from .sparse_soft_topk import SparseSoftTopKFunction, sparse_soft_topk
 
 __all__ = [
+    "BACKENDS",
     "COSTS",
+    "KernelFallbackWarning",
     "RowGradientCapFunction",
     "SolverInfo",
     "SoftTopKConvergenceWarning",

@@ -20,6 +20,8 @@ from torch import Tensor
 
 from ._common import (PreparedScores, SolverInfo, check_inputs, hard_topk_indices, log_floor, oriented_rows,
                       prepare_scores, restore_shape, threshold_vjp, warn_if_unconverged)
+from .kernels import soft_topk_op
+from .kernels.backend import check_backend
 
 
 def _threshold_solve(prep: PreparedScores, k: int, tol: float, max_iter: int,
@@ -113,7 +115,7 @@ class SoftTopKFunction(torch.autograd.Function):
 def soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = True, epsilon: float = 0.1,
               mask: Optional[Tensor] = None, tol: float = 1e-5, max_iter: int = 100,
               cost: str = "linear", hard: bool = False, return_info: bool = False, warn: bool = True,
-              fixed_iterations: bool = False):
+              fixed_iterations: bool = False, backend: str = "torch"):
     """Smoothed top-k indicator (SOFT top-k, Xie et al. 2020), a differentiable ``torch.topk``.
 
     ``torch.topk(scores, k).indices`` marks k entries; ``soft_topk`` returns, for every entry,
@@ -154,6 +156,15 @@ def soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = True, ep
             row converges, the result equals the default's (converged rows stop moving):
             ``max_iter`` of 20-30 covers the linear cost at any ``n`` (the default solve
             takes 3-10 iterations), at a fixed cost per call.
+        backend: ``"torch"`` (default): the solver above, in torch operations. ``"triton"``: fused
+            Triton kernels (:mod:`fairseq_softtopk.ops.kernels`), one launch for the whole solve of
+            every row, one for the backward, no host synchronisation inside the solve; CUDA tensors,
+            or CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``, for tests). The same
+            values (float32: to about 1e-6) and gradients as ``"torch"``; ``info``'s fields are then
+            0-dim tensors (with ``fixed_iterations=True`` each row still stops when it converges:
+            ``n_iter`` is the largest count used). ``"auto"``: the kernels for CUDA tensors when
+            ``triton`` imports, ``"torch"`` otherwise. Opt-in: the kernels are not timed on a GPU
+            yet. Every cost runs on them (each is the linear problem at a rescaled epsilon).
 
     Returns:
         Tensor of ``scores``' shape and dtype, values in ``[0, 1]``, summing to ``k`` along
@@ -170,11 +181,17 @@ def soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = True, ep
         tensor([1.0000, 0.0067, 0.9933, 0.0000])
     """
     check_inputs(scores, k, epsilon, mask, cost, tol, max_iter, dim)
+    kernel = False
+    if backend != "torch":  # the default pays nothing for the option
+        check_backend(backend)
+        kernel = not hard and soft_topk_op.use_soft_topk_kernel(backend, scores, scores.shape[dim])
     with torch.profiler.record_function("softtopk::soft_topk"):  # a named range for torch.profiler
         prep = prepare_scores(scores, k, dim, largest, epsilon, mask, cost, n_anchor_steps=1,
                               checks=not fixed_iterations)
         if hard:
             out, info = _hard_indicator(prep, k), SolverInfo(True, 0, 0.0)
+        elif kernel:
+            out, info = soft_topk_op.soft_topk_kernel(oriented_rows(scores, dim, prep), prep, k, tol, max_iter)
         else:
             logits, info = _threshold_solve(prep, k, tol, max_iter, fixed_iterations)
             out = SoftTopKFunction.apply(oriented_rows(scores, dim, prep), logits, prep.grad_eps)

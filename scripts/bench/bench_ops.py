@@ -16,6 +16,9 @@ warm-up). Methods:
   (:func:`~fairseq_softtopk.ops.sparse_soft_topk` / ``sorted_sparse_soft_topk`` with
   ``regularization = epsilon``, the linear cost's units: needs ``--cost linear``); its note gives the
   support: the mean number of entries per row with a nonzero weight (the dense operators: all n);
+* with ``--triton``, ``ours_triton``: ours (unsorted operator only) with ``backend="triton"``, the fused
+  Triton kernels (one launch for the solve of every row, one for the backward); CUDA only: on the CPU
+  the kernels run under Triton's interpreter, which is no speed to report, and the row says so;
 * with ``--fixed-iterations N``, ``ours_fixed``: ours with ``fixed_iterations=True`` and
   ``max_iter=N`` (no host synchronisation: N iterations on all n entries, the GPU path), and
   with ``--compile MODE`` also ``ours_compiled``: that call under
@@ -33,6 +36,8 @@ Usage::
     python scripts/bench/bench_ops.py --ops sorted_soft_topk --n 1000 --k 100 --eps 0.1 --cost linear --batch 100 \\
         --tol 1e-5
     python scripts/bench/bench_ops.py --n 100000 --k 5 --eps 0.01 --fixed-iterations 15 --compile reduce-overhead
+    python scripts/bench/bench_ops.py --ops soft_topk --cost linear --batch 32 --n 1000 100000 --k 5 --eps 0.1 \
+        --triton                                         # the Triton kernels beside the torch path (CUDA)
     python scripts/bench/bench_ops.py --threads 1 --cost linear --sparse --n 1000 10000 100000 1000000 --k 5 50 \
         --eps 0.1                                        # entropic and sparse operators against torch.topk
 """
@@ -50,6 +55,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's package (a pinned worktree's too)
 from fairseq_softtopk.ops import (soft_topk, sorted_soft_topk, sorted_sparse_soft_topk,  # noqa: E402
                                   sparse_soft_topk)
+from fairseq_softtopk.ops.kernels import triton_available  # noqa: E402
 from fairseq_softtopk.ops.paper_algorithm import paper_marginal_error, paper_soft_topk  # noqa: E402
 
 UNROLLED_MAX_ELEMENTS = 2e6  # n * (k+1) above which 200 unrolled iterations need > ~3 GB: skipped
@@ -113,12 +119,13 @@ def _time(fn: Callable[[], torch.Tensor], x: torch.Tensor, repeats: int, device:
 
 def bench_case(n: int, k: int, eps: float, sorted_op: bool, repeats: int, tol: float, device: str,
                cost: str = "paper", batch: int = 1, fixed_iterations: Optional[int] = None,
-               compile_mode: Optional[str] = None, sparse: bool = False) -> List[dict]:
+               compile_mode: Optional[str] = None, sparse: bool = False, triton: bool = False) -> List[dict]:
     """All methods on one (n, k, epsilon, operator) case of ``batch`` rows of scores; returns one row per method.
 
     ``fixed_iterations`` adds ``ours_fixed`` (and ``compile_mode`` ``ours_compiled``, whose
     ``err`` is its largest difference from ``ours_fixed``'s output); ``sparse`` adds ``sparse``, the
-    quadratically regularised operator at ``regularization = eps`` (linear cost only).
+    quadratically regularised operator at ``regularization = eps`` (linear cost only); ``triton`` adds
+    ``ours_triton`` (unsorted operator; timed on CUDA only, see :func:`triton_skip_reason`).
 
     The published algorithm and the unrolled iterations solve the paper's cost only: with
     ``cost="linear"`` they are left out (the rows say so).
@@ -160,6 +167,11 @@ def bench_case(n: int, k: int, eps: float, sorted_op: bool, repeats: int, tol: f
         return op(v, k, epsilon=eps, cost=cost, tol=tol, largest=sorted_op, return_info=True,
                   max_iter=fixed_iterations, fixed_iterations=True)
 
+    def ours_triton():
+        out, info = op(x, k, epsilon=eps, cost=cost, tol=tol, largest=sorted_op, return_info=True, backend="triton")
+        info_box["ours_triton"] = info
+        return out
+
     def ours_fixed():
         out, info = fixed_call(x)
         info_box["ours_fixed"] = info
@@ -186,6 +198,8 @@ def bench_case(n: int, k: int, eps: float, sorted_op: bool, repeats: int, tol: f
         return sparse_soft_topk(x, k, regularization=eps)
 
     methods = {"ours": ours}
+    if triton and not sorted_op:
+        methods["ours_triton"] = ours_triton
     if fixed_iterations is not None:
         methods["ours_fixed"] = ours_fixed
         if compile_mode is not None:
@@ -196,6 +210,10 @@ def bench_case(n: int, k: int, eps: float, sorted_op: bool, repeats: int, tol: f
     methods["topk"] = topk
     outputs = {}
     for name, fn in methods.items():
+        if name == "ours_triton" and triton_skip_reason(device):
+            rows.append(dict(method=name, seconds=None, best=None, mbytes=None, err=None,
+                             note=triton_skip_reason(device)))
+            continue
         if name in ("paper", "unrolled") and (cost != "paper" or batch != 1):
             rows.append(dict(method=name, seconds=None, best=None, mbytes=None, err=None,
                              note="skipped: one row of the paper's cost only"))
@@ -210,7 +228,7 @@ def bench_case(n: int, k: int, eps: float, sorted_op: bool, repeats: int, tol: f
         seconds, best, nbytes, outputs[name] = _time(fn, x, repeats, device)
         err = info_box.get(name)
         note = ""
-        if name in ("ours", "ours_fixed"):
+        if name in ("ours", "ours_fixed", "ours_triton"):
             note = f"{int(err.n_iter)} it" + ("" if bool(err.converged) else " NOT CONVERGED")
             err = float(err.marginal_error)
         elif name == "sparse":
@@ -230,8 +248,17 @@ def bench_case(n: int, k: int, eps: float, sorted_op: bool, repeats: int, tol: f
     return rows
 
 
+def triton_skip_reason(device: str) -> str:
+    """Why ``ours_triton`` is not timed on ``device`` (``""``: it is)."""
+    if not device.startswith("cuda"):
+        return "skipped: CUDA only (on the CPU the kernels run under Triton's interpreter)"
+    if not triton_available():
+        return "skipped: triton is not installed"
+    return ""
+
+
 def warm_up(ops: List[str], k: int, eps: float, tol: float, device: str, cost: str, batch: int,
-            fixed_iterations: Optional[int] = None) -> None:
+            fixed_iterations: Optional[int] = None, triton: bool = False) -> None:
     """Runs every method once on a small case, untimed, before the first measurement.
 
     The first call on a device initialises it and loads its libraries (CUDA, cuBLAS, cuSOLVER:
@@ -240,7 +267,7 @@ def warm_up(ops: List[str], k: int, eps: float, tol: float, device: str, cost: s
     """
     for op in ops:
         bench_case(1000, k, eps, op.startswith("sorted"), 1, tol, device, cost=cost, batch=min(batch, 2),
-                   fixed_iterations=fixed_iterations)
+                   fixed_iterations=fixed_iterations, triton=triton)
 
 
 def format_rows(case: str, rows: List[dict]) -> List[str]:
@@ -280,6 +307,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="also time ours with fixed_iterations=True, max_iter=N (the sync-free solve)")
     parser.add_argument("--sparse", action="store_true",
                         help="also time the sparse operators (quadratic regularisation = --eps; needs --cost linear)")
+    parser.add_argument("--triton", action="store_true",
+                        help="also time soft_topk with backend='triton' (the fused kernels; CUDA only, the row says "
+                             "skipped elsewhere)")
     parser.add_argument("--compile", default=None, metavar="MODE",
                         choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
                         help="also time the fixed-iteration call under torch.compile(fullgraph=True, mode=MODE) "
@@ -299,7 +329,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     print("# time = forward+backward ms, median and minimum over the runs (at least --repeats, fast methods "
           f"until {MIN_TIMED_SECONDS} s are timed); vs topk = time / torch.topk time (median / minimum); "
           "mem = autograd MB; err = marginal error reached; x faster = paper median / ours median")
-    warm_up(args.ops, min(args.k), args.eps[0], args.tol, args.device, args.cost, args.batch, args.fixed_iterations)
+    warm_up(args.ops, min(args.k), args.eps[0], args.tol, args.device, args.cost, args.batch, args.fixed_iterations,
+            args.triton)
     print("| case | method | median ms | vs topk | min ms | vs topk (min) | mem MB | err | notes |")
     print("|---|---|---|---|---|---|---|---|---|")
     for op in args.ops:
@@ -311,7 +342,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                         case += f" {args.cost} batch={args.batch}"
                     rows = bench_case(n, k, eps, op.startswith("sorted"), args.repeats, args.tol, args.device,
                                       cost=args.cost, batch=args.batch, fixed_iterations=args.fixed_iterations,
-                                      compile_mode=args.compile, sparse=args.sparse)
+                                      compile_mode=args.compile, sparse=args.sparse, triton=args.triton)
                     print("\n".join(format_rows(case, rows)), flush=True)
     return 0
 

@@ -1,0 +1,166 @@
+"""Triton kernels of :func:`~fairseq_softtopk.ops.soft_topk`'s linear-cost solve and its implicit backward.
+
+The torch path (``_threshold_solve`` in ``ops/soft_topk.py``) launches a dozen kernels per Newton
+iteration and reads the convergence test on the host; here one program solves one row to the end:
+
+* forward (:func:`_soft_topk_threshold_kernel`): one pass writes ``s = z / eps`` (``-inf`` where excluded)
+  into the logits buffer and finds the row's smallest valid score; then the safeguarded Newton of the torch
+  path, the threshold ``t``, its bracket and the stopping test in float64 registers, each iteration one
+  pass over ``s`` (two sums: ``sum sigmoid`` and its slope); then one pass writes the logits and the output;
+* backward (:func:`_soft_topk_backward_kernel`): ``threshold_vjp``, two O(n) passes (the sums
+  ``sum w`` and ``sum w g``, then the gradient).
+
+Rows longer than ``BLOCK`` are walked in blocks. The O(n) work runs in the scores' dtype as the torch
+path's does (``t`` rounded to it), the sums accumulate in float64 (more accurate than the torch path's
+float32 sums at any ``n``), and every scalar (threshold, bracket, error) is float64. Float scalars are
+passed to Triton as float32, so ``tol`` travels as two float32 halves (``tol_hi + tol_lo``).
+
+This module imports ``triton``: ``soft_topk_op.kernel_module`` loads it on the first launch (the package never
+imports it otherwise). Only APIs present in Triton 3.6 are used.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _div(x, y):
+    """``x / y`` rounded as IEEE division (torch's), whatever Triton's default division for float32."""
+    if x.dtype == tl.float32:
+        return tl.math.div_rn(x, y)
+    else:
+        return x / y
+
+
+@triton.jit
+def _sigmoid_sums(S, n, t, LIMIT: tl.constexpr, BLOCK: tl.constexpr):
+    """``(sum_i sigmoid(s_i - t), sum_i sigmoid * (1 - sigmoid))`` over a row of ``s`` (float64 sums);
+    the logits are clamped to ``[-LIMIT, LIMIT]`` like the torch path's."""
+    acc = tl.zeros((BLOCK,), dtype=tl.float64)
+    acc_slope = tl.zeros((BLOCK,), dtype=tl.float64)
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        inside = offs < n
+        s = tl.load(S + offs, mask=inside, other=float("-inf"))
+        sig = tl.sigmoid(tl.minimum(tl.maximum(s - t, -LIMIT), LIMIT))
+        sig = tl.where(inside, sig, 0.0)
+        acc += sig.to(tl.float64)
+        acc_slope += (sig - sig * sig).to(tl.float64)
+    return tl.sum(acc, axis=0), tl.sum(acc_slope, axis=0)
+
+
+@triton.jit
+def _stop_test(total, k, full, denom, t, lo, hi, tol, RESOLUTION: tl.constexpr):
+    """``(excess, err, done)`` of an evaluation: the torch path's marginal error and stopping rule."""
+    excess = total - k
+    err = tl.where(full, 0.0, tl.abs(excess) / denom)
+    done = (err <= tol) | (hi - lo <= RESOLUTION * (1.0 + tl.abs(t)))
+    return excess, err, done
+
+
+@triton.jit
+def _soft_topk_threshold_kernel(Z, VALID, EPS, TOP, N_VALID, S, OUT, N_ITER, ERR,
+                                n, top_cols, k, tol_hi, tol_lo, max_iter,
+                                HAS_MASK: tl.constexpr, LIMIT: tl.constexpr, RESOLUTION: tl.constexpr,
+                                BLOCK: tl.constexpr):
+    """One program per row: ``t`` with ``sum_i sigmoid(z_i / eps - t) = k``, then the logits and the output.
+
+    Args (per row ``r`` of ``rows``; ``n`` entries, row-major, contiguous):
+        Z: ``(rows, n)`` prepared scores (0 where excluded). VALID: ``(rows, n)`` uint8, nonzero where the
+        entry takes part (read only with ``HAS_MASK``). EPS: ``(rows,)`` temperatures. TOP: ``(rows,
+        top_cols)`` the largest valid scores, decreasing. N_VALID: ``(rows,)`` valid counts (Z's dtype).
+        S: ``(rows, n)`` output: the logits ``clamp(z / eps - t)``, ``+inf`` on full rows, ``-inf`` where
+        excluded (it holds ``z / eps`` during the solve). OUT: ``(rows, n)`` ``sigmoid`` of the logits.
+        N_ITER: ``(rows,)`` int32 iterations. ERR: ``(rows,)`` float64 marginal error reached.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    Z += row * n
+    VALID += row * n
+    S += row * n
+    OUT += row * n
+    TOP += row * top_cols
+    tol = tl.cast(tol_hi, tl.float64) + tl.cast(tol_lo, tl.float64)  # scalar arguments: tl.cast, not .to
+    eps = tl.load(EPS + row)
+    eps64 = eps.to(tl.float64)
+    n_valid = tl.load(N_VALID + row).to(tl.float64)
+    kf = tl.cast(k, tl.float64)
+    full = n_valid == kf  # every valid entry selected: A = 1, no threshold exists
+    # the hard threshold (midway between the k-th and (k+1)-th best score, in units of eps) starts Newton
+    kth = tl.load(TOP + k - 1).to(tl.float64)
+    after = tl.load(TOP + k, mask=top_cols > k, other=0.0).to(tl.float64)
+    after = tl.where((top_cols > k) & (full == 0), after, kth - 1.0)
+    t = 0.5 * (kth + after) / eps64
+    span = tl.log(n_valid) + 2.0  # a bracket that always holds: sum > k at lo, < k at hi
+    hi = tl.load(TOP).to(tl.float64) / eps64 + span
+    denom = tl.maximum(tl.minimum(n_valid - kf, kf), 1.0)
+    # pass 0: s = z / eps (-inf where excluded) into S, and the smallest valid z for the bracket
+    z_min = tl.full((BLOCK,), float("inf"), Z.dtype.element_ty)
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        inside = offs < n
+        z = tl.load(Z + offs, mask=inside, other=0.0)
+        valid = inside
+        if HAS_MASK:
+            valid = valid & (tl.load(VALID + offs, mask=inside, other=0) != 0)
+        tl.store(S + offs, tl.where(valid, _div(z, eps), float("-inf")), mask=inside)
+        z_min = tl.minimum(z_min, tl.where(valid, z, float("inf")))
+    lo = tl.min(z_min, axis=0).to(tl.float64) / eps64 - span
+    tl.debug_barrier()  # S is read back by other threads of this program
+    total, slope = _sigmoid_sums(S, n, t.to(Z.dtype.element_ty), LIMIT, BLOCK)
+    excess, err, done = _stop_test(total, kf, full, denom, t, lo, hi, tol, RESOLUTION)
+    n_iter = 1
+    while (n_iter < max_iter) & (done == 0):
+        lo = tl.where(excess > 0, tl.maximum(lo, t), lo)
+        hi = tl.where(excess < 0, tl.minimum(hi, t), hi)
+        newton = t + excess / tl.maximum(slope, 1e-300)
+        inside_bracket = (newton > lo) & (newton < hi) & (slope > 0)
+        t = tl.where(inside_bracket, newton, 0.5 * (lo + hi))
+        n_iter += 1
+        total, slope = _sigmoid_sums(S, n, t.to(Z.dtype.element_ty), LIMIT, BLOCK)
+        excess, err, done = _stop_test(total, kf, full, denom, t, lo, hi, tol, RESOLUTION)
+    tl.store(N_ITER + row, n_iter)
+    tl.store(ERR + row, err)
+    t_row = t.to(Z.dtype.element_ty)
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        inside = offs < n
+        s = tl.load(S + offs, mask=inside, other=float("-inf"))
+        logits = tl.minimum(tl.maximum(s - t_row, -LIMIT), LIMIT)
+        logits = tl.where(full, float("inf"), logits)
+        logits = tl.where(s == float("-inf"), float("-inf"), logits)
+        tl.store(S + offs, logits, mask=inside)
+        tl.store(OUT + offs, tl.sigmoid(logits), mask=inside)
+
+
+@triton.jit
+def _soft_topk_backward_kernel(LOGITS, GRAD, EPS, GRAD_Z, n, BLOCK: tl.constexpr):
+    """One program per row: ``grad_z = w / eps * (g - sum_i w_i g_i / sum_i w_i)``, ``w = A (1 - A)``.
+
+    Args: LOGITS, GRAD, GRAD_Z: ``(rows, n)`` contiguous (the forward's logits, the output's gradient,
+    the result); EPS: ``(rows,)`` temperatures in the scores' units (``inf``: gradient 0).
+    """
+    row = tl.program_id(0).to(tl.int64)
+    LOGITS += row * n
+    GRAD += row * n
+    GRAD_Z += row * n
+    eps = tl.load(EPS + row)
+    acc_w = tl.zeros((BLOCK,), dtype=tl.float64)
+    acc_wg = tl.zeros((BLOCK,), dtype=tl.float64)
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        inside = offs < n
+        logits = tl.load(LOGITS + offs, mask=inside, other=float("-inf"))
+        g = tl.load(GRAD + offs, mask=inside, other=0.0)
+        w = tl.sigmoid(logits) * tl.sigmoid(-logits)  # 0 where excluded (logit -inf) or full (+inf)
+        acc_w += w.to(tl.float64)
+        acc_wg += (w * g).to(tl.float64)
+    w_sum = tl.sum(acc_w, axis=0)
+    mean_g = tl.sum(acc_wg, axis=0) / tl.where(w_sum > 0, w_sum, 1.0)
+    mean_row = mean_g.to(GRAD.dtype.element_ty)
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        inside = offs < n
+        logits = tl.load(LOGITS + offs, mask=inside, other=float("-inf"))
+        g = tl.load(GRAD + offs, mask=inside, other=0.0)
+        w = tl.sigmoid(logits) * tl.sigmoid(-logits)
+        tl.store(GRAD_Z + offs, _div(w, eps) * (g - mean_row), mask=inside)
