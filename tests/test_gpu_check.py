@@ -25,7 +25,7 @@ def test_dry_run_runs_every_step_and_writes_one_report(tmp_path, repo_root):
     for key in ("device", "torch", "CUDA (torch build)", "fairseq", "commit"):
         assert re.search(rf"^\| {re.escape(key)} \| .+ \|$", text, re.M), key
     assert f"| torch | {torch.__version__} |" in text
-    names = ("cuda_tests", "bench_ops", "bench_ops_beam_shape", "bench_ops_sparse", "bench_train")
+    names = ("cuda_tests", "kernel_tests", "bench_ops", "bench_ops_beam_shape", "bench_ops_sparse", "bench_train")
     steps = dict(re.findall(rf"^\| ({'|'.join(names)}) \| (\S+) \|", text, re.M))
     assert steps == {name: "ok" for name in names}
     tests = re.search(r"^\| cuda_tests \| ok \| \d+ \| (\d+) passed", text, re.M)

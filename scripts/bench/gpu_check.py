@@ -7,9 +7,12 @@ its own process with its output kept:
 1. ``pytest -m cuda tests``: the operators and the criterion on CUDA against the CPU, the sync-free
    search under CUDA's sync debug mode, and fairseq-train / fairseq-generate with --fp16 and --amp (not
    --bf16: fairseq 0.12 trains in bfloat16 on TPUs only);
-2. ``scripts/bench/bench_ops.py``: the operators' forward + backward against ``torch.topk`` (the target case and
-   the beam-search shape; plain, sync-free and in CUDA graphs; and the sparse operators beside the entropic ones);
-3. ``scripts/bench/bench_train.py``: updates per second of teacher forcing, hard and soft beam search (default,
+2. ``pytest tests/test_triton_soft_topk.py``: the Triton kernels on CUDA tensors against the torch path
+   (without a GPU they run under Triton's interpreter in the suite);
+3. ``scripts/bench/bench_ops.py``: the operators' forward + backward against ``torch.topk`` (the target case and
+   the beam-search shape; plain, sync-free, in CUDA graphs and soft_topk's Triton kernels; and the sparse
+   operators beside the entropic ones);
+4. ``scripts/bench/bench_train.py``: updates per second of teacher forcing, hard and soft beam search (default,
    candidate pool, fixed iterations, compiled), with the launch and sync counts per decoding step,
 
 and writes one markdown report (``--out``, default ``results/gpu_check/<device>.md``): the device, torch,
@@ -42,7 +45,7 @@ REPO = Path(__file__).resolve().parents[2]  # the checkout (scripts/bench/ is tw
 #: the benchmarks' arguments on a GPU: the Multi30k-sized model on the toy corpus, the beam-search shape
 GPU_STEPS = {
     "bench_ops": ["--device", "cuda", "--n", "100000", "1000000", "--k", "5", "--eps", "0.01", "--fixed-iterations",
-                  "15", "--compile", "reduce-overhead"],
+                  "15", "--compile", "reduce-overhead", "--triton"],
     "bench_ops_beam_shape": ["--device", "cuda", "--ops", "sorted_soft_topk", "--n", "38840", "--k", "5", "--eps",
                              "0.03", "--cost", "linear", "--batch", "64", "--fixed-iterations", "15", "--compile",
                              "reduce-overhead"],
@@ -54,7 +57,7 @@ GPU_STEPS = {
 #: the same steps on the CPU, small enough for the test suite
 DRY_RUN_STEPS = {
     "bench_ops": ["--device", "cpu", "--n", "2000", "--k", "5", "--eps", "0.1", "--repeats", "1", "--threads", "1",
-                  "--fixed-iterations", "15"],
+                  "--fixed-iterations", "15", "--triton"],
     "bench_ops_beam_shape": ["--device", "cpu", "--ops", "sorted_soft_topk", "--n", "3000", "--k", "5", "--eps", "0.03",
                              "--cost", "linear", "--batch", "8", "--repeats", "1", "--threads", "1",
                              "--fixed-iterations", "15"],
@@ -127,6 +130,10 @@ def plan(dry_run: bool, test_workers: int = 1) -> List[tuple]:
     return [
         ("cuda_tests", [python, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", *workers, "tests"],
          test_env),
+        # on a GPU every kernel test runs on CUDA tensors; the dry run leaves out the interpreter and the
+        # ahead-of-time compiles (the suite runs them: about 20 s)
+        ("kernel_tests", [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_triton_soft_topk.py",
+                          *(["-k", "not interpreter and not compiles"] if dry_run else [])], {}),
         ("bench_ops", [python, "scripts/bench/bench_ops.py", *steps["bench_ops"]], {}),
         ("bench_ops_beam_shape", [python, "scripts/bench/bench_ops.py", *steps["bench_ops_beam_shape"]], {}),
         ("bench_ops_sparse", [python, "scripts/bench/bench_ops.py", *steps["bench_ops_sparse"]], {}),
