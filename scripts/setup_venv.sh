@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create or reuse the virtualenv at .venv/ and install the pinned dependencies.
 # Idempotent: a stamp holding the hash of the dependency files skips a finished install.
-# About 1 minute on a fresh machine here (torch comes from local disk, the rest from PyPI).
+# About 1.5 minutes on a fresh machine here (torch comes from local disk, the rest, triton's 286 MB wheel
+# included, from PyPI).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${root}/.venv"
@@ -14,7 +15,7 @@ if [[ -f "${stamp_file}" && "$(cat "${stamp_file}")" == "${stamp_value}" ]]; the
     exit 0
 fi
 
-echo "[setup] creating/updating ${venv} (one-time, about 1 minute)" >&2
+echo "[setup] creating/updating ${venv} (one-time, about 1.5 minutes)" >&2
 [[ -x "${venv}/bin/python" ]] || "${python}" -m venv "${venv}"
 pip=("${venv}/bin/python" -m pip install --quiet --disable-pip-version-check -c "${root}/constraints.txt")
 # torch first, alone: the CPU build 2.13.0 lies on this machine's disk. A torch >= 2.6 already in the
