@@ -1,13 +1,15 @@
-"""scripts/setup_venv.sh keeps a torch that the virtualenv already has (a CUDA user's build)."""
+"""scripts/setup_venv.sh keeps a torch and a triton that the virtualenv already has (a CUDA user's build)."""
 
 import os
 import shutil
 import subprocess
 
+import pytest
 
-def _run_setup(tmp_path, repo_root, torch_version):
+
+def _run_setup(tmp_path, repo_root, torch_version, triton_version=None):
     """Runs a copy of the setup script against a virtualenv whose Python is a stand-in: it records every
-    command and has ``torch_version`` installed (None: no torch)."""
+    command and has ``torch_version`` and ``triton_version`` installed (None: not installed)."""
     root = tmp_path / "project"
     (root / "scripts").mkdir(parents=True)
     for name in ("constraints.txt", "requirements.txt", "pyproject.toml"):
@@ -17,12 +19,15 @@ def _run_setup(tmp_path, repo_root, torch_version):
     python = root / ".venv" / "bin" / "python"
     python.parent.mkdir(parents=True)
     has_torch = "true" if torch_version else "false"
+    has_triton = "true" if triton_version else "false"
     python.write_text(f"""#!/usr/bin/env bash
 echo "$*" >> {calls}
 if [[ "$1" == -c && "$2" == *"import sys, torch"* ]]; then
     {has_torch} || exit 1
     [[ "{torch_version}" > "2.6" ]] && exit 0 || exit 1
 fi
+if [[ "$1" == -c && "$2" == "import triton" ]]; then {has_triton}; exit; fi
+if [[ "$1" == -c && "$2" == *triton* ]]; then echo "{triton_version}"; exit 0; fi
 if [[ "$1" == -c ]]; then echo "{torch_version}"; fi
 exit 0
 """)
@@ -46,3 +51,17 @@ def test_a_torch_already_in_the_virtualenv_is_kept(tmp_path, repo_root):
 def test_without_torch_the_pinned_one_is_installed(tmp_path, repo_root):
     _, installs = _run_setup(tmp_path, repo_root, None)
     assert any("torch" in args for args in installs[:1])  # torch first, alone (with numpy and cython)
+
+
+@pytest.mark.parametrize("triton_version", [None, "3.6.0"])
+def test_the_pinned_triton_is_installed_unless_the_virtualenv_has_one(tmp_path, repo_root, triton_version):
+    """Without triton the pinned one is installed (constraints.txt); a triton already there (a CUDA torch's own,
+    3.6.0 on the GPU machines) is kept."""
+    assert "\ntriton==3.9.0\n" in (repo_root / "constraints.txt").read_text()
+    stderr, installs = _run_setup(tmp_path, repo_root, "2.11.0", triton_version)
+    triton_installs = [args for args in installs if "triton" in args]
+    if triton_version:
+        assert not triton_installs and "keeping the virtualenv's triton 3.6.0" in stderr
+    else:
+        assert len(triton_installs) == 1 and "-c" in triton_installs[0]
+        assert str(tmp_path / "project" / "constraints.txt") in triton_installs[0]

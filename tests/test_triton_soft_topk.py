@@ -10,7 +10,6 @@ no GPU. Tests that need triton skip, with the reason, where it is not installed.
 """
 
 import math
-import os
 import subprocess
 import sys
 
@@ -325,39 +324,6 @@ def test_resolve_backend_picks_the_kernels_only_where_they_run(monkeypatch):
     with pytest.raises(ValueError, match=r"needs the triton package \(pip install triton\), which does not import "
                                          r"here \(ModuleNotFoundError: No module named 'triton'\)"):
         resolve_backend("triton", cuda_like)
-
-
-@pytest.mark.parametrize("has_triton", [False, True])
-def test_setup_installs_the_pinned_triton_unless_the_virtualenv_has_one(tmp_path, repo_root, has_triton):
-    """scripts/setup_venv.sh (run against a stand-in Python that records its commands): without triton it installs
-    the pinned one (constraints.txt); a triton already there (a CUDA torch's own) is kept."""
-    import shutil
-
-    root = tmp_path / "project"
-    (root / "scripts").mkdir(parents=True)
-    for name in ("constraints.txt", "requirements.txt", "pyproject.toml", "scripts/setup_venv.sh"):
-        shutil.copy(repo_root / name, root / name)
-    assert "\ntriton==3.9.0\n" in (root / "constraints.txt").read_text()
-    calls = tmp_path / "calls.txt"
-    python = root / ".venv" / "bin" / "python"
-    python.parent.mkdir(parents=True)
-    python.write_text(f"""#!/usr/bin/env bash
-echo "$*" >> {calls}
-if [[ "$1" == -c && "$2" == "import triton" ]]; then {str(has_triton).lower()}; exit; fi
-if [[ "$1" == -c ]]; then echo "2.11.0"; fi
-exit 0
-""")
-    python.chmod(0o755)
-    env = {key: os.environ[key] for key in ("PATH", "HOME") if key in os.environ}
-    proc = subprocess.run(["bash", root / "scripts" / "setup_venv.sh"], env=env, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    installs = [line.split() for line in calls.read_text().splitlines() if line.startswith("-m pip install")]
-    triton_installs = [args for args in installs if "triton" in args]
-    if has_triton:
-        assert not triton_installs and "keeping the virtualenv's triton 2.11.0" in proc.stderr
-    else:
-        assert len(triton_installs) == 1 and "-c" in triton_installs[0]
-        assert str(root / "constraints.txt") in triton_installs[0]
 
 
 def test_bench_ops_lists_the_kernels_row_and_skips_it_off_cuda(monkeypatch, capsys):
