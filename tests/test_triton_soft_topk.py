@@ -288,13 +288,15 @@ def test_a_wrong_kernel_fails_the_comparison(rng, monkeypatch, tmp_path, old, ne
         assert_matches_torch(x, 5, rng, epsilon=0.1)
 
 
-def test_the_backend_argument_is_checked_and_the_default_never_runs_the_kernels(rng, monkeypatch):
+def test_the_backend_argument_is_checked_and_the_default_runs_the_torch_path_on_the_cpu(rng, monkeypatch):
     import inspect
 
     import fairseq_softtopk.ops as ops
 
     assert {"BACKENDS", "KernelFallbackWarning"} <= set(ops.__all__) and ops.BACKENDS == ("torch", "triton", "auto")
-    assert inspect.signature(soft_topk).parameters["backend"].default == "torch"
+    for operator in (soft_topk, ops.sorted_soft_topk, ops.sparse_soft_topk, ops.sorted_sparse_soft_topk,
+                     ops.sorted_sparse_soft_topk_window):
+        assert inspect.signature(operator).parameters["backend"].default == "auto", operator.__name__
     def no_kernel(*args, **kwargs):
         raise AssertionError("the kernels ran")
 
@@ -363,3 +365,28 @@ def test_asking_for_the_interpreter_after_triton_was_imported_is_named(rng, monk
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     with pytest.raises(RuntimeError, match="set it before anything imports triton"):
         soft_topk(torch.randn(2, 30, generator=rng), 3, backend="triton")
+
+
+@pytest.mark.parametrize("name", ["sorted_soft_topk", "sparse_soft_topk", "sorted_sparse_soft_topk",
+                                  "sorted_sparse_soft_topk_window"])
+def test_operators_without_a_kernel_run_the_torch_path_and_count_the_calls_sent_to_the_kernels(name, rng,
+                                                                                               monkeypatch):
+    import fairseq_softtopk.ops as ops
+
+    operator = getattr(ops, name)
+    x = torch.randn(3, 40, generator=rng, dtype=torch.float64)
+    expected = operator(x, 4, backend="torch")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # "triton" resolves to the kernels on CPU tensors
+    monkeypatch.setattr(backend_module, "_triton_import_error", "")
+    reset_fallback_counts()
+    with pytest.warns(KernelFallbackWarning, match=rf"{name}: the Triton kernels cannot take this call \(this "
+                                                   r"operator has no Triton kernel yet\); it ran on the torch path"):
+        got = operator(x, 4, backend="triton")
+    assert fallback_counts() == {"no_kernel": 1}
+    for a, b in zip(got if isinstance(got, tuple) else (got,), expected if isinstance(expected, tuple) else (expected,)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    operator(x, 4, backend="auto")  # CPU tensors: the torch path, not a fallback
+    assert fallback_counts() == {"no_kernel": 1}
+    with pytest.raises(ValueError, match=r"backend must be one of \('torch', 'triton', 'auto'\), got 'gpu'"):
+        operator(x, 4, backend="gpu")
+    reset_fallback_counts()

@@ -115,7 +115,7 @@ class SoftTopKFunction(torch.autograd.Function):
 def soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = True, epsilon: float = 0.1,
               mask: Optional[Tensor] = None, tol: float = 1e-5, max_iter: int = 100,
               cost: str = "linear", hard: bool = False, return_info: bool = False, warn: bool = True,
-              fixed_iterations: bool = False, backend: str = "torch"):
+              fixed_iterations: bool = False, backend: str = "auto"):
     """Smoothed top-k indicator (SOFT top-k, Xie et al. 2020), a differentiable ``torch.topk``.
 
     ``torch.topk(scores, k).indices`` marks k entries; ``soft_topk`` returns, for every entry,
@@ -156,15 +156,16 @@ def soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = True, ep
             row converges, the result equals the default's (converged rows stop moving):
             ``max_iter`` of 20-30 covers the linear cost at any ``n`` (the default solve
             takes 3-10 iterations), at a fixed cost per call.
-        backend: ``"torch"`` (default): the solver above, in torch operations. ``"triton"``: fused
+        backend: ``"auto"`` (default): the kernels below for CUDA tensors when ``triton`` imports,
+            ``"torch"`` otherwise (CPU tensors keep the torch path). ``"torch"``: the solver above, in
+            torch operations. ``"triton"``: fused
             Triton kernels (:mod:`fairseq_softtopk.ops.kernels`), one launch for the whole solve of
             every row, one for the backward, no host synchronisation inside the solve; CUDA tensors,
             or CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``, for tests). The same
             values (float32: to about 1e-6) and gradients as ``"torch"``; ``info``'s fields are then
             0-dim tensors (with ``fixed_iterations=True`` each row still stops when it converges:
-            ``n_iter`` is the largest count used). ``"auto"``: the kernels for CUDA tensors when
-            ``triton`` imports, ``"torch"`` otherwise. Opt-in: the kernels are not timed on a GPU
-            yet. Every cost runs on them (each is the linear problem at a rescaled epsilon).
+            ``n_iter`` is the largest count used). Every cost runs on them (each is the linear
+            problem at a rescaled epsilon). The kernels are not timed on a GPU yet.
 
     Returns:
         Tensor of ``scores``' shape and dtype, values in ``[0, 1]``, summing to ``k`` along

@@ -25,6 +25,7 @@ from torch import Tensor
 
 from ._common import (SolverInfo, check_inputs, hard_topk_indices, oriented_rows, prepare_scores, restore_shape,
                       warn_if_unconverged)
+from .kernels.backend import torch_path_only
 from .semi_dual import anchors
 from .semi_dual_hessian import anchor_hessian, solve_ridged
 from .semi_dual_newton import fixed_newton_solve, newton_solve
@@ -82,7 +83,7 @@ class SortedSoftTopKFunction(torch.autograd.Function):
 def sorted_soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = True, epsilon: float = 0.1,
                      mask: Optional[Tensor] = None, tol: float = 1e-5, max_iter: int = 50,
                      cost: str = "linear", hard: bool = False, return_info: bool = False, warn: bool = True,
-                     fixed_iterations: bool = False):
+                     fixed_iterations: bool = False, backend: str = "auto"):
     """Sorted SOFT top-k: a smoothed "which element has rank r" for the k best ranks.
 
     The hard counterpart is the permutation slice ``P[i, r] = 1`` iff ``i ==
@@ -122,6 +123,10 @@ def sorted_soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = T
             tensors, and the plan's logits are formed in float64. Converged rows stop moving:
             where every row converges the result is the default's up to ``tol``. A budget of
             10-20 suits k <= 10 (the default solve takes 2-8); every iteration is paid for.
+        backend: ``"auto"`` (default), ``"torch"`` or ``"triton"`` (:mod:`fairseq_softtopk.ops.kernels`).
+            This operator has no Triton kernel yet: every call runs the torch path; a call that the
+            argument sends to the kernels (``"auto"`` on a CUDA tensor, ``"triton"``) is counted in
+            ``fallback_counts()["no_kernel"]`` (and, for ``"triton"``, reported by a warning).
 
     Returns:
         ``(*, n, *, k)`` tensor in ``scores``' dtype: the rank dimension is appended last and
@@ -135,6 +140,7 @@ def sorted_soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = T
         all the same. Python's default filter shows it once per call site.
     """
     check_inputs(scores, k, epsilon, mask, cost, tol, max_iter, dim)
+    torch_path_only(backend, scores, "sorted_soft_topk")
     # a named range for torch.profiler (scripts/bench/bench_train.py reads it)
     with torch.profiler.record_function("softtopk::sorted_soft_topk"):
         prep = prepare_scores(scores, k, dim, largest, epsilon, mask, cost, n_anchor_steps=k,

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from ._common import SolverInfo, check_inputs, oriented_rows, restore_shape, warn_if_unconverged, working_dtype
 from .quadratic_semi_dual import quadratic_newton_solve, solve_support_hessian
+from .kernels.backend import torch_path_only
 from .semi_dual import anchors
 from .sparse_rows import sparse_rows
 from .sparse_soft_topk import check_regularization
@@ -76,7 +77,7 @@ class SortedSparseSoftTopKFunction(torch.autograd.Function):
 def sorted_sparse_soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = True,
                             regularization: float = 0.1, mask: Optional[Tensor] = None, tol: float = 1e-6,
                             max_iter: int = 50, hard: bool = False, return_info: bool = False, warn: bool = True,
-                            fixed_iterations: bool = False):
+                            fixed_iterations: bool = False, backend: str = "auto"):
     """Sorted sparse soft top-k: "which element has rank r" for the k best ranks, with exact zeros.
 
     The quadratically regularised counterpart of :func:`~fairseq_softtopk.ops.sorted_soft_topk`:
@@ -103,6 +104,10 @@ def sorted_sparse_soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: b
         fixed_iterations: exactly ``max_iter`` Newton iterations (each trying the step sizes 1, 1/2,
             1/4, 1/8) with on-device convergence masks and no host synchronisation; the data are not
             checked, no warning is emitted, and ``info``'s fields are 0-dim tensors.
+        backend: ``"auto"`` (default), ``"torch"`` or ``"triton"`` (:mod:`fairseq_softtopk.ops.kernels`).
+            This operator has no Triton kernel yet: every call runs the torch path; a call that the
+            argument sends to the kernels (``"auto"`` on a CUDA tensor, ``"triton"``) is counted in
+            ``fallback_counts()["no_kernel"]`` (and, for ``"triton"``, reported by a warning).
 
     Returns:
         ``(*, n, *, k)`` tensor in ``scores``' dtype (the rank dimension appended last, ``n`` at
@@ -110,6 +115,7 @@ def sorted_sparse_soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: b
     """
     check_regularization(regularization, 2)
     check_inputs(scores, k, regularization, mask, "linear", tol, max_iter, dim)
+    torch_path_only(backend, scores, "sorted_sparse_soft_topk")
     with torch.profiler.record_function("softtopk::sorted_sparse_soft_topk"):
         # the rows in units of lambda with the gaps that cannot matter capped (.sparse_rows)
         prep = sparse_rows(scores, k, dim, largest, regularization, mask, sorted_ranks=True,
@@ -131,7 +137,7 @@ def sorted_sparse_soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: b
 
 def sorted_sparse_soft_topk_window(scores: Tensor, k: int, *, regularization: float = 0.1,
                                    mask: Optional[Tensor] = None, tol: float = 1e-6, max_iter: int = 50,
-                                   return_info: bool = False, warn: bool = True):
+                                   return_info: bool = False, warn: bool = True, backend: str = "auto"):
     """:func:`sorted_sparse_soft_topk` of 2-D rows (largest first), on the entries that can carry weight only.
 
     The solver works on a window of each row's best ``m`` entries and proves that every entry below it gives
@@ -144,7 +150,7 @@ def sorted_sparse_soft_topk_window(scores: Tensor, k: int, *, regularization: fl
 
     Args:
         scores: ``(rows, n)`` floating tensor; rank 0 is the largest score.
-        k, regularization, mask, tol, max_iter, return_info, warn: as :func:`sorted_sparse_soft_topk`.
+        k, regularization, mask, tol, max_iter, return_info, warn, backend: as :func:`sorted_sparse_soft_topk`.
 
     Returns:
         ``(ranks, index)``: ``ranks`` ``(rows, m, k)`` in ``scores``' dtype and ``index`` ``(rows, m)`` int64,
@@ -156,6 +162,7 @@ def sorted_sparse_soft_topk_window(scores: Tensor, k: int, *, regularization: fl
                          f"{tuple(scores.shape) if isinstance(scores, Tensor) else type(scores).__name__}")
     check_regularization(regularization, 2)
     check_inputs(scores, k, regularization, mask, "linear", tol, max_iter, -1)
+    torch_path_only(backend, scores, "sorted_sparse_soft_topk_window")
     with torch.profiler.record_function("softtopk::sorted_sparse_soft_topk"):
         prep = sparse_rows(scores, k, -1, True, regularization, mask, sorted_ranks=True)
         dtype = working_dtype(scores.dtype)

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from ._common import check_inputs, oriented_rows, restore_shape, threshold_vjp
+from .kernels.backend import torch_path_only
 from .simplex_projection import capped_cubic_threshold, capped_simplex_threshold
 from .sparse_rows import UNSORTED_GAP_CAP, sparse_rows
 
@@ -94,7 +95,7 @@ def _threshold_window(x: Tensor, top: Tensor, n_valid: Tensor, k: int) -> Tensor
 
 
 def sparse_soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = True, regularization: float = 0.1,
-                     p: float = 2, mask: Optional[Tensor] = None, hard: bool = False) -> Tensor:
+                     p: float = 2, mask: Optional[Tensor] = None, hard: bool = False, backend: str = "auto") -> Tensor:
     """Sparse soft top-k mask: a differentiable ``torch.topk`` indicator with exact zeros and ones.
 
     Returns ``clip((x - tau) / regularization, 0, 1)`` along ``dim``, ``tau`` such that it sums
@@ -119,6 +120,10 @@ def sparse_soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = T
             ``-inf`` (``+inf`` when ``largest=False``) are excluded too. Excluded entries get
             exactly 0 and zero gradient.
         hard: return the exact top-k indicator instead (no gradient).
+        backend: ``"auto"`` (default), ``"torch"`` or ``"triton"`` (:mod:`fairseq_softtopk.ops.kernels`).
+            This operator has no Triton kernel yet: every call runs the torch path; a call that the
+            argument sends to the kernels (``"auto"`` on a CUDA tensor, ``"triton"``) is counted in
+            ``fallback_counts()["no_kernel"]`` (and, for ``"triton"``, reported by a warning).
 
     Returns:
         Tensor of ``scores``' shape and dtype, values in ``[0, 1]`` summing to ``k`` along ``dim``.
@@ -136,6 +141,7 @@ def sparse_soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = T
     """
     check_regularization(regularization, p)
     check_inputs(scores, k, regularization, mask, "linear", 1.0, 1, dim)
+    torch_path_only(backend, scores, "sparse_soft_topk")
     with torch.profiler.record_function("softtopk::sparse_soft_topk"):
         # the rows in units of lambda, relative to the k-th best, clamped to [-3, 1] (.sparse_rows)
         prep = sparse_rows(scores, k, dim, largest, regularization, mask, sorted_ranks=False)

@@ -1,13 +1,14 @@
 """Which implementation runs an operator: the torch path or a Triton kernel.
 
-``backend="torch"`` (the operators' default) is the pure-torch path. ``"triton"`` asks for the fused
-kernels: CUDA tensors, or CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1`` set before
-``triton`` is imported; it runs the kernels in Python: for tests, far too slow for work). ``"auto"`` takes
-the kernels for CUDA tensors when ``triton`` imports, the torch path otherwise (never the interpreter). The kernels have not been timed on a GPU yet, so the
-default stays ``"torch"``: ``"triton"`` and ``"auto"`` are opt-in.
+``"auto"`` (the operators' default) takes the kernels for CUDA tensors when ``triton`` imports, the torch
+path otherwise (never the interpreter): CPU tensors keep the torch path and its speed. ``"torch"`` is the
+pure-torch path everywhere. ``"triton"`` asks for the fused kernels: CUDA tensors, or CPU tensors under
+Triton's interpreter (``TRITON_INTERPRET=1`` set before ``triton`` is imported; it runs the kernels in
+Python: for tests, far too slow for work).
 
 A call the kernels cannot take (see :data:`FALLBACK_REASONS`) runs on the torch path instead, counted in
-:func:`fallback_counts` and reported by a :class:`KernelFallbackWarning` (once per call site).
+:func:`fallback_counts`; where ``"triton"`` was asked for by name, a :class:`KernelFallbackWarning` reports
+it too (once per call site).
 """
 
 import collections
@@ -23,6 +24,7 @@ BACKENDS = ("torch", "triton", "auto")
 #: why a call that asked for the kernels ran on the torch path (keys of :func:`fallback_counts`)
 FALLBACK_REASONS = {
     "row_length": "rows longer than the kernels' int32 offsets reach",
+    "no_kernel": "this operator has no Triton kernel yet",
 }
 
 _fallbacks: Dict[str, int] = collections.Counter()
@@ -89,11 +91,23 @@ def resolve_backend(backend: str, tensor: Tensor) -> str:
     return "triton"
 
 
-def record_fallback(reason: str, operator: str) -> None:
-    """Counts a call that ran on the torch path instead of the kernels, and warns (once per call site)."""
+def record_fallback(reason: str, operator: str, warn: bool = True) -> None:
+    """Counts a call that ran on the torch path instead of the kernels, and (``warn``) warns once per call site."""
     _fallbacks[reason] += 1
-    warnings.warn(f"{operator}: the Triton kernels cannot take this call ({FALLBACK_REASONS[reason]}); it ran on "
-                  f"the torch path (same results)", KernelFallbackWarning, stacklevel=4)
+    if warn:
+        warnings.warn(f"{operator}: the Triton kernels cannot take this call ({FALLBACK_REASONS[reason]}); it ran "
+                      f"on the torch path (same results)", KernelFallbackWarning, stacklevel=4)
+
+
+def torch_path_only(backend: str, tensor: Tensor, operator: str) -> None:
+    """The dispatch point of an operator that has no kernel yet: checks ``backend`` and, where it resolves to
+    the kernels, counts the call under ``"no_kernel"`` (warning only where ``"triton"`` was asked for by name).
+
+    Raises:
+        ValueError: as :func:`resolve_backend`.
+    """
+    if backend != "torch" and resolve_backend(backend, tensor) == "triton":
+        record_fallback("no_kernel", operator, warn=backend == "triton")
 
 
 def fallback_counts() -> Dict[str, int]:
