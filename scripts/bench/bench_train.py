@@ -182,6 +182,11 @@ def criterion_args(config: str, beam: int, epsilon: Optional[float], pool: int, 
     return common + flags[config]
 
 
+def with_kernel_rows(configs: Sequence[str]) -> List[str]:
+    """``configs`` with, after each of :data:`KERNEL_CONFIGS`, its kernel row (``CONFIG:triton``)."""
+    return [row for c in configs for row in ([c, c + TRITON] if c in KERNEL_CONFIGS else [c])]
+
+
 def build_parts(opts: argparse.Namespace, config: str):
     """``(task, model, criterion)`` of one configuration, parameters initialised from ``opts.seed``
     (then loaded from ``opts.checkpoint`` where given)."""
@@ -573,8 +578,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     configs = [c for c in opts.configs.split(",") if c]
     kernel_rows = [c + TRITON for c in KERNEL_CONFIGS]
     unknown = [c for c in configs + [opts.profile or CONFIGS[0]] if c not in CONFIGS and c not in kernel_rows]
-    if opts.triton:  # each kernel row after its configuration
-        configs = [row for c in configs for row in ([c, c + TRITON] if c in KERNEL_CONFIGS else [c])]
+    configs = with_kernel_rows(configs) if opts.triton else configs
     if unknown:
         parser.error(f"unknown configurations {unknown}; choose from {CONFIGS} (or {', '.join(kernel_rows)})")
     if min(opts.updates, opts.repeats, opts.threads, opts.profile_updates, opts.count_updates) < 1 or opts.warmup < 0:
