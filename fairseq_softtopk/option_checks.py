@@ -23,7 +23,11 @@ from typing import Optional, Sequence
 
 from .renamed_options import flag
 
-__all__ = ["EPSILON_RANGE", "check_bf16", "check_choice", "check_epsilon", "check_number", "requested_bf16"]
+__all__ = ["BACKEND_CHOICES", "EPSILON_RANGE", "check_backend_option", "check_bf16", "check_choice", "check_epsilon",
+           "check_number", "requested_bf16", "requested_cpu"]
+
+#: the choices of --topk-backend and --attention-topk-backend (the operators' ``backend``)
+BACKEND_CHOICES = ["auto", "torch", "triton"]
 
 #: the allowed range of every epsilon (see the module docstring)
 EPSILON_RANGE = (1e-6, 1e6)
@@ -95,6 +99,45 @@ def requested_bf16(cfg) -> bool:
     except InterpolationResolutionError:
         return False
     return value is True
+
+
+def requested_cpu(cfg) -> bool:
+    """Whether ``cfg`` (a namespace or a config with a ``cpu`` field, e.g. ``II("common.cpu")``) asks for fairseq's
+    ``--cpu``: False where the field is missing or an interpolation that cannot be resolved."""
+    from omegaconf.errors import InterpolationResolutionError
+
+    try:
+        value = getattr(cfg, "cpu", False)
+    except InterpolationResolutionError:
+        return False
+    return value is True
+
+
+def check_backend_option(name: str, value, cpu: bool) -> None:
+    """Raises ``ValueError`` unless ``value`` is one of :data:`BACKEND_CHOICES` and can run here: ``triton``
+    needs the training on a GPU (not ``--cpu``, and CUDA available) or Triton's interpreter
+    (``TRITON_INTERPRET=1``, CPU tensors), and the ``triton`` package.
+
+    Args:
+        name: the option's field name (``topk_backend``; the message says ``--topk-backend``).
+        cpu: whether fairseq's ``--cpu`` was given.
+    """
+    check_choice(name, value, BACKEND_CHOICES)
+    if str(value) != "triton":
+        return
+    import torch
+
+    from .ops.kernels.backend import interpreter_requested, triton_import_error
+
+    interpreted = interpreter_requested()
+    if (cpu or not torch.cuda.is_available()) and not interpreted:
+        where = "--cpu was given" if cpu else "torch finds no CUDA device"
+        raise ValueError(f"{flag(name)} triton runs the Triton kernels on a GPU (or under TRITON_INTERPRET=1, for "
+                         f"tests), but {where}; use {flag(name)} auto or torch, got {str(value)!r}")
+    error = triton_import_error()
+    if error:
+        raise ValueError(f"{flag(name)} triton needs the triton package (pip install triton), which does not import "
+                         f"here ({error}); use {flag(name)} auto or torch, got {str(value)!r}")
 
 
 def check_bf16(bf16: bool) -> None:

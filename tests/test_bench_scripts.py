@@ -1,6 +1,7 @@
 """Smoke tests of the benchmark scripts (tiny problems and models; numbers checked for sense, not speed)."""
 
 import re
+import sys
 
 import pytest
 import torch
@@ -380,3 +381,98 @@ def test_selection_support_counts_the_exact_support_and_draws_a_step(tmp_path):
     png = tmp_path / "step.png"
     support.plot_step(scores, 5, 0.5, 8, png, "test")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _table_rows(text: str, names) -> dict:
+    """``{first cell: [the other cells]}`` of the markdown rows of ``text`` whose first cell is in ``names``."""
+    rows = {}
+    for line in text.splitlines():
+        cells = [cell.strip() for cell in line.split("|")[1:-1]]
+        if line.startswith("| ") and cells and cells[0] in names:
+            rows[cells[0]] = cells[1:]
+    return rows
+
+
+def _lift_the_kernel_skip(monkeypatch, module):
+    """The kernel rows computed on the CPU: TRITON_INTERPRET=1 lets ``backend="triton"`` take CPU tensors. The
+    operators these rows reach have no kernels yet (they run the torch path, counted as fallbacks); ``triton``
+    is kept from being imported here (under the interpreter it would stay so for the rest of this process)."""
+    from fairseq_softtopk.ops.kernels import backend
+
+    monkeypatch.setattr(module, "triton_skip_reason", lambda device: "")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(backend, "triton_import_error", lambda: "")
+    monkeypatch.setitem(sys.modules, "triton", None)
+
+
+TINY_TRAIN = ["--arch", "softtopk_lstm_tiny", "--updates", "1", "--warmup", "0", "--max-tokens", "200", "--threads",
+              "1", "--beam", "3", "--profile-updates", "1", "--count-updates", "1", "--in-process"]
+
+
+def test_bench_train_lists_the_kernel_rows_and_skips_them_off_cuda():
+    def backend(config, given=None):
+        args = bench_train.criterion_args(config, 3, None, 10, 0.8, backend=given)
+        return args[args.index("--topk-backend") + 1] if "--topk-backend" in args else None
+
+    assert backend("beam_soft:triton") == "triton" and backend("beam_sparse", "torch") == "torch"
+    assert backend("beam_soft") is None and backend("beam_hard", "torch") is None  # hard mode runs no operator
+    assert bench_train.with_kernel_rows(["teacher_forcing", "beam_soft", "beam_hard", "beam_sparse"]) == [
+        "teacher_forcing", "beam_soft", "beam_soft:triton", "beam_hard", "beam_sparse", "beam_sparse:triton"]
+    # on the CPU nothing of a kernel row runs: it is listed in both tables, skipped
+    opts = bench_train.build_parser().parse_args(["--device", "cpu", "--triton"])
+    summary = bench_train.run_benchmark(opts, [], ["beam_soft:triton"])
+    skipped = "skipped: CUDA only (on the CPU the kernels run under Triton's interpreter)"
+    assert summary == {"beam_soft:triton": {"skipped": skipped}}
+    for table in (bench_train.format_table(summary, "memory"), bench_train.format_count_table(summary)):
+        row = _table_rows(table, ["beam_soft:triton"])["beam_soft:triton"]
+        assert row[0] == skipped and set(row[1:]) == {"-"}
+        header = next(line for line in table.splitlines() if line.startswith("| config |"))
+        assert len(row) + 1 == header.count("|") - 1  # as many cells as columns
+    assert "CUDA launches/step and CUDA syncs/step: n/a (not on CUDA)" in bench_train.format_count_table(summary)
+
+
+def test_bench_train_computes_the_kernel_row_with_the_skip_lifted(toy_data_bin, monkeypatch, capsys):
+    _lift_the_kernel_skip(monkeypatch, bench_train)
+    threads = torch.get_num_threads()
+    try:
+        assert bench_train.main(["--data", str(toy_data_bin[1]), *TINY_TRAIN, "--configs", "beam_soft:triton"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    timing, counting = capsys.readouterr().out.split("launches (dispatched ATen operations)")
+    names = ["beam_soft:triton"]
+    assert float(_table_rows(timing, names)["beam_soft:triton"][1]) > 0  # ms/update
+    header = next(line for line in counting.splitlines() if line.startswith("| config |"))
+    counts = {name: dict(zip([c.strip() for c in header.split("|")[2:-1]], row))
+              for name, row in _table_rows(counting, names).items()}
+    assert all(float(c["solve"]) > 0 and float(c["solve bwd"]) > 0 for c in counts.values())
+    assert "CUDA launches/step and CUDA syncs/step: n/a (not on CUDA)" in counting
+    # every solve of the kernel row asked for the kernels: one fallback per decoding step (the sorted operator
+    # has none yet)
+    fallbacks = re.findall(r"^kernel fallbacks per step .*?: (.*)$", counting, re.M)
+    assert fallbacks == ["beam_soft:triton: no_kernel 1.0"], counting
+
+
+bench_attention = script_module("bench/bench_attention.py")
+TINY_ATTENTION = ["--updates", "1", "--warmup", "0", "--repeats", "1", "--max-tokens", "200"]
+
+
+def test_bench_attention_lists_the_kernel_rows_and_skips_them_off_cuda(toy_data_bin, capsys):
+    assert bench_attention.main(["--data", str(toy_data_bin[1]), *TINY_ATTENTION, "--normalizers",
+                                 "softmax,sparse_topk", "--triton"]) == 0
+    out = capsys.readouterr().out
+    assert "clock=cpu device=cpu" in out
+    rows = _table_rows(out, ("softmax", "sparse_topk", "sparse_topk:triton"))
+    assert list(rows) == ["softmax", "sparse_topk", "sparse_topk:triton"]
+    assert rows["sparse_topk:triton"][0] == "skipped: CUDA only (on the CPU the kernels run under Triton's interpreter)"
+    for name in ("softmax", "sparse_topk"):  # launches, CUDA launches, CUDA syncs, fallbacks per update
+        assert int(rows[name][4]) > 0 and rows[name][5:] == ["n/a", "n/a", "0"]
+    assert int(rows["sparse_topk"][4]) > int(rows["softmax"][4])  # the operator's solve and its backward
+
+
+def test_bench_attention_computes_the_kernel_row_with_the_skip_lifted(toy_data_bin, monkeypatch, capsys):
+    _lift_the_kernel_skip(monkeypatch, bench_attention)
+    assert bench_attention.main(["--data", str(toy_data_bin[1]), *TINY_ATTENTION, "--normalizers",
+                                 "sparse_topk:triton"]) == 0
+    row = _table_rows(capsys.readouterr().out, ["sparse_topk:triton"])["sparse_topk:triton"]
+    assert float(row[1]) > 0 and int(row[4]) > 0 and row[5:7] == ["n/a", "n/a"]
+    assert int(row[7]) > 0  # each attention call asked for the kernels (sparse_soft_topk has none yet)

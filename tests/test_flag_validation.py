@@ -128,7 +128,8 @@ def test_a_bad_value_is_refused_when_built_naming_the_flag_and_the_range(data_di
 
 #: the choices: fairseq's parser refuses a value outside them (exit status 2, naming the flag)
 CHOICES = [(S, "--topk-mode"), (S, "--topk-cost"), (S, "--topk-grad"), (S, "--topk-compile"),
-           (S, "--topk-regularizer"), (S, "--beam-loss"), (L, "--attention-normalizer")]
+           (S, "--topk-regularizer"), (S, "--beam-loss"), (S, "--topk-backend"), (L, "--attention-normalizer"),
+           (L, "--attention-topk-backend"), (T, "--attention-topk-backend")]
 
 
 @pytest.mark.parametrize("component, flag", CHOICES)
@@ -199,6 +200,30 @@ def test_the_edges_of_the_attention_ranges_are_accepted_and_used(data_dir, compo
                                             "--attention-topk-epsilon", epsilon])
         found = _normalizers(model)
         assert found and all((m.name, m.k, m.epsilon) == (normalizer, 1, float(epsilon)) for m in found)
+
+
+@pytest.mark.parametrize("component, flag", [(S, "--topk-backend"), (L, "--attention-topk-backend"),
+                                             (T, "--attention-topk-backend")])
+def test_the_triton_backend_is_refused_on_a_cpu_run_naming_the_flag(data_dir, monkeypatch, component, flag):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError) as error:
+        build(data_dir, component, [flag, "triton"])  # build() gives --cpu
+    assert str(error.value) == (f"{flag} triton runs the Triton kernels on a GPU (or under TRITON_INTERPRET=1, for "
+                                f"tests), but --cpu was given; use {flag} auto or torch, got 'triton'")
+
+
+def test_the_backends_reach_the_search_and_the_attention(data_dir, monkeypatch):
+    from fairseq_softtopk.ops.kernels import backend
+
+    assert build(data_dir, S, []).search.backend == "auto"
+    assert build(data_dir, S, ["--topk-backend", "torch"]).search.backend == "torch"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the kernels then run on CPU tensors: triton is accepted with --cpu
+    monkeypatch.setattr(backend, "triton_import_error", lambda: "")  # (without importing triton in this process)
+    assert build(data_dir, S, ["--topk-backend", "triton"]).search.backend == "triton"
+    for component in (L, T):
+        found = _normalizers(build(data_dir, component, "--attention-normalizer sparse_topk --attention-topk-backend "
+                                                        "triton".split()))
+        assert found and all(m.backend == "triton" for m in found)
 
 
 def test_fairseq_train_stops_before_any_update_naming_the_flag(toy_data_bin, tmp_path):

@@ -25,7 +25,8 @@ def test_dry_run_runs_every_step_and_writes_one_report(tmp_path, repo_root):
     for key in ("device", "torch", "CUDA (torch build)", "fairseq", "commit"):
         assert re.search(rf"^\| {re.escape(key)} \| .+ \|$", text, re.M), key
     assert f"| torch | {torch.__version__} |" in text
-    names = ("cuda_tests", "kernel_tests", "bench_ops", "bench_ops_beam_shape", "bench_ops_sparse", "bench_train")
+    names = ("cuda_tests", "kernel_tests", "bench_ops", "bench_ops_beam_shape", "bench_ops_sparse", "bench_train",
+             "bench_attention")
     steps = dict(re.findall(rf"^\| ({'|'.join(names)}) \| (\S+) \|", text, re.M))
     assert steps == {name: "ok" for name in names}
     tests = re.search(r"^\| cuda_tests \| ok \| \d+ \| (\d+) passed", text, re.M)
@@ -34,11 +35,29 @@ def test_dry_run_runs_every_step_and_writes_one_report(tmp_path, repo_root):
     assert "| sorted n=3e+03 k=5 eps=0.03 linear batch=8 | ours_fixed |" in text
     assert "| beam_soft_fixed |" in text and "launches/step" in text and "syncs/step" in text
     assert "| sorted n=2e+03 k=5 eps=0.1 linear batch=1 | sparse |" in text
+    assert "| beam_soft:triton | skipped: CUDA only" in text and "| sparse_topk:triton | skipped: CUDA only" in text
     for step in names:
         log = (tmp_path / f"report.{step}.log").read_text()
         assert log and str(repo_root) not in log and sys.executable not in log  # no paths of this machine
         assert not re.search(re.escape(tempfile.gettempdir()) + r"/tmp\w+", log)
     assert str(repo_root) not in text and sys.executable not in text
+
+
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_the_training_benchmarks_measure_the_kernel_rows(dry_run):
+    """On the GPU bench_train and bench_attention time the Triton kernels (--triton) beside the torch path; the
+    dry run lists the same rows (skipped on the CPU). Each command's arguments parse as the script's own."""
+    steps = {name: command for name, command, _ in gpu_check.plan(dry_run)}
+    device = "cpu" if dry_run else "cuda"
+    for name in ("bench_train", "bench_attention"):
+        command = steps[name]
+        assert command[1] == f"scripts/bench/{name}.py" and "--triton" in command
+        assert command[command.index("--device") + 1] == device
+    assert list(steps)[-2:] == ["bench_train", "bench_attention"]
+    opts = script_module("bench/bench_train.py").build_parser().parse_args(steps["bench_train"][2:])
+    assert opts.triton and {"beam_soft", "beam_soft_fixed"} <= set(opts.configs.split(","))
+    attention = steps["bench_attention"]
+    assert {"soft_topk", "sparse_topk"} <= set(attention[attention.index("--normalizers") + 1].split(","))
 
 
 def test_without_a_gpu_it_asks_for_the_dry_run(capsys):

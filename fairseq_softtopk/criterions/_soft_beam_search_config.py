@@ -14,7 +14,8 @@ from typing import Optional
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from omegaconf import II
 
-from ..option_checks import check_bf16, check_choice, check_epsilon, check_number, requested_bf16
+from ..option_checks import (BACKEND_CHOICES, check_backend_option, check_bf16, check_choice, check_epsilon,
+                             check_number, requested_bf16, requested_cpu)
 from ..renamed_options import alias_metadata, flag, use_renamed
 
 #: the choices of --topk-grad
@@ -90,12 +91,16 @@ class SoftBeamSearchConfig(FairseqDataclass):
         "the schedule's length in updates (constant --topk-epsilon after)"))
     topk_epsilon_relative: float = field(default=0.0, metadata=_advanced(
         "per step, epsilon at least this times the mean gap of the k+1 best scores (--topk-cost linear); 0 = off"))
+    topk_backend: ChoiceEnum(BACKEND_CHOICES) = field(default="auto", metadata=_advanced(
+        "the soft top-k's implementation: auto (the fused Triton kernels on a GPU where triton is installed and an "
+        "operator has them, the torch code otherwise), torch, or triton (the kernels; needs a GPU)"))
     # deprecated aliases (renamed_options): None = not given
     candidate_pool: Optional[int] = field(default=None, metadata=alias_metadata("candidate_pool"))
     selection_grad: Optional[str] = field(default=None, metadata=alias_metadata("selection_grad"))
     selection_grad_cap: Optional[float] = field(default=None, metadata=alias_metadata("selection_grad_cap"))
     sentence_avg: bool = II("optimization.sentence_avg")
     bf16: bool = II("common.bf16")  # refused without torch_xla (option_checks.check_bf16)
+    cpu: bool = II("common.cpu")  # --topk-backend triton is refused with --cpu (option_checks.check_backend_option)
 
 
 #: the criterion's option names (the fields of SoftBeamSearchConfig)
@@ -111,8 +116,8 @@ def resolve_renamed(options) -> SimpleNamespace:
         ValueError: an old and a new name that disagree, or an old value outside the choices.
     """
     defaults = {f.name: f.default for f in dataclasses.fields(SoftBeamSearchConfig)}
-    values = {name: getattr(options, name, defaults[name]) for name in OPTION_NAMES if name != "bf16"}
-    values["bf16"] = requested_bf16(options)
+    values = {name: getattr(options, name, defaults[name]) for name in OPTION_NAMES if name not in ("bf16", "cpu")}
+    values["bf16"], values["cpu"] = requested_bf16(options), requested_cpu(options)
     given_as = {}  # new name -> the deprecated one it was given as (named in the errors)
     for old, new, choices in (("candidate_pool", "topk_candidate_pool", None),
                               ("selection_grad", "topk_grad", TOPK_GRAD_CHOICES),
@@ -151,6 +156,7 @@ def check_soft_beam_search_options(options: SimpleNamespace, vocab_size: Optiona
 
 def _check_options(o: SimpleNamespace, vocab_size: Optional[int]) -> None:
     check_bf16(o.bf16)
+    check_backend_option("topk_backend", o.topk_backend, o.cpu)
     for name, choices in (("topk_mode", TOPK_MODES), ("topk_cost", TOPK_COSTS), ("topk_grad", TOPK_GRAD_CHOICES),
                           ("topk_compile", TOPK_COMPILE_MODES), ("topk_regularizer", TOPK_REGULARIZERS),
                           ("beam_loss", BEAM_LOSS_CHOICES)):

@@ -239,7 +239,7 @@ class SoftBeamSearchCriterion(FairseqCriterion):
                  topk_epsilon_start=0.0, topk_epsilon_anneal_updates=0, topk_epsilon_relative=0.0,
                  candidate_pool=None, selection_grad=None, selection_grad_cap=None, sentence_avg=False,
                  beam_loss="gold", beam_loss_temperature=1.0, beam_lenpen=1.0, beam_max_len_a=1.2, beam_max_len_b=10,
-                 topk_regularizer="entropic", bf16=False):
+                 topk_regularizer="entropic", topk_backend="auto", bf16=False, cpu=False):
         # the keyword arguments (the config's fields, as build_criterion fills them): no other local exists yet
         given = SimpleNamespace(**{name: value for name, value in locals().items() if name not in ("self", "task")
                                    and not name.startswith("__")})
@@ -261,6 +261,7 @@ class SoftBeamSearchCriterion(FairseqCriterion):
                                        epsilon_relative=o.topk_epsilon_relative,
                                        fixed_iterations=bool(o.topk_fixed_iterations),
                                        regularizer=str(o.topk_regularizer),
+                                       backend=str(o.topk_backend),
                                        compile="" if str(o.topk_compile) == "none" else str(o.topk_compile))
         self.p = o.teacher_forcing_ratio
         self.label_smoothing = o.label_smoothing

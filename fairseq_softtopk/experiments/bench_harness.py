@@ -1,8 +1,9 @@
 """What the training benchmarks (``scripts/bench/bench_train.py``, ``scripts/bench/bench_attention.py``) share.
 
 Building a fairseq task, model and criterion from command-line flags, drawing the same
-training batches for every configuration, timing updates, and reading the package's named
-``torch.profiler`` ranges (``softtopk::...``, placed once in the code) from a profile.
+training batches for every configuration, timing updates, reading the package's named
+``torch.profiler`` ranges (``softtopk::...``, placed once in the code) from a profile, and on CUDA
+counting kernel launches and host synchronisations; the rows of the Triton kernels are timed on CUDA only.
 """
 
 import time
@@ -113,3 +114,41 @@ def range_seconds(events, names: Iterable[str] = RANGES) -> Dict[str, float]:
         if event.name in totals and event.device_type == DeviceType.CPU:  # not the GPU's copy of a range
             totals[event.name] += event.cpu_time_total / 1e6  # us -> s
     return totals
+
+
+#: kernel launches as the CUDA runtime records them in a ``torch.profiler`` trace
+CUDA_LAUNCH_EVENTS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
+
+
+def kernel_skip_reason(device: str) -> str:
+    """Why a row of the Triton kernels (an operator's ``backend="triton"``) is not timed on ``device`` (``""``:
+    it is): on the CPU the kernels run under Triton's interpreter, which is no speed to report."""
+    from fairseq_softtopk.ops.kernels import triton_available
+
+    if not device.startswith("cuda"):
+        return "skipped: CUDA only (on the CPU the kernels run under Triton's interpreter)"
+    if not triton_available():
+        return "skipped: triton is not installed"
+    return ""
+
+
+def cuda_launches(events) -> int:
+    """The kernel launches in a ``torch.profiler`` profile's ``events()`` (:data:`CUDA_LAUNCH_EVENTS`)."""
+    return sum(event.name in CUDA_LAUNCH_EVENTS for event in events)
+
+
+def count_cuda_syncs(run: Callable[[], None]) -> int:
+    """Calls ``run()`` under ``torch.cuda.set_sync_debug_mode("warn")`` and returns the host synchronisations
+    that CUDA reported (one warning each; the mode is restored after)."""
+    import warnings
+
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    torch.cuda.synchronize()  # the queued work done, outside the count
+    return sum("called a synchronizing CUDA operation" in str(w.message) for w in caught)

@@ -52,6 +52,7 @@ class SoftTopKLSTMConfig(AttentionNormalizerConfig):
     max_source_positions: int = II("task.max_source_positions")
     max_target_positions: int = II("task.max_target_positions")
     bf16: bool = II("common.bf16")  # refused without torch_xla (option_checks.check_bf16)
+    cpu: bool = II("common.cpu")  # --attention-topk-backend triton is refused with --cpu (check_model_options)
 
 
 @register_model("softtopk_lstm", dataclass=SoftTopKLSTMConfig)
@@ -97,6 +98,7 @@ class SoftTopKLSTMModel(FairseqEncoderDecoderModel):
             attention_normalizer=cfg.attention_normalizer,
             attention_topk=cfg.attention_topk,
             attention_topk_epsilon=cfg.attention_topk_epsilon,
+            attention_topk_backend=str(cfg.attention_topk_backend),
             dropout=cfg.dropout,
             share_input_output_embed=cfg.share_decoder_input_output_embed,
             max_target_positions=cfg.max_target_positions,

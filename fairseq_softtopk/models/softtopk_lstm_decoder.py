@@ -62,6 +62,7 @@ class SoftTopKLSTMDecoder(FairseqIncrementalDecoder):
         attention_normalizer: see :class:`AdditiveAttention` (``normalizer``).
         attention_topk: see :class:`AdditiveAttention` (``topk``).
         attention_topk_epsilon: see :class:`AdditiveAttention` (``epsilon``).
+        attention_topk_backend: see :class:`AdditiveAttention` (``backend``).
         dropout: on the embeddings, between layers, on ``o`` and on the readout.
         share_input_output_embed: tie the output projection to the embedding matrix.
         max_target_positions: longest target accepted (fairseq's ``max_positions``).
@@ -74,7 +75,8 @@ class SoftTopKLSTMDecoder(FairseqIncrementalDecoder):
     def __init__(self, dictionary, embed_dim: int, hidden_size: int, num_layers: int, out_embed_dim: int,
                  maxout_pieces: int, encoder_output_dim: int, encoder_summary_dim: int, attention_dim: int,
                  attention_normalizer: str, attention_topk: int, attention_topk_epsilon: float,
-                 dropout: float, share_input_output_embed: bool, max_target_positions: int):
+                 dropout: float, share_input_output_embed: bool, max_target_positions: int,
+                 attention_topk_backend: str = "auto"):
         super().__init__(dictionary)
         if share_input_output_embed and out_embed_dim != embed_dim:
             raise ValueError(f"--share-decoder-input-output-embed needs decoder_out_embed_dim ({out_embed_dim}) "
@@ -94,7 +96,8 @@ class SoftTopKLSTMDecoder(FairseqIncrementalDecoder):
             nn.LSTMCell(embed_dim + hidden_size if i == 0 else hidden_size, hidden_size) for i in range(num_layers)
         )
         self.attention = AdditiveAttention(hidden_size, attention_dim, normalizer=attention_normalizer,
-                                           topk=attention_topk, epsilon=attention_topk_epsilon)
+                                           topk=attention_topk, epsilon=attention_topk_epsilon,
+                                           backend=attention_topk_backend)
         self.attention_out_proj = nn.Linear(hidden_size + encoder_output_dim, hidden_size, bias=False)  # W_o
         self.readout_proj = nn.Linear(hidden_size + embed_dim, maxout_pieces * out_embed_dim)  # W_r
         self.output_proj = None if share_input_output_embed else nn.Linear(out_embed_dim, len(dictionary))  # W_y

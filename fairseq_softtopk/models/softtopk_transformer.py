@@ -59,7 +59,8 @@ class SoftTopKAttentionConfig(AttentionNormalizerConfig):
 
 def build_attention_normalizer(cfg) -> AttentionNormalizer:
     """The normaliser named by ``cfg`` (a namespace or ``TransformerConfig`` with the fields above)."""
-    return AttentionNormalizer(cfg.attention_normalizer, k=cfg.attention_topk, epsilon=cfg.attention_topk_epsilon)
+    return AttentionNormalizer(cfg.attention_normalizer, k=cfg.attention_topk, epsilon=cfg.attention_topk_epsilon,
+                               backend=str(cfg.attention_topk_backend))
 
 
 class SoftTopKTransformerEncoderLayer(TransformerEncoderLayerBase):

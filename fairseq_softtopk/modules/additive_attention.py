@@ -32,15 +32,17 @@ class AdditiveAttention(nn.Module):
             A the SOFT top-k of the scores), ``hard_topk``, ``sparsemax`` or ``entmax15``.
         topk: ``k`` of the top-k normalisers; others ignore it.
         epsilon: entropic regularisation of the soft top-k normaliser, in units of the scores.
+        backend: the soft top-k operators' implementation, ``"auto"``, ``"torch"`` or ``"triton"``
+            (:class:`AttentionNormalizer`).
 
     Raises:
-        ValueError: for an unknown normaliser or a bad ``k``/``epsilon``.
+        ValueError: for an unknown normaliser or a bad ``k``/``epsilon``/``backend``.
     """
 
     def __init__(self, query_dim: int, attention_dim: int, normalizer: str = "softmax",
-                 topk: int = 5, epsilon: float = 0.1):
+                 topk: int = 5, epsilon: float = 0.1, backend: str = "auto"):
         super().__init__()
-        self.normalizer = AttentionNormalizer(normalizer, k=topk, epsilon=epsilon)
+        self.normalizer = AttentionNormalizer(normalizer, k=topk, epsilon=epsilon, backend=backend)
         self.query_proj = nn.Linear(query_dim, attention_dim, bias=False)  # W
         self.score_proj = nn.Linear(attention_dim, 1, bias=False)  # v
 

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fairseq_softtopk.ops import soft_topk, sparse_soft_topk
+from fairseq_softtopk.ops.kernels.backend import BACKENDS
 
 __all__ = ["ATTENTION_NORMALIZERS", "TOPK_NORMALIZERS", "AttentionNormalizer", "normalize_attention"]
 
@@ -42,8 +43,10 @@ TOPK_NORMALIZERS = ("soft_topk", "hard_topk", "sparse_topk")
 _SPARSE_PAD_GAP = 1e3
 
 
-def check_normalizer_options(normalizer: str, k: Optional[int], epsilon: float) -> None:
+def check_normalizer_options(normalizer: str, k: Optional[int], epsilon: float, backend: str = "auto") -> None:
     """Raises ``ValueError`` naming the bad value; ``k``/``epsilon`` are checked where used."""
+    if backend not in BACKENDS:
+        raise ValueError(f"the attention normalizer's backend must be one of {BACKENDS}, got {backend!r}")
     if normalizer not in ATTENTION_NORMALIZERS:
         raise ValueError(f"unknown attention normalizer {normalizer!r}; choose one of {ATTENTION_NORMALIZERS}")
     if normalizer in TOPK_NORMALIZERS and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
@@ -54,7 +57,7 @@ def check_normalizer_options(normalizer: str, k: Optional[int], epsilon: float) 
 
 def normalize_attention(scores: Tensor, key_padding_mask: Optional[Tensor] = None, *,
                         normalizer: str = "softmax", k: Optional[int] = None, epsilon: float = 0.1,
-                        tol: float = 1e-5, max_iter: int = 100) -> Tensor:
+                        tol: float = 1e-5, max_iter: int = 100, backend: str = "auto") -> Tensor:
     """Turns attention scores into weights over the last dimension (the source positions).
 
     Computed in float32 at least (like fairseq's attention softmax) and cast back.
@@ -74,6 +77,8 @@ def normalize_attention(scores: Tensor, key_padding_mask: Optional[Tensor] = Non
             (``A_i = clip((s_i - t) / epsilon, 0, 1)``); ignored by the others.
         tol: marginal tolerance of the soft top-k solver.
         max_iter: iteration cap of the soft top-k solver.
+        backend: the implementation of ``soft_topk`` and ``sparse_topk``'s operator: ``"auto"``,
+            ``"torch"`` or ``"triton"`` (:mod:`fairseq_softtopk.ops.kernels`); ignored by the others.
 
     Returns:
         ``(..., src_len)`` weights, same dtype as ``scores``: non-negative, summing to 1 along
@@ -81,10 +86,10 @@ def normalize_attention(scores: Tensor, key_padding_mask: Optional[Tensor] = Non
         excluded has nothing to attend to and gets all zeros (plain softmax would give NaN).
 
     Raises:
-        ValueError: for an unknown normaliser, a missing or bad ``k``/``epsilon``, a
+        ValueError: for an unknown normaliser or backend, a missing or bad ``k``/``epsilon``, a
             non-bool mask or one that does not broadcast to ``scores``.
     """
-    check_normalizer_options(normalizer, k, epsilon)
+    check_normalizer_options(normalizer, k, epsilon, backend)
     if not isinstance(scores, Tensor) or not scores.is_floating_point() or scores.dim() == 0:
         raise ValueError(f"scores must be a floating tensor of shape (..., src_len), got {scores!r:.80}")
     x = scores.to(torch.promote_types(scores.dtype, torch.float32))
@@ -95,9 +100,9 @@ def normalize_attention(scores: Tensor, key_padding_mask: Optional[Tensor] = Non
     elif normalizer == "hard_topk":
         weights = _hard_topk_attention(x, excluded, empty_row, k)
     elif normalizer == "soft_topk":
-        weights = _soft_topk_attention(x, excluded, empty_row, k, epsilon, tol, max_iter)
+        weights = _soft_topk_attention(x, excluded, empty_row, k, epsilon, tol, max_iter, backend)
     elif normalizer == "sparse_topk":
-        weights = _soft_topk_attention(x, excluded, empty_row, k, epsilon, tol, max_iter, sparse=True)
+        weights = _soft_topk_attention(x, excluded, empty_row, k, epsilon, tol, max_iter, backend, sparse=True)
     else:
         weights = _sparse_attention(x, excluded, sparse_mapping(normalizer))
     weights = weights.masked_fill(excluded | empty_row, 0.0)
@@ -149,7 +154,7 @@ def _hard_topk_attention(x: Tensor, excluded: Tensor, empty_row: Tensor, k: int)
 
 
 def _soft_topk_attention(x: Tensor, excluded: Tensor, empty_row: Tensor, k: int, epsilon: float,
-                         tol: float, max_iter: int, sparse: bool = False) -> Tensor:
+                         tol: float, max_iter: int, backend: str, sparse: bool = False) -> Tensor:
     """``softmax(x + log A)`` with ``A`` the SOFT top-k indicator, or with ``sparse`` the sparse soft top-k
     indicator at ``regularization = epsilon`` (``log A = 0`` on fallback rows)."""
     n = x.shape[-1]
@@ -159,8 +164,8 @@ def _soft_topk_attention(x: Tensor, excluded: Tensor, empty_row: Tensor, k: int,
 
     def indicator(scores: Tensor, mask: Tensor) -> Tensor:
         if sparse:
-            return sparse_soft_topk(scores, k, regularization=epsilon, mask=mask)
-        return soft_topk(scores, k, epsilon=epsilon, mask=mask, tol=tol, max_iter=max_iter)
+            return sparse_soft_topk(scores, k, regularization=epsilon, mask=mask, backend=backend)
+        return soft_topk(scores, k, epsilon=epsilon, mask=mask, tol=tol, max_iter=max_iter, backend=backend)
 
     if bool(selecting.all()):
         log_a = _safe_log(indicator(rows, rows_excluded))
@@ -202,9 +207,11 @@ class AttentionNormalizer(nn.Module):
         epsilon: regularisation in score units: entropic for ``soft_topk``, quadratic for ``sparse_topk``.
         tol: soft top-k solver tolerance.
         max_iter: soft top-k solver iteration cap.
+        backend: the operators' implementation, ``"auto"``, ``"torch"`` or ``"triton"``
+            (:func:`normalize_attention`).
 
     Raises:
-        ValueError: for an unknown ``name`` or a missing/bad ``k``/``epsilon``.
+        ValueError: for an unknown ``name`` or ``backend``, or a missing/bad ``k``/``epsilon``.
 
     Example::
 
@@ -214,14 +221,15 @@ class AttentionNormalizer(nn.Module):
     """
 
     def __init__(self, name: str = "softmax", k: Optional[int] = None, epsilon: float = 0.1,
-                 tol: float = 1e-5, max_iter: int = 100):
+                 tol: float = 1e-5, max_iter: int = 100, backend: str = "auto"):
         super().__init__()
-        check_normalizer_options(name, k, epsilon)
+        check_normalizer_options(name, k, epsilon, backend)
         self.name = str(name)  # a fairseq ChoiceEnum member is no str on every Python (its extra_repr must be)
         self.k = k
         self.epsilon = epsilon
         self.tol = tol
         self.max_iter = max_iter
+        self.backend = str(backend)
 
     def forward(self, scores: Tensor, key_padding_mask: Optional[Tensor] = None) -> Tensor:
         """Weights from scores.
@@ -235,9 +243,11 @@ class AttentionNormalizer(nn.Module):
             a row with no valid position), exactly 0 on padding.
         """
         return normalize_attention(scores, key_padding_mask, normalizer=self.name, k=self.k,
-                                   epsilon=self.epsilon, tol=self.tol, max_iter=self.max_iter)
+                                   epsilon=self.epsilon, tol=self.tol, max_iter=self.max_iter,
+                                   backend=self.backend)
 
     def extra_repr(self) -> str:
         if self.name in ("soft_topk", "sparse_topk"):
-            return f"{self.name}, k={self.k}, epsilon={self.epsilon}"
+            backend = "" if self.backend == "auto" else f", backend={self.backend}"
+            return f"{self.name}, k={self.k}, epsilon={self.epsilon}{backend}"
         return f"{self.name}, k={self.k}" if self.name == "hard_topk" else self.name

@@ -6,6 +6,8 @@ from typing import Callable
 
 from torch import Tensor
 
+from ..ops.kernels.backend import BACKENDS
+
 SELECTION_GRADS = ("full", "capped", "none")
 #: soft mode's operator: the entropic sorted SOFT top-k or the quadratically regularised (sparse) one
 REGULARIZERS = ("entropic", "quadratic")
@@ -35,6 +37,8 @@ class BeamSearchConfig:
     fixed_iterations: bool = False  # soft mode: the search without host synchronisation (select_beams)
     compile: str = ""  # with fixed_iterations: the solve under torch.compile in this mode (COMPILE_MODES)
     regularizer: str = "entropic"  # soft mode: "entropic" (sorted_soft_topk) | "quadratic" (sorted_sparse_soft_topk)
+    #: the operators' implementation (:mod:`~fairseq_softtopk.ops.kernels`): "auto" | "torch" | "triton"
+    backend: str = "auto"
 
     def __post_init__(self):
         if self.selection_grad not in SELECTION_GRADS:
@@ -51,6 +55,8 @@ class BeamSearchConfig:
         if self.regularizer == "quadratic" and (self.cost != "linear" or self.compile):
             raise ValueError(f"the quadratic regularizer needs the linear cost and no compile, got cost {self.cost!r} "
                              f"and compile {self.compile!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.compile not in COMPILE_MODES:
             raise ValueError(f"compile must be one of {COMPILE_MODES}, got {self.compile!r}")
         if self.compile and not (self.fixed_iterations and self.mode == "soft"):

@@ -172,11 +172,11 @@ def select_beams(scores: Tensor, beam: int, config: BeamSearchConfig, kth: Tenso
             # compiled, a copy rather than a view: torch.compile guards on the sizes of a view's base too, so a
             # view would compile again whenever a size of its base changes (or stops matching one of the view's)
             A, converged = solve(pool_scores.clone() if config.compile else pool_scores, beam, config.epsilon,
-                                 config.cost, config.tol, config.max_iter)
+                                 config.cost, config.tol, config.max_iter, config.backend)
             return Selection(ids, A, converged, config.max_iter, probe)
         # no warning per step: the search counts the unconverged solves (BeamSearchOutput.n_unconverged)
         A, info = sorted_soft_topk(pool_scores, beam, epsilon=config.epsilon, cost=config.cost, tol=config.tol,
-                                   max_iter=config.max_iter, return_info=True, warn=False)
+                                   max_iter=config.max_iter, return_info=True, warn=False, backend=config.backend)
         if ids.shape[1] < n:
             # the same budget as candidate_window's: all but tol / 100 of every rank is kept
             A, ids = drop_negligible(A, ids, config.tol / 100)
@@ -192,10 +192,11 @@ def _sparse_selection(scores: Tensor, ids: Tensor, beam: int, config: BeamSearch
     if config.fixed_iterations:  # every candidate: no data-dependent width
         A, info = sorted_sparse_soft_topk(scores, beam, regularization=config.epsilon, tol=config.tol,
                                           max_iter=config.max_iter, return_info=True, warn=False,
-                                          fixed_iterations=True)
+                                          fixed_iterations=True, backend=config.backend)
         return Selection(ids, A, info.converged, info.n_iter, probe)
     A, window, info = sorted_sparse_soft_topk_window(scores, beam, regularization=config.epsilon, tol=config.tol,
-                                                     max_iter=config.max_iter, return_info=True, warn=False)
+                                                     max_iter=config.max_iter, return_info=True, warn=False,
+                                                     backend=config.backend)
     ids = ids.gather(1, window)
     index, valid = compact_rows(A.detach().sum(-1) > 0)
     if index.shape[1] < A.shape[1]:
@@ -204,10 +205,12 @@ def _sparse_selection(scores: Tensor, ids: Tensor, beam: int, config: BeamSearch
     return Selection(ids, A, info.converged, info.n_iter, probe)
 
 
-def fixed_solve(scores: Tensor, k: int, epsilon: float, cost: str, tol: float, max_iter: int) -> Tuple[Tensor, Tensor]:
-    """The sync-free sorted soft top-k of one step: ``(A, converged)``, ``(batch, n, k)`` and a 0-dim bool."""
+def fixed_solve(scores: Tensor, k: int, epsilon: float, cost: str, tol: float, max_iter: int,
+                backend: str = "auto") -> Tuple[Tensor, Tensor]:
+    """The sync-free sorted soft top-k of one step: ``(A, converged)``, ``(batch, n, k)`` and a 0-dim bool
+    (``backend``: the operator's, :class:`~.beam_search_config.BeamSearchConfig`'s ``backend``)."""
     A, info = sorted_soft_topk(scores, k, epsilon=epsilon, cost=cost, tol=tol, max_iter=max_iter, return_info=True,
-                               warn=False, fixed_iterations=True)
+                               warn=False, fixed_iterations=True, backend=backend)
     return A, info.converged
 
 

@@ -63,6 +63,14 @@ How things are measured:
   ``solve bwd`` columns are instead the kernels that inductor generated for the solve's forward and
   backward graphs, read from the code it wrote in that untimed compiling pass (on a CPU, C++ kernels;
   on CUDA, Triton ones; library calls such as ``bmm`` included).
+* ``--triton``: beside each configuration that runs the soft top-k operators (``beam_soft*``, ``risk_soft``,
+  ``beam_sparse``), a row ``CONFIG:triton`` with ``--topk-backend triton`` (the fused Triton kernels), and
+  the configuration itself with ``--topk-backend torch`` (without ``--triton``: the default ``auto``). The
+  kernel rows are timed on CUDA only (on the CPU the kernels run under Triton's interpreter: the rows say
+  skipped). Calls that asked for the kernels and ran on the torch path (an operator without kernels yet) are
+  listed per step under the launch table (``kernel fallbacks``), so that a kernel row is not mistaken for one.
+  On CUDA the counted pass also counts the host synchronisations CUDA reports under
+  ``torch.cuda.set_sync_debug_mode("warn")`` (``CUDA syncs/step``: every one, per decoding step).
 * ``--profile CONFIG`` prints ``torch.profiler`` tables instead: self CPU time by region
   (the named ranges, other forward / backward, optimizer)
   with each region's costliest ops, then the top ops overall.
@@ -101,9 +109,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's package (a pinned worktree's too)
 from fairseq_softtopk.dispatch_count import DispatchCounter  # noqa: E402
-from fairseq_softtopk.experiments.bench_harness import (build_training_parts, range_seconds,  # noqa: E402
+from fairseq_softtopk.experiments.bench_harness import (build_training_parts, count_cuda_syncs,  # noqa: E402
+                                                        cuda_launches, kernel_skip_reason, range_seconds,
                                                         timed_updates, training_batches)
 from fairseq_softtopk.experiments.fairseq_commands import binarize_generated_corpus  # noqa: E402
+from fairseq_softtopk.ops.kernels import fallback_counts, reset_fallback_counts  # noqa: E402
 
 #: beam_soft_fixed: the sync-free search (--topk-fixed-iterations) on the pool of beam_soft_pool;
 #: beam_soft_compiled: that search with its solve under torch.compile (--topk-compile default)
@@ -123,8 +133,12 @@ RANGE_KEYS = {"topk_fwd": ("softtopk::sorted_soft_topk", "softtopk::sorted_spars
 COUNT_PARTS = {"beam_step": "step", "select_beams": "select", "sorted_soft_topk": "solve", "mix_beams": "mix",
                "sorted_sparse_soft_topk": "solve", "sorted_sparse_soft_topk_backward": "solve bwd",
                "sorted_soft_topk_backward": "solve bwd", "backward": "other bwd", "other": "per batch"}
-#: kernel launches as the CUDA runtime records them in a torch.profiler trace
-CUDA_LAUNCH_EVENTS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
+#: the configurations that run the soft top-k operators: --triton adds a CONFIG:triton row for each
+KERNEL_CONFIGS = ("beam_soft", "beam_soft_pool", "beam_soft_fixed", "beam_soft_compiled", "risk_soft", "beam_sparse")
+#: the suffix of a configuration run with --topk-backend triton (the Triton kernels)
+TRITON = ":triton"
+#: why a kernel row is not timed on a device ("": it is); a module attribute, so that tests can lift the skip
+triton_skip_reason = kernel_skip_reason
 BASELINE = "beam_hard"
 TARGET_RATIO = 1.25  # issue 4: soft <= 1.25x the time of hard at k=5 on the Multi30k-sized model
 _RESULT_TAG = "BENCH_RESULT "
@@ -133,10 +147,16 @@ TOY_SPLITS = {"train": (3000, 11), "valid": (100, 12)}
 
 
 def criterion_args(config: str, beam: int, epsilon: Optional[float], pool: int, ratio: float,
-                   fixed_iter: int = 15, sparse_lambda: float = 0.1) -> List[str]:
-    """``soft_beam_search`` flags of one configuration (one of :data:`CONFIGS`); ``beam_sparse`` takes
-    ``sparse_lambda`` as its ``--topk-epsilon`` (the quadratic regulariser's lambda) whatever ``epsilon``."""
+                   fixed_iter: int = 15, sparse_lambda: float = 0.1, backend: Optional[str] = None) -> List[str]:
+    """``soft_beam_search`` flags of one configuration (one of :data:`CONFIGS`, or one of
+    :data:`KERNEL_CONFIGS` + :data:`TRITON`: with ``--topk-backend triton``); ``beam_sparse`` takes
+    ``sparse_lambda`` as its ``--topk-epsilon`` (the quadratic regulariser's lambda) whatever ``epsilon``;
+    ``backend`` (None: the criterion's default) is the ``--topk-backend`` of a configuration without the suffix."""
+    if config.endswith(TRITON) and config[: -len(TRITON)] in KERNEL_CONFIGS:
+        config, backend = config[: -len(TRITON)], "triton"
     common = ["--criterion", "soft_beam_search", "--train-beam", str(beam)]
+    if backend is not None and config in KERNEL_CONFIGS:
+        common += ["--topk-backend", backend]
     if epsilon is not None:  # None: the criterion's default
         common += ["--topk-epsilon", str(epsilon)]
     flags = {
@@ -162,12 +182,17 @@ def criterion_args(config: str, beam: int, epsilon: Optional[float], pool: int, 
     return common + flags[config]
 
 
+def with_kernel_rows(configs: Sequence[str]) -> List[str]:
+    """``configs`` with, after each of :data:`KERNEL_CONFIGS`, its kernel row (``CONFIG:triton``)."""
+    return [row for c in configs for row in ([c, c + TRITON] if c in KERNEL_CONFIGS else [c])]
+
+
 def build_parts(opts: argparse.Namespace, config: str):
     """``(task, model, criterion)`` of one configuration, parameters initialised from ``opts.seed``
     (then loaded from ``opts.checkpoint`` where given)."""
     flags = ["--arch", opts.arch, "--max-tokens", opts.max_tokens,
              *criterion_args(config, opts.beam, opts.epsilon, opts.candidate_pool, opts.teacher_forcing_ratio,
-                            opts.fixed_iter, opts.sparse_lambda)]
+                            opts.fixed_iter, opts.sparse_lambda, "torch" if opts.triton else None)]
     task, model, criterion = build_training_parts(opts.data, flags, opts.seed, opts.device)
     if opts.checkpoint:
         state = torch.load(opts.checkpoint, map_location="cpu", weights_only=True)
@@ -223,21 +248,33 @@ def profiled_shares(model, criterion, batches: List[dict], warmup: int, device: 
               **{key: sum(ranges[name] for name in names) for key, names in RANGE_KEYS.items()}}
     if cuda:
         steps = sum(sample["target"].shape[1] for sample in batches[warmup:])
-        shares["cuda_launches_per_step"] = sum(e.name in CUDA_LAUNCH_EVENTS for e in prof.events()) / steps
+        shares["cuda_launches_per_step"] = cuda_launches(prof.events()) / steps
     return shares
 
 
 def count_dispatches(model, criterion, batches: List[dict]) -> dict:
     """Launches and syncs of the forward and backward passes over ``batches`` (module docstring), per
-    decoding step (``target.shape[1]`` per batch): ``{"launches": {part: n}, "syncs_step", "syncs_batch"}``."""
+    decoding step (``target.shape[1]`` per batch): ``{"launches": {part: n}, "syncs_step", "syncs_batch",
+    "cuda_syncs_step", "fallbacks": {reason: n}}``; ``cuda_syncs_step`` (None off CUDA): every host sync CUDA
+    reports in a second run of the passes (:func:`~fairseq_softtopk.experiments.bench_harness.count_cuda_syncs`);
+    ``fallbacks``: the operator calls that asked for the Triton kernels and ran on the torch path, by reason."""
     model.train()
-    # a compiled solve runs eagerly here (dynamo cannot trace under a dispatch mode; see compile_and_count_kernels)
-    with torch.compiler.set_stance("force_eager"), DispatchCounter() as counter:
+
+    def forward_backward():
         for sample in batches:
             model.zero_grad(set_to_none=True)
             loss, _, _ = criterion(model, sample)
             loss.backward()
+
+    reset_fallback_counts()
+    # a compiled solve runs eagerly here (dynamo cannot trace under a dispatch mode; see compile_and_count_kernels)
+    with torch.compiler.set_stance("force_eager"), DispatchCounter() as counter:
+        forward_backward()
     steps = sum(sample["target"].shape[1] for sample in batches)
+    fallbacks = {reason: n / steps for reason, n in fallback_counts().items() if n}
+    cuda_syncs = None
+    if next(model.parameters()).is_cuda:  # every sync CUDA reports, the same passes without the counter
+        cuda_syncs = count_cuda_syncs(forward_backward) / steps
     launches: Dict[str, float] = {}
     for part, n in counter.by_innermost("launches").items():
         name = COUNT_PARTS.get(part, part)
@@ -246,7 +283,8 @@ def count_dispatches(model, criterion, batches: List[dict]) -> dict:
     in_backward = sum(n for path, n in counter.counts["syncs"].items()
                       if path == ("backward",) or path[-1].endswith("_backward"))
     return {"launches": launches, "syncs_step": (in_step + in_backward) / steps,
-            "syncs_batch": (counter.total("syncs") - in_step - in_backward) / len(batches)}
+            "syncs_batch": (counter.total("syncs") - in_step - in_backward) / len(batches),
+            "cuda_syncs_step": cuda_syncs, "fallbacks": fallbacks}
 
 
 def kernel_calls(code: str) -> int:
@@ -340,12 +378,14 @@ def run_isolated(opts: argparse.Namespace, argv: Sequence[str], config: str) -> 
 
 
 def run_benchmark(opts: argparse.Namespace, argv: Sequence[str], configs: Sequence[str]) -> Dict[str, dict]:
-    """Summary per configuration; each update counts with its fastest of ``opts.repeats`` interleaved runs."""
-    runs: Dict[str, List[dict]] = {name: [] for name in configs}
+    """Summary per configuration; each update counts with its fastest of ``opts.repeats`` interleaved runs; a
+    kernel row that is not timed here (:func:`triton_skip_reason`) is ``{"skipped": why}``."""
+    skipped = {name: triton_skip_reason(opts.device) for name in configs if name.endswith(TRITON)}
+    runs: Dict[str, List[dict]] = {name: [] for name in configs if not skipped.get(name)}
     for _ in range(opts.repeats):
-        for name in configs:
+        for name in runs:
             runs[name].append(run_config(opts, name) if opts.in_process else run_isolated(opts, argv, name))
-    return {name: summarize(results) for name, results in runs.items()}
+    return {name: {"skipped": skipped[name]} if skipped.get(name) else summarize(runs[name]) for name in configs}
 
 
 def summarize(results: List[dict]) -> dict:
@@ -371,6 +411,9 @@ def format_table(summary: Dict[str, dict], memory: str) -> str:
     lines = [f"| config | target tokens/s | ms/update | {memory} | top-k fwd | top-k bwd | select | mix | "
              "Newton it. | time vs hard |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, r in summary.items():
+        if "skipped" in r:
+            lines.append(f"| {name} | {r['skipped']} |" + " - |" * 8)
+            continue
         newton = "-" if r["newton_per_call"] != r["newton_per_call"] else f"{r['newton_per_call']:.1f}"  # nan: none
         lines.append(f"| {name} | {r['tokens_per_s']:.0f} | {r['ms_per_update']:.1f} | "
                      f"{r['peak_mib']:.0f} (+{r['growth_mib']:.0f}) | {100 * r['topk_fwd_share']:.1f}% | "
@@ -385,18 +428,26 @@ def format_table(summary: Dict[str, dict], memory: str) -> str:
 
 
 def format_count_table(summary: Dict[str, dict]) -> str:
-    """Markdown table of launches and syncs per decoding step (:func:`count_dispatches`), by part."""
+    """Markdown table of launches and syncs per decoding step (:func:`count_dispatches`), by part; on CUDA with
+    the kernel launches and host syncs that CUDA saw, elsewhere a line that says they are n/a; then the kernel
+    fallbacks per step of the rows that had any."""
     parts = ["step", "select", "solve", "mix", "solve bwd", "other bwd", "per batch"]
     cuda = any(r.get("cuda_launches_per_step") is not None for r in summary.values())
     head = ("| config | launches/step | vs hard | syncs/step | syncs/batch | " + " | ".join(parts)
-            + " | fused solve | fused vs hard |" + (" CUDA launches/step |" if cuda else ""))
-    lines = [head, "|---|" + "---:|" * (len(parts) + 6 + cuda)]
+            + " | fused solve | fused vs hard |" + (" CUDA launches/step | CUDA syncs/step |" if cuda else ""))
+    lines = [head, "|---|" + "---:|" * (len(parts) + 6 + 2 * cuda)]
     base = summary.get(BASELINE, {}).get("counts")
     base_total = sum(base["launches"].values()) if base else float("nan")
+    fallbacks = []
     for name, r in summary.items():
+        if "skipped" in r:
+            lines.append(f"| {name} | {r['skipped']} |" + " - |" * (len(parts) + 5 + 2 * cuda))
+            continue
         counts = r.get("counts")
         if not counts:
             continue
+        if counts.get("fallbacks"):
+            fallbacks.append(f"{name}: " + ", ".join(f"{reason} {n:.1f}" for reason, n in counts["fallbacks"].items()))
         launches = counts["launches"]
         total = sum(launches.values())
         fused = total - launches.get("solve", 0.0) - launches.get("solve bwd", 0.0) + 2 * ("solve" in launches)
@@ -404,8 +455,13 @@ def format_count_table(summary: Dict[str, dict]) -> str:
                  f"{counts['syncs_batch']:.1f}", *(f"{launches.get(part, 0.0):.0f}" for part in parts),
                  f"{fused:.0f}", f"{fused / base_total:.2f}x"]
         if cuda:
-            cells.append(f"{r['cuda_launches_per_step']:.0f}")
+            cells += [f"{r['cuda_launches_per_step']:.0f}", f"{counts['cuda_syncs_step']:.1f}"]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    if not cuda:
+        lines.append("\nCUDA launches/step and CUDA syncs/step: n/a (not on CUDA)")
+    if fallbacks:
+        lines.append("\nkernel fallbacks per step (calls that asked for the Triton kernels and ran on the torch path, "
+                     "by reason): " + "; ".join(fallbacks))
     return "\n".join(lines)
 
 
@@ -504,6 +560,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="updates of the profiled pass that measures the top-k shares (at most --updates)")
     parser.add_argument("--count-updates", type=int, default=2,
                         help="batches of the counted pass (launches and syncs per step; at most --updates)")
+    parser.add_argument("--triton", action="store_true",
+                        help="beside each configuration that runs the soft top-k operators, a CONFIG:triton row with "
+                             "--topk-backend triton (the Triton kernels; timed on CUDA only, the row says skipped "
+                             "elsewhere), the configuration itself then with --topk-backend torch")
     parser.add_argument("--in-process", action="store_true", help="no subprocess per run (memory then accumulates)")
     parser.add_argument("--profile", metavar="CONFIG", help="print a torch.profiler table for this config instead")
     parser.add_argument("--profile-rows", type=int, default=25)
@@ -516,9 +576,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     opts = parser.parse_args(argv)
     configs = [c for c in opts.configs.split(",") if c]
-    unknown = [c for c in configs + [opts.profile or CONFIGS[0]] if c not in CONFIGS]
+    kernel_rows = [c + TRITON for c in KERNEL_CONFIGS]
+    unknown = [c for c in configs + [opts.profile or CONFIGS[0]] if c not in CONFIGS and c not in kernel_rows]
+    configs = with_kernel_rows(configs) if opts.triton else configs
     if unknown:
-        parser.error(f"unknown configurations {unknown}; choose from {CONFIGS}")
+        parser.error(f"unknown configurations {unknown}; choose from {CONFIGS} (or {', '.join(kernel_rows)})")
     if min(opts.updates, opts.repeats, opts.threads, opts.profile_updates, opts.count_updates) < 1 or opts.warmup < 0:
         parser.error(f"need --updates, --repeats, --threads, --profile-updates, --count-updates >= 1 and --warmup >= 0, "
                      f"got {opts.updates}, {opts.repeats}, {opts.threads}, {opts.profile_updates}, {opts.count_updates}, "

@@ -13,7 +13,10 @@ its own process with its output kept:
    the beam-search shape; plain, sync-free, in CUDA graphs and soft_topk's Triton kernels; and the sparse
    operators beside the entropic ones);
 4. ``scripts/bench/bench_train.py``: updates per second of teacher forcing, hard and soft beam search (default,
-   candidate pool, fixed iterations, compiled), with the launch and sync counts per decoding step,
+   candidate pool, fixed iterations, compiled), each soft search also with ``--topk-backend triton`` (the Triton
+   kernels, ``--triton``), with the launch and sync counts per decoding step;
+5. ``scripts/bench/bench_attention.py``: training speed of the Transformer with each attention normaliser, the
+   top-k ones also with ``--attention-topk-backend triton``, with the launches and syncs per update,
 
 and writes one markdown report (``--out``, default ``results/gpu_check/<device>.md``): the device, torch,
 CUDA and fairseq versions, the commit, each command with its status and time, and the tables the
@@ -52,7 +55,10 @@ GPU_STEPS = {
     "bench_ops_sparse": ["--device", "cuda", "--cost", "linear", "--sparse", "--n", "1000", "10000", "100000",
                          "1000000", "--k", "5", "50", "--eps", "0.1"],
     "bench_train": ["--device", "cuda", "--arch", "softtopk_lstm_multi30k", "--updates", "10", "--warmup", "2",
-                    "--configs", "teacher_forcing,beam_hard,beam_soft,beam_soft_pool,beam_soft_fixed,beam_soft_compiled"],
+                    "--configs", "teacher_forcing,beam_hard,beam_soft,beam_soft_pool,beam_soft_fixed,beam_soft_compiled",
+                    "--triton"],
+    "bench_attention": ["--device", "cuda", "--arch", "softtopk_transformer_multi30k", "--updates", "10", "--warmup",
+                        "2", "--repeats", "1", "--normalizers", "fairseq,softmax,soft_topk,sparse_topk", "--triton"],
 }
 #: the same steps on the CPU, small enough for the test suite
 DRY_RUN_STEPS = {
@@ -65,7 +71,9 @@ DRY_RUN_STEPS = {
                          "--repeats", "1", "--threads", "1"],
     "bench_train": ["--device", "cpu", "--arch", "softtopk_lstm_tiny", "--updates", "2", "--warmup", "1",
                     "--max-tokens", "200", "--beam", "3", "--candidate-pool", "10", "--threads", "1", "--in-process",
-                    "--configs", "teacher_forcing,beam_hard,beam_soft,beam_soft_pool,beam_soft_fixed"],
+                    "--configs", "teacher_forcing,beam_hard,beam_soft,beam_soft_pool,beam_soft_fixed", "--triton"],
+    "bench_attention": ["--device", "cpu", "--updates", "1", "--warmup", "0", "--repeats", "1", "--max-tokens", "200",
+                        "--normalizers", "softmax,soft_topk,sparse_topk", "--triton"],
 }
 
 
@@ -138,6 +146,7 @@ def plan(dry_run: bool, test_workers: int = 1) -> List[tuple]:
         ("bench_ops_beam_shape", [python, "scripts/bench/bench_ops.py", *steps["bench_ops_beam_shape"]], {}),
         ("bench_ops_sparse", [python, "scripts/bench/bench_ops.py", *steps["bench_ops_sparse"]], {}),
         ("bench_train", [python, "scripts/bench/bench_train.py", *steps["bench_train"]], {}),
+        ("bench_attention", [python, "scripts/bench/bench_attention.py", *steps["bench_attention"]], {}),
     ]
 
 
@@ -244,8 +253,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="the same steps on the CPU, small sizes (for CI)")
     parser.add_argument("--out", type=Path, help="the report (default: results/gpu_check/<device>.md)")
     parser.add_argument("--steps", default=None,
-                        help="comma-separated subset of cuda_tests,bench_ops,bench_ops_beam_shape,bench_ops_sparse,"
-                             "bench_train, run in the order given (default: all, in that order)")
+                        help="comma-separated subset of cuda_tests,kernel_tests,bench_ops,bench_ops_beam_shape,"
+                             "bench_ops_sparse,bench_train,bench_attention, run in the order given (default: all, in "
+                             "that order)")
     parser.add_argument("--test-workers", type=int, default=1,
                         help="run the cuda tests in this many processes (needs pytest-xdist)")
     parser.add_argument("--step-timeout", type=float, default=None,
