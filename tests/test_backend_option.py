@@ -137,3 +137,18 @@ def test_the_triton_backend_is_refused_without_cuda_or_the_interpreter(monkeypat
     with pytest.raises(ValueError, match=r"^--attention-topk-backend triton needs the triton package \(pip install "
                                          r"triton\), which does not import here \(ModuleNotFoundError"):
         check_backend_option("attention_topk_backend", "triton", cpu=True)
+
+
+def test_the_auto_backend_is_decided_inside_a_compiled_region_before_triton_was_tried(monkeypatch):
+    """The first operator call of a process may be compiled (``--topk-compile``): deciding "auto" there tries
+    ``import triton``, which torch.compile cannot trace; it is a constant to the compiler instead."""
+    from fairseq_softtopk.ops.kernels import backend
+
+    monkeypatch.setattr(backend, "_triton_import_error", None)  # not tried yet in this process
+
+    def step(x):
+        return x + 1 if backend.triton_available() else x - 1
+
+    expected = step(torch.zeros(2))
+    monkeypatch.setattr(backend, "_triton_import_error", None)
+    torch.testing.assert_close(torch.compile(step, fullgraph=True, backend="eager")(torch.zeros(2)), expected)

@@ -17,6 +17,7 @@ import os
 import warnings
 from typing import Dict, Optional
 
+import torch
 from torch import Tensor
 
 BACKENDS = ("torch", "triton", "auto")
@@ -59,8 +60,10 @@ def triton_import_error() -> str:
     return _triton_import_error
 
 
+@torch.compiler.assume_constant_result
 def triton_available() -> bool:
-    """Whether the ``triton`` package imports."""
+    """Whether the ``triton`` package imports (to ``torch.compile``, a constant: the first operator call of a
+    process may sit inside a compiled region, where the import could not be traced)."""
     return triton_import_error() == ""
 
 
