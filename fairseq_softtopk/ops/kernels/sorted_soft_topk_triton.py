@@ -105,31 +105,29 @@ def _hessian(gram, k, no_rest, KP: tl.constexpr):
 @triton.jit
 def _solve_ridged(K, rhs, k, RIDGE, KP: tl.constexpr):
     """``(K + ridge I)^{-1} rhs`` over the first k lanes (``solve_ridged``: the ridge is ``RIDGE`` times the
-    largest diagonal entry), by Gaussian elimination without pivoting (``K`` is symmetric positive
-    semi-definite) on the float64 register tile."""
+    largest diagonal entry), by Gauss-Jordan elimination without pivoting (``K`` is symmetric positive
+    semi-definite, the ridge makes the pivots positive) on the float64 register tile, ``rhs`` carried in
+    column k (free: the ranks are lanes ``0..k-1``): k rank-one updates, no back substitution.
+
+    Row and column j are taken by products with one-hot matrices (``tl.dot``: exact, each output one term
+    plus zeros), broadcast as the update needs them; a reduction per step would cost as much on a GPU and,
+    under the interpreter, is a nested kernel call of its own (milliseconds each)."""
     ri = tl.arange(0, KP)[:, None]
     ci = tl.arange(0, KP)[None, :]
     lane = tl.arange(0, KP)
     diagonal = tl.sum(tl.where(ri == ci, K, 0.0), axis=1)
     ridge = tl.maximum(tl.max(tl.where(lane < k, diagonal, 0.0), axis=0) * RIDGE, 1e-300)
     A = K + tl.where((ri == ci) & (ri < k), ridge, 0.0)
-    b = rhs
+    A = tl.where((ci == k) & (ri < k), rhs[:, None], A)  # K's column k is 0 on the ranks
     for j in range(0, k):
-        row_j = tl.sum(tl.where(ri == j, A, 0.0), axis=0)  # (KP,)
-        col_j = tl.sum(tl.where(ci == j, A, 0.0), axis=1)
-        pivot = tl.sum(tl.where(lane == j, row_j, 0.0), axis=0)
-        b_j = tl.sum(tl.where(lane == j, b, 0.0), axis=0)
-        factor = tl.where(lane > j, col_j / pivot, 0.0)
-        A = A - factor[:, None] * row_j[None, :]
-        b = b - factor * b_j
-    x = tl.zeros((KP,), dtype=tl.float64)
-    for step in range(0, k):
-        j = k - 1 - step
-        row_j = tl.sum(tl.where(ri == j, A, 0.0), axis=0)
-        pivot = tl.sum(tl.where(lane == j, row_j, 0.0), axis=0)
-        b_j = tl.sum(tl.where(lane == j, b, 0.0), axis=0)
-        x = tl.where(lane == j, (b_j - tl.sum(row_j * x, axis=0)) / pivot, x)
-    return x
+        pick_col = tl.where(ri == j, 1.0, 0.0).to(tl.float64)  # A @ pick_col: column j in every column
+        row_j = tl.dot(tl.where(ci == j, 1.0, 0.0).to(tl.float64), A, input_precision="ieee")  # row j, every row
+        col_j = tl.dot(A, pick_col, input_precision="ieee")
+        pivot = tl.dot(row_j, pick_col, input_precision="ieee")
+        # every other row loses its multiple of row j: column j becomes the pivot alone
+        A = A - tl.where(ri == j, 0.0, col_j / pivot) * row_j
+    solved = tl.sum(tl.where(ci == k, A, 0.0), axis=1) / tl.sum(tl.where(ri == ci, A, 0.0), axis=1)
+    return tl.where(lane < k, solved, 0.0)
 
 
 @triton.jit
@@ -162,58 +160,72 @@ def _sorted_forward_kernel(Z, VALID, EPS, N_VALID, G0, PLAN, N_ITER, ERR, n, k, 
     inv_rest = tl.where(no_rest, 0.0, 1.0 / tl.maximum(n_valid - kf, 1.0))
     inv_target = tl.where(lane < k, 1.0, tl.where(lane == k, inv_rest, 0.0))
     g = tl.load(G0 + row * (k + 1) + lane, mask=lane <= k, other=0.0)
-    counts, lse, gram = _evaluate(Z, VALID, n, g, y_eps2, rest_bias, anchor, k, CUT, HAS_MASK, BLOCK, KP)
-    err = _marginal_error(counts, target, inv_target)
-    # Sinkhorn-like rescaling (semi_dual_newton._rescale) while each step divides the error by RESCALE_GAIN
-    going = err > 1.0
+    # The point reached (potentials, counts, log-normalisers, Gram matrix, error) and the state of the steps:
+    # every trial, whether the start, a rescaling or a Newton step at some length, is one evaluation below
+    # (one call site: the kernel's code holds one copy of the pass).
+    counts = tl.zeros((KP,), dtype=tl.float64)
+    lse = tl.cast(0.0, tl.float64)
+    gram = tl.zeros((KP, KP), dtype=Z.dtype.element_ty)
+    err = tl.cast(float("inf"), tl.float64)
+    step = tl.zeros((KP,), dtype=tl.float64)
+    alpha = tl.cast(1.0, tl.float64)
+    F = tl.cast(0.0, tl.float64)
+    slope = tl.cast(0.0, tl.float64)
+    fresh = 1  # the first trial is the hard start itself
+    going = 0  # rescaling goes on (semi_dual_newton._rescale)
     rescaled = 0
-    while going & (rescaled < tl.minimum(max_iter, RESCALE_STEPS)):
-        log_ratio = tl.log(target / tl.maximum(counts, 1e-300))
-        rest_shift = tl.where(no_rest, 0.0, tl.sum(tl.where(lane == k, log_ratio, 0.0), axis=0))
-        step = tl.where(lane < k, tl.minimum(tl.maximum(log_ratio - rest_shift, -50.0), 50.0), 0.0)
-        t_counts, t_lse, t_gram = _evaluate(Z, VALID, n, g + step, y_eps2, rest_bias, anchor, k, CUT, HAS_MASK,
-                                            BLOCK, KP)
-        t_err = _marginal_error(t_counts, target, inv_target)
-        rescaled += 1
-        better = t_err < err
-        going = better & (t_err * RESCALE_GAIN <= err) & (t_err > tol)
-        g = tl.where(better, g + step, g)
-        counts = tl.where(better, t_counts, counts)
-        lse = tl.where(better, t_lse, lse)
-        gram = tl.where(better, t_gram, gram)
-        err = tl.where(better, t_err, err)
-    # damped Newton (semi_dual_newton._maximise): a step is kept if it lowers the marginal error or passes Armijo
     n_newton = 0
     stalled = 0
-    while (err > tol) & (stalled < 3) & (n_newton < max_iter - rescaled):
-        n_newton += 1
-        grad = tl.where(lane < k, target - counts, 0.0)
-        step = _solve_ridged(_hessian(gram, k, no_rest, KP), grad, k, RIDGE, KP)
-        step = tl.where((step == step) & (tl.abs(step) < float("inf")), step, 0.0)  # nan_to_num
-        F = tl.sum(tl.where(lane < k, g, 0.0), axis=0) - LN2 * lse
-        slope = tl.sum(grad * step, axis=0)
-        alpha = tl.cast(1.0, tl.float64)
-        t_counts, t_lse, t_gram = _evaluate(Z, VALID, n, g + step, y_eps2, rest_bias, anchor, k, CUT, HAS_MASK,
-                                            BLOCK, KP)
-        t_err = _marginal_error(t_counts, target, inv_target)
-        t_F = tl.sum(tl.where(lane < k, g + step, 0.0), axis=0) - LN2 * t_lse
-        ok = (t_err < err) | (t_F >= F + ARMIJO * slope)
-        tries = 1
-        while (ok == 0) & (tries < MAX_BACKTRACK):
+    tries = 0  # trials of the Newton step in progress (0: none in progress)
+    in_rescale = 0
+    active = 1
+    while active != 0:
+        if fresh != 0:
+            trial = g
+        elif in_rescale != 0:  # Sinkhorn-like: g_r += log(target_r / count_r), relative to the rest anchor's
+            log_ratio = tl.log(target / tl.maximum(counts, 1e-300))
+            rest_shift = tl.where(no_rest, 0.0, tl.sum(tl.where(lane == k, log_ratio, 0.0), axis=0))
+            trial = g + tl.where(lane < k, tl.minimum(tl.maximum(log_ratio - rest_shift, -50.0), 50.0), 0.0)
+        elif tries == 0:  # a Newton step from the point reached (semi_dual_newton._maximise)
+            n_newton += 1
+            grad = tl.where(lane < k, target - counts, 0.0)
+            step = _solve_ridged(_hessian(gram, k, no_rest, KP), grad, k, RIDGE, KP)
+            step = tl.where((step == step) & (tl.abs(step) < float("inf")), step, 0.0)  # nan_to_num
+            F = tl.sum(tl.where(lane < k, g, 0.0), axis=0) - LN2 * lse
+            slope = tl.sum(grad * step, axis=0)
+            alpha = tl.cast(1.0, tl.float64)
+            trial = g + step
+        else:  # backtracking
             alpha = 0.5 * alpha
-            t_counts, t_lse, t_gram = _evaluate(Z, VALID, n, g + alpha * step, y_eps2, rest_bias, anchor, k, CUT,
-                                                HAS_MASK, BLOCK, KP)
-            t_err = _marginal_error(t_counts, target, inv_target)
-            t_F = tl.sum(tl.where(lane < k, g + alpha * step, 0.0), axis=0) - LN2 * t_lse
-            ok = (t_err < err) | (t_F >= F + ARMIJO * alpha * slope)
+            trial = g + alpha * step
+        t_counts, t_lse, t_gram = _evaluate(Z, VALID, n, trial, y_eps2, rest_bias, anchor, k, CUT, HAS_MASK, BLOCK,
+                                            KP)
+        t_err = _marginal_error(t_counts, target, inv_target)
+        if fresh != 0:
+            accept = t_err == t_err
+            going = tl.where(t_err > 1.0, 1, 0)
+        elif in_rescale != 0:
+            rescaled += 1
+            accept = t_err < err
+            going = tl.where(accept & (t_err * RESCALE_GAIN <= err) & (t_err > tol), 1, 0)
+        else:
+            # a step is kept if it lowers the marginal error or passes Armijo's test on F
+            t_F = tl.sum(tl.where(lane < k, trial, 0.0), axis=0) - LN2 * t_lse
+            accept = (t_err < err) | (t_F >= F + ARMIJO * alpha * slope)
             tries += 1
-        # at the floating-point floor progress stops: three steps without 1% less error end the solve
-        stalled = tl.where(t_err < 0.99 * err, 0, stalled + 1)
-        g = tl.where(ok, g + alpha * step, g)
-        counts = tl.where(ok, t_counts, counts)
-        lse = tl.where(ok, t_lse, lse)
-        gram = tl.where(ok, t_gram, gram)
-        err = tl.where(ok, t_err, err)
+            if accept | (tries >= MAX_BACKTRACK):
+                # at the floating-point floor progress stops: three steps without 1% less error end the solve
+                stalled = tl.where(t_err < 0.99 * err, 0, stalled + 1)
+                tries = 0
+        g = tl.where(accept, trial, g)
+        counts = tl.where(accept, t_counts, counts)
+        lse = tl.where(accept, t_lse, lse)
+        gram = tl.where(accept, t_gram, gram)
+        err = tl.where(accept, t_err, err)
+        fresh = 0
+        in_rescale = tl.where((going != 0) & (rescaled < tl.minimum(max_iter, RESCALE_STEPS)), 1, 0)
+        newton_goes_on = (err > tol) & (stalled < 3) & (n_newton < max_iter - rescaled)
+        active = tl.where((in_rescale != 0) | (tries > 0) | newton_goes_on, 1, 0)
     tl.store(N_ITER + row, rescaled + n_newton)
     tl.store(ERR + row, err)
     shift = ((g + rest_bias) * LOG2E)[None, :]
