@@ -176,22 +176,32 @@ def test_kernel_fixed_iterations_and_info_tensors(rng):
     assert sorted_soft_topk(torch.empty(0, 5, device=DEVICE), 2, backend="triton").shape == (0, 5, 2)
 
 
-@pytest.mark.parametrize("k", [32, 40])
-def test_k_above_the_register_cap_runs_the_torch_path_and_is_counted(rng, monkeypatch, k):
+@pytest.mark.parametrize("k, limits, reason, message", [
+    (32, {}, "anchors", r"more ranks than the kernels hold in registers \(sorted_soft_topk: k <= 31\)"),
+    (4, {"MAX_PLAN_ENTRIES": 5 * 45 - 1}, "row_length", r"rows longer than the kernels' int32 offsets reach"),
+], ids=["k-above-the-cap", "plan-beyond-int32"])
+def test_calls_the_kernels_cannot_take_run_the_torch_path_and_are_counted(rng, monkeypatch, k, limits, reason,
+                                                                           message):
     def no_kernel(*args, **kwargs):
         raise AssertionError("the kernels ran")
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # "triton" resolves to the kernels on CPU tensors
     monkeypatch.setattr(backend_module, "_triton_import_error", "")
     monkeypatch.setattr(sorted_soft_topk_op, "sorted_soft_topk_kernel", no_kernel)
+    for name, value in limits.items():
+        monkeypatch.setattr(sorted_soft_topk_op, name, value)
     x = torch.randn(2, 45, generator=rng, dtype=torch.float64)
     expected = sorted_soft_topk(x, k, epsilon=0.3, backend="torch")
     reset_fallback_counts()
-    with pytest.warns(KernelFallbackWarning, match=r"sorted_soft_topk: the Triton kernels cannot take this call "
-                                                   r"\(more ranks than the kernels hold in registers"):
+    with pytest.warns(KernelFallbackWarning, match=rf"sorted_soft_topk: the Triton kernels cannot take this call "
+                                                   rf"\({message}\); it ran on the torch path"):
         got = sorted_soft_topk(x, k, epsilon=0.3, backend="triton")
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
-    assert fallback_counts() == {"anchors": 1}
+    assert fallback_counts() == {reason: 1}
+    sorted_soft_topk(x, k, epsilon=0.3, backend="auto")  # CPU tensors: the torch path, not a fallback
+    assert fallback_counts() == {reason: 1}
+    with pytest.raises(ValueError, match=r"backend must be one of \('torch', 'triton', 'auto'\), got 'gpu'"):
+        sorted_soft_topk(x, k, backend="gpu")
     reset_fallback_counts()
     assert sorted_soft_topk_op.MAX_K == 31 and sorted_soft_topk_op.anchor_lanes(31) == 32
 
