@@ -43,6 +43,19 @@ def test_kernels_under_the_interpreter(repo_root):
     assert "passed" in summary and "skipped" not in summary, proc.stdout[-3000:]
 
 
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """A list that grows by one for each call sent to the kernels."""
+    calls, kernel = [], sorted_soft_topk_op.sorted_soft_topk_kernel
+
+    def counted(*args, **kwargs):
+        calls.append(args[2])  # k
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(sorted_soft_topk_op, "sorted_soft_topk_kernel", counted)
+    return calls
+
+
 def _run(x, k, backend, weights, **kwargs):
     leaf = x.detach().clone().to(DEVICE).requires_grad_()
     if kwargs.get("mask") is not None:
@@ -125,11 +138,12 @@ def test_kernel_other_dims_smallest_and_costs_match_the_torch_path(rng, cost):
 
 
 @kernel_test
-def test_kernel_gradcheck_float64(rng):
+def test_kernel_gradcheck_float64(rng, kernel_calls):
     x = torch.randn(1, 6, generator=rng, dtype=torch.float64).to(DEVICE).requires_grad_()
     mask = torch.tensor([[False, True, False, False, False, False]], device=DEVICE)
     assert torch.autograd.gradcheck(
         lambda v: sorted_soft_topk(v, 3, epsilon=0.4, tol=1e-13, mask=mask, backend="triton"), (x,), fast_mode=True)
+    assert kernel_calls and set(kernel_calls) == {3}
 
 
 @kernel_test
@@ -149,12 +163,13 @@ def test_kernel_ops_pass_opcheck(rng):
 
 
 @kernel_test
-def test_kernel_gradient_scales_with_the_loss(rng):
+def test_kernel_gradient_scales_with_the_loss(rng, kernel_calls):
     """The gradient of ``c * L`` is ``c`` times the gradient of ``L`` (exactly for a power of two)."""
     x = torch.randn(2, 200, generator=rng).to(DEVICE).requires_grad_()
     weights = torch.randn(2, 200, 4, generator=rng).to(DEVICE)
     out = sorted_soft_topk(x, 4, epsilon=0.1, backend="triton")
     grads = [torch.autograd.grad((c * out * weights).sum(), x, retain_graph=True)[0] for c in (1.0, 1024.0, 1e-3)]
+    assert kernel_calls == [4]
     torch.testing.assert_close(grads[1], 1024.0 * grads[0], rtol=0, atol=0)
     # 1e-3 rounds: entries whose sums cancel move by the rounding of the largest
     torch.testing.assert_close(grads[2], 1e-3 * grads[0], rtol=1e-5, atol=1e-6 * float(grads[2].abs().max()))
