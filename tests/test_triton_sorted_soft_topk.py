@@ -18,7 +18,7 @@ from conftest import clean_env
 from fairseq_softtopk.ops import sorted_soft_topk
 from fairseq_softtopk.ops.kernels import (KernelFallbackWarning, backend as backend_module, fallback_counts,
                                           reset_fallback_counts, triton_available)
-from fairseq_softtopk.ops.kernels import sorted_soft_topk_op
+from fairseq_softtopk.ops.kernels import soft_topk_op, sorted_soft_topk_op
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 IN_PROCESS = DEVICE == "cuda" or backend_module.interpreter_requested()
@@ -267,7 +267,8 @@ def test_every_kernel_compiles_for_the_gpu(arch, dtype, lanes, monkeypatch, tmp_
         types = {arg: kind.replace("D", dtype) for arg, kind in signature.items()}
         types.update({arg: "constexpr" for arg in constexprs})
         compiled = triton_compile(ASTSource(fn=kernel, signature=types, constexprs=constexprs),
-                                  target=GPUTarget("cuda", arch, 32), options=dict(num_warps=8, enable_fp_fusion=True))
+                                  target=GPUTarget("cuda", arch, 32),
+                                  options=soft_topk_op._launch_options(sorted_soft_topk_op.MAX_TILE))
         assert compiled.asm["cubin"], (name, arch, dtype)
 
 

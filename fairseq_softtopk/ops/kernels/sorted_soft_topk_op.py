@@ -26,12 +26,14 @@ from .backend import record_fallback, resolve_backend
 from .soft_topk_op import _float32_halves, _launch_options
 
 KERNEL_FILE = Path(__file__).with_name("sorted_soft_topk_triton.py")
-#: the largest k the kernels take. Each program holds the k x k Newton system and the Gram accumulator as
-#: (KP, KP) float64 register tiles, KP = next power of two >= k + 1: at KP = 32 that is 8 KB each, 16 registers
-#: a thread over 4 warps; at KP = 64 each would take 64 registers a thread and spill. Beam sizes are <= 31.
+#: the largest k the kernels take: the programs hold the k x k Newton system, the Gram matrix and its trial copy
+#: as (KP, KP) float64/float32 register tiles, KP the next power of two >= k + 1. Compiled for sm_90 (Triton 3.9,
+#: MAX_TILE entries, 4 warps), KP = 32 takes 230-255 registers a thread without spilling in both dtypes; at
+#: KP = 64 the forward spills (68 bytes a thread in float32, 772 in float64). Beam sizes are far below 31.
 MAX_K = 31
-#: entries of a (BLOCK, KP) tile at most, on a GPU (registers: the float64 logits and the plan tile) ...
-MAX_TILE = 4096
+#: entries of a (BLOCK, KP) tile at most, on a GPU (BLOCK = MAX_TILE / KP entries of the row: 64 at KP = 16); at
+#: 2048 entries (8 warps) the forward spills at KP = 16 ...
+MAX_TILE = 1024
 #: ... and under the interpreter, whose cost grows with the block iterations, not the entries
 INTERPRETER_MAX_TILE = 1 << 17
 #: rows whose plan has more entries than this run on the torch path: offsets within a row are int32
