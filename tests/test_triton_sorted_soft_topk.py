@@ -67,8 +67,8 @@ def _run(x, k, backend, weights, **kwargs):
 
 def assert_matches_torch(x, k, rng, **kwargs):
     """The kernels give the torch path's values and gradients on ``x`` (float64, solved to ``tol`` 1e-12: to
-    1e-11; float32 at the default tolerance: values to 1e-5, gradients to 1e-4 of their largest), converged,
-    with the info's fields as tensors."""
+    1e-11; float32 at the default tolerance: values to 2e-6, gradients to 1e-4 of their largest, the float32
+    floor of both paths where entries near 1 cancel), converged, with the info's fields as tensors."""
     dim = kwargs.get("dim", -1)
     weights = torch.randn(*x.movedim(dim, -1).shape, k, generator=rng, dtype=torch.float64).to(x.dtype)
     weights = weights.movedim(-2, dim if dim >= 0 else x.dim() + dim)
@@ -80,7 +80,7 @@ def assert_matches_torch(x, k, rng, **kwargs):
     assert out_k.shape == out_t.shape and out_k.dtype == x.dtype
     assert bool(info_k.converged) and info_t.converged, (info_k, info_t)
     assert 0 <= int(info_k.n_iter) <= kwargs.get("max_iter", 50)
-    atol = (1e-11, 1e-10) if x.dtype == torch.float64 else (1e-5, 1e-4)
+    atol = (1e-11, 1e-10) if x.dtype == torch.float64 else (2e-6, 1e-4)
     torch.testing.assert_close(out_k, out_t, rtol=0, atol=atol[0])
     torch.testing.assert_close(grad_k, grad_t, rtol=0, atol=atol[1] * float(grad_t.abs().max()))
 
@@ -189,6 +189,29 @@ def test_kernel_fixed_iterations_and_info_tensors(rng):
         _, info = sorted_soft_topk(x, 4, epsilon=0.02, max_iter=1, return_info=True, backend="triton")
     assert not bool(info.converged) and int(info.n_iter) == 1 and float(info.marginal_error) > 1e-5
     assert sorted_soft_topk(torch.empty(0, 5, device=DEVICE), 2, backend="triton").shape == (0, 5, 2)
+
+
+@kernel_test
+def test_kernel_sync_free_call_compiles_as_one_graph(rng, kernel_calls):
+    """fixed_iterations=True with the kernels: torch.compile(fullgraph=True) (no graph break) gives the eager
+    values and gradients."""
+    x = torch.randn(2, 200, generator=rng).to(DEVICE)
+    weights = torch.randn(2, 200, 4, generator=rng).to(DEVICE)
+
+    def select(v):
+        return sorted_soft_topk(v, 4, epsilon=0.1, tol=1e-6, max_iter=20, fixed_iterations=True, backend="triton")
+
+    torch._dynamo.reset()
+    results = []
+    for fn in (select, torch.compile(select, fullgraph=True, backend="aot_eager")):
+        v = x.clone().requires_grad_()
+        out = fn(v)
+        (out * weights).sum().backward()
+        results.append((out.detach(), v.grad))
+    assert kernel_calls  # the eager call (the compiled one traces the custom op, not this function)
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=0, atol=0)
+    torch.testing.assert_close(results[1][1], results[0][1], rtol=0, atol=0)
+    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("k, limits, reason, message", [
