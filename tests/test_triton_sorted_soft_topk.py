@@ -176,9 +176,10 @@ def test_kernel_gradient_scales_with_the_loss(rng, kernel_calls):
 
 
 @kernel_test
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning", "ignore:All-NaN slice:RuntimeWarning")
 def test_kernel_fixed_iterations_and_info_tensors(rng):
     """fixed_iterations=True runs the kernels, each row stopping when it converges (n_iter below the budget);
-    a budget too small is reported as the torch path reports it."""
+    a budget too small is reported as the torch path reports it; empty batches and NaN data."""
     x = torch.randn(3, 200, generator=rng).to(DEVICE)
     out_f, info_f = sorted_soft_topk(x, 4, epsilon=0.1, max_iter=20, fixed_iterations=True, return_info=True,
                                      backend="triton")
@@ -189,6 +190,9 @@ def test_kernel_fixed_iterations_and_info_tensors(rng):
         _, info = sorted_soft_topk(x, 4, epsilon=0.02, max_iter=1, return_info=True, backend="triton")
     assert not bool(info.converged) and int(info.n_iter) == 1 and float(info.marginal_error) > 1e-5
     assert sorted_soft_topk(torch.empty(0, 5, device=DEVICE), 2, backend="triton").shape == (0, 5, 2)
+    x[1, 7] = math.nan  # unchecked data: NaN gives NaN (in that row), as on the torch path
+    out, info = sorted_soft_topk(x, 4, max_iter=5, fixed_iterations=True, return_info=True, backend="triton")
+    assert out.isnan().flatten(1).any(1).tolist() == [False, True, False] and not bool(info.converged)
 
 
 @kernel_test

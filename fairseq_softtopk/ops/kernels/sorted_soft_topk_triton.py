@@ -59,6 +59,7 @@ def _plan_tile(Z, VALID, offs, n, y_eps2, shift, anchor, k, CUT, HAS_MASK: tl.co
     e = tl.where(used, e, 0.0)
     total = tl.sum(e, axis=1)
     P = tl.where(valid[:, None], _div(e, total[:, None]), 0.0)
+    P = tl.where((z == z)[:, None], P, float("nan"))  # NaN scores (unchecked calls) give NaN, as in torch
     return P, valid, tl.log2(total.to(tl.float64)) + top
 
 
@@ -202,7 +203,7 @@ def _sorted_forward_kernel(Z, VALID, EPS, N_VALID, G0, PLAN, N_ITER, ERR, n, k, 
                                             KP)
         t_err = _marginal_error(t_counts, target, inv_target)
         if fresh != 0:
-            accept = t_err == t_err
+            accept = fresh != 0  # whatever its error (NaN data: NaN results, as the torch path's)
             going = tl.where(t_err > 1.0, 1, 0)
         elif in_rescale != 0:
             rescaled += 1
