@@ -1,4 +1,4 @@
-"""Triton kernels of :func:`~fairseq_softtopk.ops.sorted_soft_topk`: the semi-dual Newton solve and its implicit backward.
+"""Triton kernels of :func:`~fairseq_softtopk.ops.sorted_soft_topk`: the semi-dual Newton solve, its implicit backward.
 
 The torch path (:func:`~fairseq_softtopk.ops.semi_dual_newton.newton_solve`) launches dozens of kernels per
 Newton iteration and reads its stopping tests on the host; here one program solves one row to the end:
