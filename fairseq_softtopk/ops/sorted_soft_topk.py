@@ -25,7 +25,8 @@ from torch import Tensor
 
 from ._common import (SolverInfo, check_inputs, hard_topk_indices, oriented_rows, prepare_scores, restore_shape,
                       warn_if_unconverged)
-from .kernels.backend import torch_path_only
+from .kernels import sorted_soft_topk_op
+from .kernels.backend import check_backend
 from .semi_dual import anchors
 from .semi_dual_hessian import anchor_hessian, solve_ridged
 from .semi_dual_newton import fixed_newton_solve, newton_solve
@@ -123,10 +124,19 @@ def sorted_soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = T
             tensors, and the plan's logits are formed in float64. Converged rows stop moving:
             where every row converges the result is the default's up to ``tol``. A budget of
             10-20 suits k <= 10 (the default solve takes 2-8); every iteration is paid for.
-        backend: ``"auto"`` (default), ``"torch"`` or ``"triton"`` (:mod:`fairseq_softtopk.ops.kernels`).
-            This operator has no Triton kernel yet: every call runs the torch path; a call that the
-            argument sends to the kernels (``"auto"`` on a CUDA tensor, ``"triton"``) is counted in
-            ``fallback_counts()["no_kernel"]`` (and, for ``"triton"``, reported by a warning).
+        backend: ``"auto"`` (default): the kernels below for CUDA tensors when ``triton`` imports,
+            ``"torch"`` otherwise (CPU tensors keep the torch path). ``"torch"``: the solver above, in
+            torch operations. ``"triton"``: fused Triton kernels (:mod:`fairseq_softtopk.ops.kernels`),
+            one launch for the whole solve of every row (the same hard start, rescaling and damped
+            Newton steps, decided per row on the device, on all n entries: no candidate window or
+            histogram start), one for the backward; CUDA tensors, or CPU tensors under Triton's
+            interpreter (``TRITON_INTERPRET=1``, for tests). The same values and gradients as
+            ``"torch"`` up to the tolerance (float32 at the default ``tol``: about 1e-6; float64 at
+            ``tol=1e-12``: about 1e-15); ``info``'s fields are then 0-dim tensors (``n_iter`` the
+            largest count of a row; with ``fixed_iterations=True`` each row still stops when it
+            converges). Every cost runs on them. ``k`` up to 31 (the ``k + 1`` anchors are held in
+            registers): a larger ``k`` runs the torch path, counted in ``fallback_counts()["anchors"]``
+            (and, for ``"triton"``, reported by a warning). The kernels are not timed on a GPU yet.
 
     Returns:
         ``(*, n, *, k)`` tensor in ``scores``' dtype: the rank dimension is appended last and
@@ -140,7 +150,10 @@ def sorted_soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = T
         all the same. Python's default filter shows it once per call site.
     """
     check_inputs(scores, k, epsilon, mask, cost, tol, max_iter, dim)
-    torch_path_only(backend, scores, "sorted_soft_topk")
+    kernel = False
+    if backend != "torch":  # the default pays nothing for the option
+        check_backend(backend)
+        kernel = not hard and sorted_soft_topk_op.use_sorted_soft_topk_kernel(backend, scores, scores.shape[dim], k)
     # a named range for torch.profiler (scripts/bench/bench_train.py reads it)
     with torch.profiler.record_function("softtopk::sorted_soft_topk"):
         prep = prepare_scores(scores, k, dim, largest, epsilon, mask, cost, n_anchor_steps=k,
@@ -150,6 +163,9 @@ def sorted_soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = T
             out = torch.zeros(*prep.z.shape, k, dtype=prep.z.dtype, device=prep.z.device)  # (rows, n, k)
             out.scatter_(1, idx.unsqueeze(1), 1.0)
             info = SolverInfo(True, 0, 0.0)
+        elif kernel:
+            out, info = sorted_soft_topk_op.sorted_soft_topk_kernel(oriented_rows(scores, dim, prep), prep, k, tol,
+                                                                    max_iter)
         else:
             solve = fixed_newton_solve if fixed_iterations else newton_solve
             P, info = solve(prep, k, tol, max_iter)

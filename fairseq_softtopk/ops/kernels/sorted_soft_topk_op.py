@@ -1,0 +1,218 @@
+"""``torch.library`` ops around the Triton kernels of :func:`~fairseq_softtopk.ops.sorted_soft_topk`.
+
+* ``fairseq_softtopk::sorted_soft_topk_forward``: the whole semi-dual Newton solve of every row on the
+  device, one launch (``sorted_soft_topk_triton._sorted_forward_kernel``); returns the plan ``(rows, k + 1,
+  n)`` (the torch path's layout) and per row the iterations used and the marginal error reached, as tensors;
+* ``fairseq_softtopk::sorted_soft_topk_backward``: the implicit gradient, one launch.
+
+Both have fake (meta) implementations and the forward an autograd rule (``torch.compile``,
+``torch.library.opcheck``). The kernels module imports ``triton`` and is loaded on the first launch; importing
+this module needs torch only. The ``k + 1`` anchors are held in registers: ``k`` is capped at
+:data:`MAX_K` (beyond it the torch path runs, counted under ``fallback_counts()["anchors"]``).
+"""
+
+import importlib.util
+import os
+from pathlib import Path
+from typing import Tuple
+
+import torch
+from torch import Tensor
+
+from .._common import PreparedScores, SolverInfo
+from ..semi_dual import subnormal_cut
+from ..semi_dual_warm_start import hard_start
+from .backend import record_fallback, resolve_backend
+from .soft_topk_op import _float32_halves, _launch_options
+
+KERNEL_FILE = Path(__file__).with_name("sorted_soft_topk_triton.py")
+#: the largest k the kernels take: the programs hold the k x k Newton system, the Gram matrix and its trial copy
+#: as (KP, KP) float64/float32 register tiles, KP the next power of two >= k + 1. Compiled for sm_90 (Triton 3.9,
+#: MAX_TILE entries, 4 warps), KP = 32 takes 230-255 registers a thread without spilling in both dtypes; at
+#: KP = 64 the forward spills (68 bytes a thread in float32, 772 in float64). Beam sizes are far below 31.
+MAX_K = 31
+#: entries of a (BLOCK, KP) tile at most, on a GPU (BLOCK = MAX_TILE / KP entries of the row: 64 at KP = 16); at
+#: 2048 entries (8 warps) the forward spills at KP = 16 ...
+MAX_TILE = 1024
+#: ... and under the interpreter, whose cost grows with the block iterations, not the entries
+INTERPRETER_MAX_TILE = 1 << 17
+#: rows whose plan has more entries than this run on the torch path: offsets within a row are int32
+MAX_PLAN_ENTRIES = 2 ** 31 - 2 ** 17
+
+_kernel_modules = {}  # the loaded kernels module (one entry)
+
+
+def kernel_module():
+    """The kernels module (``sorted_soft_topk_triton.py``), loaded on first use.
+
+    Raises:
+        RuntimeError: the kernels and triton's own library were defined in different modes (``TRITON_INTERPRET``
+            set or cleared after triton was imported).
+    """
+    if "module" not in _kernel_modules:
+        import triton.language as tl
+
+        name = f"{__package__}.sorted_soft_topk_triton"
+        spec = importlib.util.spec_from_file_location(name, KERNEL_FILE)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        if type(module._sorted_forward_kernel) is not type(tl.sum):
+            raise RuntimeError(f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r} now, but triton was imported "
+                               f"with the other setting: set it before anything imports triton (torch.compile does)")
+        module.INTERPRETED = type(tl.sum).__name__ == "InterpretedFunction"
+        _kernel_modules["module"] = module
+    return _kernel_modules["module"]
+
+
+def anchor_lanes(k: int) -> int:
+    """``KP``: the ``k + 1`` anchors padded to a power of two, at least 16 (``tl.dot``'s smallest size)."""
+    return max(16, 1 << k.bit_length())
+
+
+def block_size(n: int, k: int, interpret: bool) -> int:
+    """Entries per block iteration: the next power of two of ``n``, at least 16, at most a tile's entries / KP."""
+    cap = (INTERPRETER_MAX_TILE if interpret else MAX_TILE) // anchor_lanes(k)
+    return max(16, min(1 << max(n - 1, 0).bit_length(), cap))
+
+
+def _kernels_for(t: Tensor):
+    """``(kernels module, interpreted)`` for tensors on ``t``'s device (raises where the kernels cannot run)."""
+    module = kernel_module()
+    if not (t.is_cuda or module.INTERPRETED):
+        raise ValueError(f"the Triton kernels run on CUDA tensors (or on CPU tensors with TRITON_INTERPRET=1 set "
+                         f"before triton is imported), got a tensor on {t.device}")
+    return module, module.INTERPRETED
+
+
+def _ridge(dtype: torch.dtype) -> float:
+    """``solve_ridged``'s ridge, relative to the largest diagonal entry: ten ulps of the plan's dtype."""
+    return 10 * torch.finfo(dtype).eps
+
+
+def launch_forward(z: Tensor, valid: Tensor, eps: Tensor, top: Tensor, n_valid: Tensor, k: int, tol: float,
+                   max_iter: int, has_mask: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """Runs the forward kernel; arguments as :func:`sorted_soft_topk_forward`'s. Returns ``(P, n_iter, err)``."""
+    rows, n = z.shape
+    z = z.contiguous()
+    plan = z.new_empty((rows, k + 1, n))
+    n_iter = z.new_empty((rows,), dtype=torch.int32)
+    err = z.new_empty((rows,), dtype=torch.float64)
+    if rows == 0:
+        return plan, n_iter, err
+    module, interpret = _kernels_for(z)
+    block = block_size(n, k, interpret)
+    g0 = hard_start(top, n_valid == k, eps, k).contiguous()  # (rows, k + 1) float64, on the device
+    tol_hi, tol_lo = _float32_halves(float(tol))
+    module._sorted_forward_kernel[(rows,)](
+        z, valid.contiguous().view(torch.uint8), eps.reshape(rows).contiguous(), n_valid.contiguous(), g0, plan,
+        n_iter, err, n, k, tol_hi, tol_lo, max_iter, subnormal_cut(z.dtype, k), _ridge(z.dtype),
+        HAS_MASK=has_mask, BLOCK=block, KP=anchor_lanes(k), **_launch_options(block * anchor_lanes(k)))
+    return plan, n_iter, err
+
+
+def launch_backward(plan: Tensor, grad: Tensor, eps: Tensor, no_rest: Tensor) -> Tensor:
+    """Runs the backward kernel; arguments as :func:`sorted_soft_topk_backward`'s. Returns ``(rows, n)``."""
+    rows, anchors, n = plan.shape
+    k = anchors - 1
+    plan = plan.contiguous()
+    grad = grad.to(plan.dtype).contiguous()  # the view's gradient: laid out as the plan
+    grad_z = plan.new_empty((rows, n))
+    if rows == 0:
+        return grad_z
+    module, interpret = _kernels_for(plan)
+    block = block_size(n, k, interpret)
+    module._sorted_backward_kernel[(rows,)](
+        plan, grad, eps.reshape(rows).to(plan.dtype).contiguous(), no_rest.contiguous().view(torch.uint8), grad_z,
+        n, k, _ridge(plan.dtype), BLOCK=block, KP=anchor_lanes(k), **_launch_options(block * anchor_lanes(k)))
+    return grad_z
+
+
+@torch.library.custom_op("fairseq_softtopk::sorted_soft_topk_forward", mutates_args=())
+def sorted_soft_topk_forward(x: Tensor, z: Tensor, valid: Tensor, eps: Tensor, grad_eps: Tensor, top: Tensor,
+                             n_valid: Tensor, k: int, tol: float, max_iter: int,
+                             has_mask: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """The sorted soft top-k plan of prepared rows (see :class:`~fairseq_softtopk.ops._common.PreparedScores`).
+
+    Args:
+        x: ``(rows, n)`` oriented scores the plan is differentiated with respect to (not read).
+        z: ``(rows, n)`` float32/float64 prepared scores, 0 where excluded. valid: ``(rows, n)`` bool (read
+            only with ``has_mask``). eps: ``(rows, 1)`` temperatures of the solve; grad_eps: ``(rows, 1)`` in the
+            scores' units (the backward's). top: ``(rows, min(k + 1, n))`` the largest valid ``z``, decreasing.
+            n_valid: ``(rows,)`` valid counts in ``z``'s dtype.
+        k (``<=`` :data:`MAX_K`), tol, max_iter: as :func:`~fairseq_softtopk.ops.sorted_soft_topk`'s.
+    Returns:
+        ``(P, n_iter, err)``: the plan ``(rows, k + 1, n)`` in ``z``'s dtype (anchors first, the rest last),
+        ``n_iter`` ``(rows,)`` int32, ``err`` ``(rows,)`` float64.
+    """
+    return launch_forward(z, valid, eps, top, n_valid, k, tol, max_iter, has_mask)
+
+
+@sorted_soft_topk_forward.register_fake
+def _sorted_soft_topk_forward_fake(x, z, valid, eps, grad_eps, top, n_valid, k, tol, max_iter, has_mask):
+    rows, n = z.shape
+    return (z.new_empty((rows, k + 1, n)), z.new_empty((rows,), dtype=torch.int32),
+            z.new_empty((rows,), dtype=torch.float64))
+
+
+@torch.library.custom_op("fairseq_softtopk::sorted_soft_topk_backward", mutates_args=())
+def sorted_soft_topk_backward(plan: Tensor, grad: Tensor, eps: Tensor, no_rest: Tensor) -> Tensor:
+    """``SortedSoftTopKFunction._vjp`` of the forward's plan ``(rows, k + 1, n)`` for the plan's gradient
+    ``grad`` (its shape; the rest anchor's row is ignored), ``eps`` ``(rows, 1)`` in the scores' units,
+    ``no_rest`` ``(rows,)`` bool. Returns ``(rows, n)`` in the plan's dtype."""
+    return launch_backward(plan, grad, eps, no_rest)
+
+
+@sorted_soft_topk_backward.register_fake
+def _sorted_soft_topk_backward_fake(plan, grad, eps, no_rest):
+    return plan.new_empty((plan.shape[0], plan.shape[2]))
+
+
+def _setup_context(ctx, inputs, output):
+    grad_eps, n_valid, k = inputs[4], inputs[6], inputs[7]
+    plan, n_iter, err = output
+    ctx.save_for_backward(plan, grad_eps, n_valid == k)
+    ctx.mark_non_differentiable(n_iter, err)
+
+
+def _backward(ctx, grad_plan, grad_n_iter, grad_err):
+    plan, grad_eps, no_rest = ctx.saved_tensors
+    grad_x = None
+    if ctx.needs_input_grad[0]:
+        grad_x = sorted_soft_topk_backward(plan, grad_plan, grad_eps, no_rest)
+    return (grad_x,) + (None,) * 10
+
+
+sorted_soft_topk_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+def use_sorted_soft_topk_kernel(backend: str, scores: Tensor, n: int, k: int) -> bool:
+    """The dispatch point of :func:`~fairseq_softtopk.ops.sorted_soft_topk`: whether a call runs the kernels.
+
+    ``backend`` resolved on ``scores``' device (:func:`~.backend.resolve_backend`). Calls the kernels cannot take
+    run on the torch path, counted: ``k >`` :data:`MAX_K` under ``"anchors"`` (warned where ``"triton"`` was
+    asked for by name: ``"auto"`` picks the torch path for large k on purpose), plans of more than
+    :data:`MAX_PLAN_ENTRIES` entries a row under ``"row_length"`` (warned).
+    """
+    if resolve_backend(backend, scores) == "torch":
+        return False
+    if k > MAX_K:
+        record_fallback("anchors", "sorted_soft_topk", warn=backend == "triton")
+        return False
+    if (k + 1) * n > MAX_PLAN_ENTRIES:
+        record_fallback("row_length", "sorted_soft_topk")
+        return False
+    return True
+
+
+def sorted_soft_topk_kernel(x: Tensor, prep: PreparedScores, k: int, tol: float,
+                            max_iter: int) -> Tuple[Tensor, SolverInfo]:
+    """The kernels' sorted soft top-k of prepared rows: ``(out, info)``, ``out`` ``(rows, n, k)``, a view of the
+    plan differentiable in ``x``; ``info``'s fields are 0-dim tensors (``n_iter`` the largest count of a row)."""
+    plan, n_iter, err = sorted_soft_topk_forward(x, prep.z, prep.valid, prep.eps, prep.grad_eps, prep.top,
+                                                 prep.n_valid, k, tol, max_iter, not prep.all_valid)
+    if err.shape[0]:
+        max_err, max_iter_used = err.amax(), n_iter.amax()
+    else:
+        max_err, max_iter_used = err.new_zeros(()), n_iter.new_zeros(())
+    return plan[:, :k].transpose(1, 2), SolverInfo(converged=max_err <= tol, n_iter=max_iter_used,
+                                                   marginal_error=max_err)

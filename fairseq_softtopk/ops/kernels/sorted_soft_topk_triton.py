@@ -1,0 +1,283 @@
+"""Triton kernels of :func:`~fairseq_softtopk.ops.sorted_soft_topk`: the semi-dual Newton solve, its implicit backward.
+
+The torch path (:func:`~fairseq_softtopk.ops.semi_dual_newton.newton_solve`) launches dozens of kernels per
+Newton iteration and reads its stopping tests on the host; here one program solves one row to the end:
+
+* forward (:func:`_sorted_forward_kernel`): the anchor potentials ``g`` (``k + 1`` of them, padded to ``KP``
+  lanes) live in float64 registers. Each plan evaluation is one pass over the row in ``(BLOCK, KP)`` tiles
+  (:func:`_evaluate`): the logits ``z_i y_r / eps + g_r`` in float64 (log2 units), the softmax over anchors in
+  the scores' dtype, and the anchor counts (float64), the objective's log-normalisers (float64) and the Gram
+  matrix ``sum_i P_i P_i^T`` (``tl.dot`` of the tile's transpose with itself, IEEE precision) accumulated.
+  Then the torch path's steps, decided in-kernel: Sinkhorn-like rescaling while it pays off, damped Newton
+  (the ``k x k`` system ``K = diag(counts) - sum_i P_i P_i^T`` plus a ridge, solved by Gaussian elimination
+  on a ``(KP, KP)`` float64 register tile, :func:`_solve_ridged`) with an error-or-Armijo backtracking line
+  search, the stall and convergence tests. A last pass writes the plan ``(k + 1, n)``;
+* backward (:func:`_sorted_backward_kernel`): the ``_vjp`` of ``SortedSoftTopKFunction``, two passes over the
+  plan (``b`` and ``K``, then the gradient) around one in-kernel ``k x k`` solve.
+
+This module imports ``triton``: ``sorted_soft_topk_op.kernel_module`` loads it on the first launch (the package
+never imports it otherwise). Only APIs present in Triton 3.6 are used.
+"""
+
+import triton
+import triton.language as tl
+
+# the torch path's constants (semi_dual_newton): Armijo's slope factor, trials per line search, rescaling steps at
+# most and the error ratio each must gain to go on; kernels read globals only as constexpr
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+ARMIJO = tl.constexpr(1e-4)
+MAX_BACKTRACK = tl.constexpr(12)
+RESCALE_STEPS = tl.constexpr(4)
+RESCALE_GAIN = tl.constexpr(8.0)
+
+
+@triton.jit
+def _div(x, y):
+    """``x / y`` rounded as IEEE division (torch's), whatever Triton's default division for float32."""
+    if x.dtype == tl.float32:
+        return tl.math.div_rn(x, y)
+    else:
+        return x / y
+
+
+@triton.jit
+def _plan_tile(Z, VALID, offs, n, y_eps2, shift, anchor, k, CUT, HAS_MASK: tl.constexpr):
+    """``(P, valid, log2 normaliser)`` of the entries ``offs``: ``P`` ``(BLOCK, KP)`` in the scores' dtype,
+    the softmax over the ``k + 1`` anchors of ``z_i y_r / eps + g_r`` (0 on padded lanes and excluded entries),
+    the exponents clamped at ``CUT`` as the torch path's."""
+    inside = offs < n
+    z = tl.load(Z + offs, mask=inside, other=0.0)
+    valid = inside
+    if HAS_MASK:
+        valid = valid & (tl.load(VALID + offs, mask=inside, other=0) != 0)
+    used = anchor <= k  # (1, KP)
+    logits = z.to(tl.float64)[:, None] * y_eps2 + shift
+    logits = tl.where(used, logits, float("-inf"))
+    top = tl.max(logits, axis=1)
+    e = tl.exp2(tl.maximum((logits - top[:, None]).to(z.dtype), CUT))
+    e = tl.where(used, e, 0.0)
+    total = tl.sum(e, axis=1)
+    P = tl.where(valid[:, None], _div(e, total[:, None]), 0.0)
+    P = tl.where((z == z)[:, None], P, float("nan"))  # NaN scores (unchecked calls) give NaN, as in torch
+    return P, valid, tl.log2(total.to(tl.float64)) + top
+
+
+@triton.jit
+def _evaluate(Z, VALID, n, g, y_eps2, rest_bias, anchor, k, CUT, HAS_MASK: tl.constexpr, BLOCK: tl.constexpr,
+              KP: tl.constexpr):
+    """One pass over the row at potentials ``g`` ``(KP,)``: ``(counts (KP,) float64, sum_i lse_i (log2
+    units, float64), Gram (KP, KP) in the scores' dtype)``."""
+    shift = ((g + rest_bias) * LOG2E)[None, :]
+    counts = tl.zeros((KP,), dtype=tl.float64)
+    lse = tl.zeros((BLOCK,), dtype=tl.float64)
+    gram = tl.zeros((KP, KP), dtype=Z.dtype.element_ty)
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        P, valid, lse_i = _plan_tile(Z, VALID, offs, n, y_eps2, shift, anchor, k, CUT, HAS_MASK)
+        counts += tl.sum(P.to(tl.float64), axis=0)
+        lse += tl.where(valid, lse_i, 0.0)
+        gram += tl.dot(tl.trans(P), P, input_precision="ieee")
+    return counts, tl.sum(lse, axis=0), gram
+
+
+@triton.jit
+def _marginal_error(counts, target, inv_target):
+    """``max_r |counts_r - target_r| / target_r`` (0 on the rest anchor of rows without one, and on padding)."""
+    return tl.max(tl.abs(counts * inv_target - target * inv_target), axis=0)
+
+
+@triton.jit
+def _hessian(gram, k, no_rest, KP: tl.constexpr):
+    """``K = sum_i diag(P_i) - P_i P_i^T`` over the k ranks, float64 ``(KP, KP)`` (identity on padding).
+
+    As ``anchor_hessian``: off-diagonal ``-G_rs``, diagonal ``sum_{s != r} G_rs`` over all ``k + 1`` anchors
+    (equal to ``sum_i P_ir (1 - P_ir)``, without its cancellation), ``1`` added everywhere in rows without a
+    rest anchor (their constant null vector)."""
+    ri = tl.arange(0, KP)[:, None]
+    ci = tl.arange(0, KP)[None, :]
+    off = tl.where(ri == ci, 0.0, gram.to(tl.float64))
+    diagonal = tl.sum(off, axis=1)[:, None]  # columns past k are 0
+    K = tl.where(ri == ci, diagonal, -off) + tl.where(no_rest, 1.0, 0.0)
+    ranks = (ri < k) & (ci < k)
+    return tl.where(ranks, K, tl.where(ri == ci, 1.0, 0.0))
+
+
+@triton.jit
+def _solve_ridged(K, rhs, k, RIDGE, KP: tl.constexpr):
+    """``(K + ridge I)^{-1} rhs`` over the first k lanes (``solve_ridged``: the ridge is ``RIDGE`` times the
+    largest diagonal entry), by Gauss-Jordan elimination without pivoting (``K`` is symmetric positive
+    semi-definite, the ridge makes the pivots positive) on the float64 register tile, ``rhs`` carried in
+    column k (free: the ranks are lanes ``0..k-1``): k rank-one updates, no back substitution.
+
+    Row and column j are taken by products with one-hot matrices (``tl.dot``: exact, each output one term
+    plus zeros), broadcast as the update needs them; a reduction per step would cost as much on a GPU and,
+    under the interpreter, is a nested kernel call of its own (milliseconds each)."""
+    ri = tl.arange(0, KP)[:, None]
+    ci = tl.arange(0, KP)[None, :]
+    lane = tl.arange(0, KP)
+    diagonal = tl.sum(tl.where(ri == ci, K, 0.0), axis=1)
+    ridge = tl.maximum(tl.max(tl.where(lane < k, diagonal, 0.0), axis=0) * RIDGE, 1e-300)
+    A = K + tl.where((ri == ci) & (ri < k), ridge, 0.0)
+    A = tl.where((ci == k) & (ri < k), rhs[:, None], A)  # K's column k is 0 on the ranks
+    for j in range(0, k):
+        pick_col = tl.where(ri == j, 1.0, 0.0).to(tl.float64)  # A @ pick_col: column j in every column
+        row_j = tl.dot(tl.where(ci == j, 1.0, 0.0).to(tl.float64), A, input_precision="ieee")  # row j, every row
+        col_j = tl.dot(A, pick_col, input_precision="ieee")
+        pivot = tl.dot(row_j, pick_col, input_precision="ieee")
+        # every other row loses its multiple of row j: column j becomes the pivot alone
+        A = A - tl.where(ri == j, 0.0, col_j / pivot) * row_j
+    solved = tl.sum(tl.where(ci == k, A, 0.0), axis=1) / tl.sum(tl.where(ri == ci, A, 0.0), axis=1)
+    return tl.where(lane < k, solved, 0.0)
+
+
+@triton.jit
+def _sorted_forward_kernel(Z, VALID, EPS, N_VALID, G0, PLAN, N_ITER, ERR, n, k, tol_hi, tol_lo, max_iter, CUT,
+                           RIDGE, HAS_MASK: tl.constexpr, BLOCK: tl.constexpr, KP: tl.constexpr):
+    """One program per row: the potentials ``g`` maximising the semi-dual, then the plan.
+
+    Args (per row; ``n`` entries, row-major, contiguous):
+        Z: ``(rows, n)`` prepared scores (0 where excluded). VALID: ``(rows, n)`` uint8, nonzero where the
+        entry takes part (read only with ``HAS_MASK``). EPS: ``(rows,)`` temperatures. N_VALID: ``(rows,)``
+        valid counts (Z's dtype). G0: ``(rows, k + 1)`` float64 hard start. PLAN: ``(rows, k + 1, n)``
+        output. N_ITER: ``(rows,)`` int32 iterations (rescaling and Newton steps). ERR: ``(rows,)``
+        float64 marginal error reached. CUT: the exponent clamp; RIDGE: the solve's relative ridge.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    Z += row * n
+    VALID += row * n
+    PLAN += row * (k + 1) * n
+    tol = tl.cast(tol_hi, tl.float64) + tl.cast(tol_lo, tl.float64)  # scalar arguments: tl.cast, not .to
+    eps = tl.load(EPS + row).to(tl.float64)
+    n_valid = tl.load(N_VALID + row).to(tl.float64)
+    kf = tl.cast(k, tl.float64)
+    no_rest = n_valid == kf
+    lane = tl.arange(0, KP)
+    anchor = lane[None, :]
+    y_eps2 = (tl.where(lane <= k, k - lane, 0).to(tl.float64) * (LOG2E / eps))[None, :]
+    # the rest anchor (lane k) of rows without one takes no mass and has no marginal error
+    rest_bias = tl.where(lane == k, tl.where(no_rest, float("-inf"), 0.0), 0.0)
+    target = tl.where(lane == k, n_valid - kf, 1.0)
+    inv_rest = tl.where(no_rest, 0.0, 1.0 / tl.maximum(n_valid - kf, 1.0))
+    inv_target = tl.where(lane < k, 1.0, tl.where(lane == k, inv_rest, 0.0))
+    g = tl.load(G0 + row * (k + 1) + lane, mask=lane <= k, other=0.0)
+    # The point reached (potentials, counts, log-normalisers, Gram matrix, error) and the state of the steps:
+    # every trial, whether the start, a rescaling or a Newton step at some length, is one evaluation below
+    # (one call site: the kernel's code holds one copy of the pass).
+    counts = tl.zeros((KP,), dtype=tl.float64)
+    lse = tl.cast(0.0, tl.float64)
+    gram = tl.zeros((KP, KP), dtype=Z.dtype.element_ty)
+    err = tl.cast(float("inf"), tl.float64)
+    step = tl.zeros((KP,), dtype=tl.float64)
+    alpha = tl.cast(1.0, tl.float64)
+    F = tl.cast(0.0, tl.float64)
+    slope = tl.cast(0.0, tl.float64)
+    fresh = 1  # the first trial is the hard start itself
+    going = 0  # rescaling goes on (semi_dual_newton._rescale)
+    rescaled = 0
+    n_newton = 0
+    stalled = 0
+    tries = 0  # trials of the Newton step in progress (0: none in progress)
+    in_rescale = 0
+    active = 1
+    while active != 0:
+        if fresh != 0:
+            trial = g
+        elif in_rescale != 0:  # Sinkhorn-like: g_r += log(target_r / count_r), relative to the rest anchor's
+            log_ratio = tl.log(target / tl.maximum(counts, 1e-300))
+            rest_shift = tl.where(no_rest, 0.0, tl.sum(tl.where(lane == k, log_ratio, 0.0), axis=0))
+            trial = g + tl.where(lane < k, tl.minimum(tl.maximum(log_ratio - rest_shift, -50.0), 50.0), 0.0)
+        elif tries == 0:  # a Newton step from the point reached (semi_dual_newton._maximise)
+            n_newton += 1
+            grad = tl.where(lane < k, target - counts, 0.0)
+            step = _solve_ridged(_hessian(gram, k, no_rest, KP), grad, k, RIDGE, KP)
+            step = tl.where((step == step) & (tl.abs(step) < float("inf")), step, 0.0)  # nan_to_num
+            F = tl.sum(tl.where(lane < k, g, 0.0), axis=0) - LN2 * lse
+            slope = tl.sum(grad * step, axis=0)
+            alpha = tl.cast(1.0, tl.float64)
+            trial = g + step
+        else:  # backtracking
+            alpha = 0.5 * alpha
+            trial = g + alpha * step
+        t_counts, t_lse, t_gram = _evaluate(Z, VALID, n, trial, y_eps2, rest_bias, anchor, k, CUT, HAS_MASK, BLOCK,
+                                            KP)
+        t_err = _marginal_error(t_counts, target, inv_target)
+        if fresh != 0:
+            accept = fresh != 0  # whatever its error (NaN data: NaN results, as the torch path's)
+            going = tl.where(t_err > 1.0, 1, 0)
+        elif in_rescale != 0:
+            rescaled += 1
+            accept = t_err < err
+            going = tl.where(accept & (t_err * RESCALE_GAIN <= err) & (t_err > tol), 1, 0)
+        else:
+            # a step is kept if it lowers the marginal error or passes Armijo's test on F
+            t_F = tl.sum(tl.where(lane < k, trial, 0.0), axis=0) - LN2 * t_lse
+            accept = (t_err < err) | (t_F >= F + ARMIJO * alpha * slope)
+            tries += 1
+            if accept | (tries >= MAX_BACKTRACK):
+                # at the floating-point floor progress stops: three steps without 1% less error end the solve
+                stalled = tl.where(t_err < 0.99 * err, 0, stalled + 1)
+                tries = 0
+        g = tl.where(accept, trial, g)
+        counts = tl.where(accept, t_counts, counts)
+        lse = tl.where(accept, t_lse, lse)
+        gram = tl.where(accept, t_gram, gram)
+        err = tl.where(accept, t_err, err)
+        fresh = 0
+        in_rescale = tl.where((going != 0) & (rescaled < tl.minimum(max_iter, RESCALE_STEPS)), 1, 0)
+        newton_goes_on = (err > tol) & (stalled < 3) & (n_newton < max_iter - rescaled)
+        active = tl.where((in_rescale != 0) | (tries > 0) | newton_goes_on, 1, 0)
+    tl.store(N_ITER + row, rescaled + n_newton)
+    tl.store(ERR + row, err)
+    shift = ((g + rest_bias) * LOG2E)[None, :]
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        P, valid, lse_i = _plan_tile(Z, VALID, offs, n, y_eps2, shift, anchor, k, CUT, HAS_MASK)
+        tl.store(PLAN + anchor * n + offs[:, None], P, mask=(offs < n)[:, None] & (anchor <= k))
+
+
+@triton.jit
+def _sorted_backward_kernel(PLAN, GRAD, EPS, NO_REST, GRAD_Z, n, k, RIDGE, BLOCK: tl.constexpr, KP: tl.constexpr):
+    """One program per row: ``SortedSoftTopKFunction._vjp``.
+
+    With ``G`` the plan's gradient on the ranks, ``Gbar_i = sum_r P_ir G_ir``, ``b_r = sum_i P_ir (G_ir -
+    Gbar_i)``, ``u = K^{-1} b`` and ``ybar_i = sum_r P_ir y_r``: ``grad_z_i = (sum_r P_ir y_r (G_ir - u_r) -
+    ybar_i (Gbar_i - sum_r P_ir u_r)) / eps``.
+
+    Args: PLAN, GRAD: ``(rows, k + 1, n)`` contiguous (the forward's plan, its gradient: the rest anchor's row
+    is not read); EPS: ``(rows,)`` temperatures in the scores' units (``inf``: gradient 0); NO_REST:
+    ``(rows,)`` uint8, rows with exactly k valid entries; GRAD_Z: ``(rows, n)`` the result.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    PLAN += row * (k + 1) * n
+    GRAD += row * (k + 1) * n
+    GRAD_Z += row * n
+    eps = tl.load(EPS + row)
+    no_rest = tl.load(NO_REST + row) != 0
+    lane = tl.arange(0, KP)
+    anchor = lane[None, :]
+    rank = anchor < k
+    y = tl.where(rank, k - anchor, 0).to(PLAN.dtype.element_ty)
+    b = tl.zeros((KP,), dtype=tl.float64)
+    gram = tl.zeros((KP, KP), dtype=PLAN.dtype.element_ty)
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        inside = (offs < n)[:, None]
+        P = tl.load(PLAN + anchor * n + offs[:, None], mask=inside & (anchor <= k), other=0.0)
+        PG = P * tl.load(GRAD + anchor * n + offs[:, None], mask=inside & rank, other=0.0)
+        G_bar = tl.sum(PG, axis=1)
+        b += tl.sum(PG.to(tl.float64), axis=0) - tl.sum(tl.where(rank, P * G_bar[:, None], 0.0).to(tl.float64),
+                                                        axis=0)
+        gram += tl.dot(tl.trans(P), P, input_precision="ieee")
+    u = _solve_ridged(_hessian(gram, k, no_rest, KP), b, k, RIDGE, KP).to(PLAN.dtype.element_ty)[None, :]
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        inside = (offs < n)[:, None]
+        P = tl.load(PLAN + anchor * n + offs[:, None], mask=inside & rank, other=0.0)
+        PG = P * tl.load(GRAD + anchor * n + offs[:, None], mask=inside & rank, other=0.0)
+        G_bar = tl.sum(PG, axis=1)
+        y_bar = tl.sum(P * y, axis=1)
+        direct_minus_implicit = tl.sum(y * (PG - P * u), axis=1)
+        Pu = tl.sum(P * u, axis=1)
+        grad_z = _div(direct_minus_implicit - y_bar * (G_bar - Pu), eps)
+        tl.store(GRAD_Z + offs, grad_z, mask=offs < n)

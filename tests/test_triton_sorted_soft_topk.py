@@ -1,0 +1,334 @@
+"""sorted_soft_topk's Triton kernels (``backend="triton"``) against the torch path.
+
+As in test_triton_soft_topk.py: on a GPU the kernel tests run here on CUDA tensors; without one,
+:func:`test_kernels_under_the_interpreter` runs them in a child pytest with ``TRITON_INTERPRET=1`` (Triton fixes
+its mode at import). The interpreter runs each block iteration in Python, so the rows are a few hundred entries,
+one or a few blocks long. Lowering to GPU code is checked by compiling both kernels for sm_90 and sm_80 (no GPU
+needed). Tests that need triton skip, with the reason, where it is not installed.
+"""
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import clean_env
+from fairseq_softtopk.ops import sorted_soft_topk
+from fairseq_softtopk.ops.kernels import (KernelFallbackWarning, backend as backend_module, fallback_counts,
+                                          reset_fallback_counts, triton_available)
+from fairseq_softtopk.ops.kernels import soft_topk_op, sorted_soft_topk_op
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+IN_PROCESS = DEVICE == "cuda" or backend_module.interpreter_requested()
+needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed (pip install triton; "
+                                                                 "the dev extra has it)")
+kernel_test = pytest.mark.skipif(
+    not (IN_PROCESS and triton_available()),
+    reason="no GPU: run in a child process under TRITON_INTERPRET=1 by test_kernels_under_the_interpreter"
+    if triton_available() else "triton is not installed (pip install triton; the dev extra has it)")
+
+
+@needs_triton
+@pytest.mark.skipif(IN_PROCESS, reason="the kernel tests run in this process")
+def test_kernels_under_the_interpreter(repo_root):
+    """Every kernel test of this file, in a child pytest started with ``TRITON_INTERPRET=1``."""
+    env = dict(clean_env(), TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                           __file__, "-k", "test_kernel_"],
+                          cwd=repo_root, env=env, capture_output=True, text=True)
+    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert "passed" in summary and "skipped" not in summary, proc.stdout[-3000:]
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """A list that grows by one for each call sent to the kernels."""
+    calls, kernel = [], sorted_soft_topk_op.sorted_soft_topk_kernel
+
+    def counted(*args, **kwargs):
+        calls.append(args[2])  # k
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(sorted_soft_topk_op, "sorted_soft_topk_kernel", counted)
+    return calls
+
+
+def _run(x, k, backend, weights, **kwargs):
+    leaf = x.detach().clone().to(DEVICE).requires_grad_()
+    if kwargs.get("mask") is not None:
+        kwargs["mask"] = kwargs["mask"].to(DEVICE)
+    out, info = sorted_soft_topk(leaf, k, backend=backend, return_info=True, warn=False, **kwargs)
+    grad, = torch.autograd.grad((out * weights.to(DEVICE)).sum(), leaf)
+    return out.detach().cpu(), grad.cpu(), info
+
+
+def assert_matches_torch(x, k, rng, **kwargs):
+    """The kernels give the torch path's values and gradients on ``x`` (float64, solved to ``tol`` 1e-12: to
+    1e-11; float32 at the default tolerance: values to 2e-6, gradients to 1e-4 of their largest, the float32
+    floor of both paths where entries near 1 cancel), converged, with the info's fields as tensors."""
+    dim = kwargs.get("dim", -1)
+    weights = torch.randn(*x.movedim(dim, -1).shape, k, generator=rng, dtype=torch.float64).to(x.dtype)
+    weights = weights.movedim(-2, dim if dim >= 0 else x.dim() + dim)
+    if x.dtype == torch.float64:
+        kwargs.setdefault("tol", 1e-12)
+    out_t, grad_t, info_t = _run(x, k, "torch", weights, **kwargs)
+    out_k, grad_k, info_k = _run(x, k, "triton", weights, **kwargs)
+    assert all(isinstance(v, torch.Tensor) for v in (info_k.n_iter, info_k.marginal_error, info_k.converged))
+    assert out_k.shape == out_t.shape and out_k.dtype == x.dtype
+    assert bool(info_k.converged) and info_t.converged, (info_k, info_t)
+    assert 0 <= int(info_k.n_iter) <= kwargs.get("max_iter", 50)
+    atol = (1e-11, 1e-10) if x.dtype == torch.float64 else (2e-6, 1e-4)
+    torch.testing.assert_close(out_k, out_t, rtol=0, atol=atol[0])
+    torch.testing.assert_close(grad_k, grad_t, rtol=0, atol=atol[1] * float(grad_t.abs().max()))
+
+
+def _scores(rng, rows, n, dtype, excluded=0, masked=0, largest=True):
+    """Standard normal scores; row 0's first ``excluded`` entries the losing infinity, row 1's first ``masked``
+    entries masked. Returns ``(scores, mask or None)``."""
+    x = torch.randn(rows, n, generator=rng, dtype=torch.float64).to(dtype)
+    x[0, :excluded] = -math.inf if largest else math.inf
+    mask = None
+    if masked:
+        mask = torch.zeros(rows, n, dtype=torch.bool)
+        mask[1, :masked] = True
+    return x, mask
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_kernel_masks_and_infinities_match_the_torch_path(rng, dtype):
+    x, mask = _scores(rng, 3, 600, dtype, excluded=40, masked=100)
+    assert_matches_torch(x, 5, rng, epsilon=0.1, mask=mask)
+
+
+@kernel_test
+def test_kernel_ties_and_extreme_k_match_the_torch_path(rng):
+    """Tied scores; k = 1 at a small epsilon; k = n - 1 and k = n (no rest anchor: a full soft sort), the latter
+    also as a masked row keeping exactly k entries."""
+    ties = torch.randint(0, 6, (2, 300), generator=rng).double()
+    assert_matches_torch(ties, 4, rng, epsilon=0.3)
+    x, _ = _scores(rng, 2, 400, torch.float32)
+    assert_matches_torch(x, 1, rng, epsilon=0.05)
+    x, _ = _scores(rng, 2, 20, torch.float64)
+    assert_matches_torch(x, 19, rng, epsilon=0.2)
+    assert_matches_torch(x, 20, rng, epsilon=0.2)
+    mask = torch.zeros(2, 20, dtype=torch.bool)
+    mask[1, 12:] = True
+    assert_matches_torch(x, 8, rng, epsilon=0.2, mask=mask)
+
+
+@kernel_test
+def test_kernel_rows_longer_than_a_block_match_the_torch_path(rng, monkeypatch):
+    """Five blocks of 64 per pass, the last one partly outside the row."""
+    monkeypatch.setattr(sorted_soft_topk_op, "INTERPRETER_MAX_TILE", 1024)
+    monkeypatch.setattr(sorted_soft_topk_op, "MAX_TILE", 1024)
+    assert sorted_soft_topk_op.block_size(300, 5, interpret=DEVICE == "cpu") == 64
+    x, mask = _scores(rng, 2, 300, torch.float32, excluded=10, masked=70)
+    assert_matches_torch(x, 5, rng, epsilon=0.05, mask=mask)
+
+
+@kernel_test
+@pytest.mark.parametrize("cost", ["linear", "sqeuclidean", "paper"])
+def test_kernel_other_dims_smallest_and_costs_match_the_torch_path(rng, cost):
+    x = torch.randn(2, 150, 2, generator=rng, dtype=torch.float64)
+    assert_matches_torch(x, 3, rng, epsilon=0.3, dim=1, largest=False, cost=cost)
+
+
+@kernel_test
+def test_kernel_matches_unrolled_sinkhorn(rng, kernel_calls):
+    """An independent reference: log-domain Sinkhorn, differentiated through its unrolled iterations."""
+    from ot_reference import sinkhorn_topk
+
+    x = torch.randn(2, 13, generator=rng, dtype=torch.float64, requires_grad=True)
+    weights = torch.randn(2, 13, 4, generator=rng, dtype=torch.float64)
+    ref = sinkhorn_topk(x, 4, 0.5, sorted=True)
+    g_ref, = torch.autograd.grad((ref * weights).sum(), x)
+    leaf = x.detach().to(DEVICE).requires_grad_()
+    ours = sorted_soft_topk(leaf, 4, epsilon=0.5, tol=1e-13, backend="triton")
+    g_ours, = torch.autograd.grad((ours * weights.to(DEVICE)).sum(), leaf)
+    assert kernel_calls == [4]
+    torch.testing.assert_close(ours.detach().cpu(), ref.detach(), rtol=0, atol=1e-10)
+    torch.testing.assert_close(g_ours.cpu(), g_ref, rtol=0, atol=1e-8 * float(g_ref.abs().max()))
+
+
+@kernel_test
+def test_kernel_gradcheck_float64(rng, kernel_calls):
+    x = torch.randn(1, 6, generator=rng, dtype=torch.float64).to(DEVICE).requires_grad_()
+    mask = torch.tensor([[False, True, False, False, False, False]], device=DEVICE)
+    assert torch.autograd.gradcheck(
+        lambda v: sorted_soft_topk(v, 3, epsilon=0.4, tol=1e-13, mask=mask, backend="triton"), (x,), fast_mode=True)
+    assert kernel_calls and set(kernel_calls) == {3}
+
+
+@kernel_test
+def test_kernel_ops_pass_opcheck(rng):
+    from fairseq_softtopk.ops._common import oriented_rows, prepare_scores
+
+    x, mask = _scores(rng, 2, 60, torch.float64, masked=10)
+    x = x.to(DEVICE).requires_grad_()
+    prep = prepare_scores(x, 3, -1, True, 0.3, mask.to(DEVICE), "linear", 3)
+    args = (oriented_rows(x, -1, prep), prep.z, prep.valid, prep.eps, prep.grad_eps, prep.top, prep.n_valid,
+            3, 1e-10, 50, True)
+    torch.library.opcheck(torch.ops.fairseq_softtopk.sorted_soft_topk_forward.default, args)
+    plan = sorted_soft_topk_op.sorted_soft_topk_forward(*args)[0]
+    grad = torch.randn(plan.shape, generator=rng, dtype=torch.float64).to(DEVICE)
+    torch.library.opcheck(torch.ops.fairseq_softtopk.sorted_soft_topk_backward.default,
+                          (plan.detach(), grad, prep.grad_eps, prep.n_valid == 3))
+
+
+@kernel_test
+def test_kernel_gradient_scales_with_the_loss(rng, kernel_calls):
+    """The gradient of ``c * L`` is ``c`` times the gradient of ``L`` (exactly for a power of two)."""
+    x = torch.randn(2, 200, generator=rng).to(DEVICE).requires_grad_()
+    weights = torch.randn(2, 200, 4, generator=rng).to(DEVICE)
+    out = sorted_soft_topk(x, 4, epsilon=0.1, backend="triton")
+    grads = [torch.autograd.grad((c * out * weights).sum(), x, retain_graph=True)[0] for c in (1.0, 1024.0, 1e-3)]
+    assert kernel_calls == [4]
+    torch.testing.assert_close(grads[1], 1024.0 * grads[0], rtol=0, atol=0)
+    # 1e-3 rounds: entries whose sums cancel move by the rounding of the largest
+    torch.testing.assert_close(grads[2], 1e-3 * grads[0], rtol=1e-5, atol=1e-6 * float(grads[2].abs().max()))
+
+
+@kernel_test
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning", "ignore:All-NaN slice:RuntimeWarning")
+def test_kernel_fixed_iterations_and_info_tensors(rng):
+    """fixed_iterations=True runs the kernels, each row stopping when it converges (n_iter below the budget);
+    a budget too small is reported as the torch path reports it; empty batches and NaN data."""
+    x = torch.randn(3, 200, generator=rng).to(DEVICE)
+    out_f, info_f = sorted_soft_topk(x, 4, epsilon=0.1, max_iter=20, fixed_iterations=True, return_info=True,
+                                     backend="triton")
+    out_t = sorted_soft_topk(x, 4, epsilon=0.1, max_iter=20, fixed_iterations=True, backend="torch")
+    assert bool(info_f.converged) and int(info_f.n_iter) < 20
+    torch.testing.assert_close(out_f, out_t, rtol=0, atol=1e-5)
+    with pytest.warns(Warning, match="stopped above its tolerance"):
+        _, info = sorted_soft_topk(x, 4, epsilon=0.02, max_iter=1, return_info=True, backend="triton")
+    assert not bool(info.converged) and int(info.n_iter) == 1 and float(info.marginal_error) > 1e-5
+    assert sorted_soft_topk(torch.empty(0, 5, device=DEVICE), 2, backend="triton").shape == (0, 5, 2)
+    x[1, 7] = math.nan  # unchecked data: NaN gives NaN (in that row), as on the torch path
+    out, info = sorted_soft_topk(x, 4, max_iter=5, fixed_iterations=True, return_info=True, backend="triton")
+    assert out.isnan().flatten(1).any(1).tolist() == [False, True, False] and not bool(info.converged)
+
+
+@kernel_test
+def test_kernel_sync_free_call_compiles_as_one_graph(rng, kernel_calls):
+    """fixed_iterations=True with the kernels: torch.compile(fullgraph=True) (no graph break) gives the eager
+    values and gradients."""
+    x = torch.randn(2, 200, generator=rng).to(DEVICE)
+    weights = torch.randn(2, 200, 4, generator=rng).to(DEVICE)
+
+    def select(v):
+        return sorted_soft_topk(v, 4, epsilon=0.1, tol=1e-6, max_iter=20, fixed_iterations=True, backend="triton")
+
+    torch._dynamo.reset()
+    results = []
+    for fn in (select, torch.compile(select, fullgraph=True, backend="aot_eager")):
+        v = x.clone().requires_grad_()
+        out = fn(v)
+        (out * weights).sum().backward()
+        results.append((out.detach(), v.grad))
+    assert kernel_calls  # the eager call (the compiled one traces the custom op, not this function)
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=0, atol=0)
+    torch.testing.assert_close(results[1][1], results[0][1], rtol=0, atol=0)
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("k, limits, reason, message", [
+    (32, {}, "anchors", r"more ranks than the kernels hold in registers \(sorted_soft_topk: k <= 31\)"),
+    (4, {"MAX_PLAN_ENTRIES": 5 * 45 - 1}, "row_length", r"rows longer than the kernels' int32 offsets reach"),
+], ids=["k-above-the-cap", "plan-beyond-int32"])
+def test_calls_the_kernels_cannot_take_run_the_torch_path_and_are_counted(rng, monkeypatch, k, limits, reason,
+                                                                           message):
+    def no_kernel(*args, **kwargs):
+        raise AssertionError("the kernels ran")
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # "triton" resolves to the kernels on CPU tensors
+    monkeypatch.setattr(backend_module, "_triton_import_error", "")
+    monkeypatch.setattr(sorted_soft_topk_op, "sorted_soft_topk_kernel", no_kernel)
+    for name, value in limits.items():
+        monkeypatch.setattr(sorted_soft_topk_op, name, value)
+    x = torch.randn(2, 45, generator=rng, dtype=torch.float64)
+    expected = sorted_soft_topk(x, k, epsilon=0.3, backend="torch")
+    reset_fallback_counts()
+    with pytest.warns(KernelFallbackWarning, match=rf"sorted_soft_topk: the Triton kernels cannot take this call "
+                                                   rf"\({message}\); it ran on the torch path"):
+        got = sorted_soft_topk(x, k, epsilon=0.3, backend="triton")
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert fallback_counts() == {reason: 1}
+    sorted_soft_topk(x, k, epsilon=0.3, backend="auto")  # CPU tensors: the torch path, not a fallback
+    assert fallback_counts() == {reason: 1}
+    with pytest.raises(ValueError, match=r"backend must be one of \('torch', 'triton', 'auto'\), got 'gpu'"):
+        sorted_soft_topk(x, k, backend="gpu")
+    reset_fallback_counts()
+    assert sorted_soft_topk_op.MAX_K == 31 and sorted_soft_topk_op.anchor_lanes(31) == 32
+
+
+def test_fake_implementations_give_shapes_and_dtypes_on_the_meta_device():
+    rows, n, k = 3, 50, 4
+    for dtype in (torch.float32, torch.float64):
+        def meta(*shape, dtype=dtype):
+            return torch.empty(*shape, dtype=dtype, device="meta")
+
+        plan, n_iter, err = torch.ops.fairseq_softtopk.sorted_soft_topk_forward(
+            meta(rows, n), meta(rows, n), meta(rows, n, dtype=torch.bool), meta(rows, 1), meta(rows, 1),
+            meta(rows, k + 1), meta(rows), k, 1e-5, 50, True)
+        assert (plan.shape, plan.dtype, plan.device.type) == ((rows, k + 1, n), dtype, "meta")
+        assert (n_iter.shape, n_iter.dtype, err.shape, err.dtype) == ((rows,), torch.int32, (rows,), torch.float64)
+        grad = torch.ops.fairseq_softtopk.sorted_soft_topk_backward(plan, meta(rows, k + 1, n), meta(rows, 1),
+                                                                    meta(rows, dtype=torch.bool))
+        assert (grad.shape, grad.dtype, grad.device.type) == ((rows, n), dtype, "meta")
+
+
+#: the kernels' arguments (pointer types with D for the scores' dtype); the test fails if a kernel's change
+_SIGNATURES = {
+    "_sorted_forward_kernel": dict(Z="*D", VALID="*u8", EPS="*D", N_VALID="*D", G0="*fp64", PLAN="*D",
+                                   N_ITER="*i32", ERR="*fp64", n="i32", k="i32", tol_hi="fp32", tol_lo="fp32",
+                                   max_iter="i32", CUT="fp32", RIDGE="fp32"),
+    "_sorted_backward_kernel": dict(PLAN="*D", GRAD="*D", EPS="*D", NO_REST="*u8", GRAD_Z="*D", n="i32", k="i32",
+                                    RIDGE="fp32"),
+}
+
+
+@needs_triton
+@pytest.mark.skipif(backend_module.interpreter_requested(), reason="under the interpreter, triton compiles nothing")
+@pytest.mark.parametrize("arch, dtype, lanes", [(90, "fp32", 32), (80, "fp64", 16)])
+def test_every_kernel_compiles_for_the_gpu(arch, dtype, lanes, monkeypatch, tmp_path):
+    """Ahead-of-time compilation to a cubin (no GPU needed): float32 tiles at the largest k on sm_90, float64
+    tiles (the float64 ``tl.dot``) on sm_80; lowering errors the interpreter lets through fail here."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # compiled now, not found in a cache
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile as triton_compile
+
+    module = sorted_soft_topk_op.kernel_module()
+    for name, signature in _SIGNATURES.items():
+        kernel = getattr(module, name)
+        constexprs = {"BLOCK": sorted_soft_topk_op.MAX_TILE // lanes, "KP": lanes}
+        if "HAS_MASK" in kernel.arg_names:
+            constexprs["HAS_MASK"] = True
+        assert set(kernel.arg_names) == set(signature) | set(constexprs), name
+        types = {arg: kind.replace("D", dtype) for arg, kind in signature.items()}
+        types.update({arg: "constexpr" for arg in constexprs})
+        compiled = triton_compile(ASTSource(fn=kernel, signature=types, constexprs=constexprs),
+                                  target=GPUTarget("cuda", arch, 32),
+                                  options=soft_topk_op._launch_options(sorted_soft_topk_op.MAX_TILE))
+        assert compiled.asm["cubin"], (name, arch, dtype)
+
+
+@kernel_test
+@pytest.mark.parametrize("old, new", [
+    ("K = tl.where(ri == ci, diagonal, -off)", "K = tl.where(ri == ci, diagonal, off)"),  # the Hessian's sign
+    ("Pu = tl.sum(P * u, axis=1)", "Pu = 0.0 * tl.sum(P * u, axis=1)"),  # the backward's implicit term dropped
+], ids=["hessian-sign", "backward-implicit"])
+def test_kernel_mutant_fails_the_comparison(rng, monkeypatch, tmp_path, old, new):
+    x, _ = _scores(rng, 2, 200, torch.float32)
+    assert_matches_torch(x, 4, rng, epsilon=0.2)  # the kernels as they are pass
+    source = sorted_soft_topk_op.KERNEL_FILE.read_text()
+    assert source.count(old) == 1, old
+    path = tmp_path / "sorted_soft_topk_triton.py"
+    path.write_text(source.replace(old, new))
+    monkeypatch.setattr(sorted_soft_topk_op, "KERNEL_FILE", path)
+    monkeypatch.setattr(sorted_soft_topk_op, "_kernel_modules", {})
+    with pytest.raises(AssertionError):
+        assert_matches_torch(x, 4, rng, epsilon=0.2)
