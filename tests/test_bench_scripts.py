@@ -393,18 +393,6 @@ def _table_rows(text: str, names) -> dict:
     return rows
 
 
-def _lift_the_kernel_skip(monkeypatch, module):
-    """The kernel rows computed on the CPU: TRITON_INTERPRET=1 lets ``backend="triton"`` take CPU tensors. The
-    operators these rows reach have no kernels yet (they run the torch path, counted as fallbacks); ``triton``
-    is kept from being imported here (under the interpreter it would stay so for the rest of this process)."""
-    from fairseq_softtopk.ops.kernels import backend
-
-    monkeypatch.setattr(module, "triton_skip_reason", lambda device: "")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(backend, "triton_import_error", lambda: "")
-    monkeypatch.setitem(sys.modules, "triton", None)
-
-
 TINY_TRAIN = ["--arch", "softtopk_lstm_tiny", "--updates", "1", "--warmup", "0", "--max-tokens", "200", "--threads",
               "1", "--beam", "3", "--profile-updates", "1", "--count-updates", "1", "--in-process"]
 
@@ -431,27 +419,6 @@ def test_bench_train_lists_the_kernel_rows_and_skips_them_off_cuda():
     assert "CUDA launches/step and CUDA syncs/step: n/a (not on CUDA)" in bench_train.format_count_table(summary)
 
 
-def test_bench_train_computes_the_kernel_row_with_the_skip_lifted(toy_data_bin, monkeypatch, capsys):
-    _lift_the_kernel_skip(monkeypatch, bench_train)
-    threads = torch.get_num_threads()
-    try:
-        assert bench_train.main(["--data", str(toy_data_bin[1]), *TINY_TRAIN, "--configs", "beam_soft:triton"]) == 0
-    finally:
-        torch.set_num_threads(threads)
-    timing, counting = capsys.readouterr().out.split("launches (dispatched ATen operations)")
-    names = ["beam_soft:triton"]
-    assert float(_table_rows(timing, names)["beam_soft:triton"][1]) > 0  # ms/update
-    header = next(line for line in counting.splitlines() if line.startswith("| config |"))
-    counts = {name: dict(zip([c.strip() for c in header.split("|")[2:-1]], row))
-              for name, row in _table_rows(counting, names).items()}
-    assert all(float(c["solve"]) > 0 and float(c["solve bwd"]) > 0 for c in counts.values())
-    assert "CUDA launches/step and CUDA syncs/step: n/a (not on CUDA)" in counting
-    # every solve of the kernel row asked for the kernels: one fallback per decoding step (the sorted operator
-    # has none yet)
-    fallbacks = re.findall(r"^kernel fallbacks per step .*?: (.*)$", counting, re.M)
-    assert fallbacks == ["beam_soft:triton: no_kernel 1.0"], counting
-
-
 bench_attention = script_module("bench/bench_attention.py")
 TINY_ATTENTION = ["--updates", "1", "--warmup", "0", "--repeats", "1", "--max-tokens", "200"]
 
@@ -469,10 +436,56 @@ def test_bench_attention_lists_the_kernel_rows_and_skips_them_off_cuda(toy_data_
     assert int(rows["sparse_topk"][4]) > int(rows["softmax"][4])  # the operator's solve and its backward
 
 
+def _lift_the_kernel_skip(monkeypatch, module, op_module, dispatch) -> list:
+    """The kernel rows computed on the CPU, on the torch path: TRITON_INTERPRET=1 lets ``backend="triton"`` take
+    CPU tensors, and the operator's kernel dispatch ``op_module.dispatch`` is replaced by a spy that records the
+    backend it is asked for and declines (the interpreter runs the beam search's or the attention's thousands of
+    small rows far too slowly for a test; the kernels themselves are tested in tests/test_triton_*.py). ``triton``
+    is kept from being imported here (under the interpreter it would stay so for the rest of this process).
+    Returns the list of backends the dispatch was asked for."""
+    from fairseq_softtopk.ops.kernels import backend
+
+    monkeypatch.setattr(module, "triton_skip_reason", lambda device: "")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(backend, "triton_import_error", lambda: "")
+    monkeypatch.setitem(sys.modules, "triton", None)
+    asked = []
+
+    def spy(backend_name, *args):
+        asked.append(backend_name)
+        return False
+
+    monkeypatch.setattr(op_module, dispatch, spy)
+    return asked
+
+
+def test_bench_train_computes_the_kernel_row_with_the_skip_lifted(toy_data_bin, monkeypatch, capsys):
+    from fairseq_softtopk.ops.kernels import sorted_soft_topk_op
+
+    asked = _lift_the_kernel_skip(monkeypatch, bench_train, sorted_soft_topk_op, "use_sorted_soft_topk_kernel")
+    threads = torch.get_num_threads()
+    try:
+        assert bench_train.main(["--data", str(toy_data_bin[1]), *TINY_TRAIN, "--configs", "beam_soft:triton"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    timing, counting = capsys.readouterr().out.split("launches (dispatched ATen operations)")
+    names = ["beam_soft:triton"]
+    assert float(_table_rows(timing, names)["beam_soft:triton"][1]) > 0  # ms/update
+    header = next(line for line in counting.splitlines() if line.startswith("| config |"))
+    counts = {name: dict(zip([c.strip() for c in header.split("|")[2:-1]], row))
+              for name, row in _table_rows(counting, names).items()}
+    assert all(float(c["solve"]) > 0 and float(c["solve bwd"]) > 0 for c in counts.values())
+    assert "CUDA launches/step and CUDA syncs/step: n/a (not on CUDA)" in counting
+    assert asked and set(asked) == {"triton"}  # every solve of the row asked for the kernels
+
+
 def test_bench_attention_computes_the_kernel_row_with_the_skip_lifted(toy_data_bin, monkeypatch, capsys):
-    _lift_the_kernel_skip(monkeypatch, bench_attention)
+    from fairseq_softtopk.ops.kernels import soft_topk_op
+
+    asked = _lift_the_kernel_skip(monkeypatch, bench_attention, soft_topk_op, "use_soft_topk_kernel")
     assert bench_attention.main(["--data", str(toy_data_bin[1]), *TINY_ATTENTION, "--normalizers",
-                                 "sparse_topk:triton"]) == 0
-    row = _table_rows(capsys.readouterr().out, ["sparse_topk:triton"])["sparse_topk:triton"]
-    assert float(row[1]) > 0 and int(row[4]) > 0 and row[5:7] == ["n/a", "n/a"]
-    assert int(row[7]) > 0  # each attention call asked for the kernels (sparse_soft_topk has none yet)
+                                 "soft_topk:triton"]) == 0
+    row = _table_rows(capsys.readouterr().out, ["soft_topk:triton"])["soft_topk:triton"]
+    # ms, launches, CUDA launches and syncs (n/a off CUDA), fallbacks per update
+    assert float(row[1]) > 0 and int(row[4]) > 0 and row[5:] == ["n/a", "n/a", "0"]
+    assert asked and set(asked) == {"triton"}  # every attention call asked for the kernels

@@ -389,3 +389,15 @@ def test_operators_without_a_kernel_run_the_torch_path_and_count_the_calls_sent_
     with pytest.raises(ValueError, match=r"backend must be one of \('torch', 'triton', 'auto'\), got 'gpu'"):
         operator(x, 4, backend="gpu")
     reset_fallback_counts()
+
+
+@kernel_test
+def test_the_kernel_path_names_its_profiler_ranges_as_the_torch_path(rng):
+    """bench_train and bench_attention attribute launches by these ranges: the kernels' backward has the torch path's."""
+    leaf = torch.randn(2, 300, generator=rng).to(DEVICE).requires_grad_()
+    names = {}
+    for backend in ("torch", "triton"):
+        with torch.profiler.profile() as prof:
+            soft_topk(leaf, 3, backend=backend).sum().backward()
+        names[backend] = {e.name for e in prof.events() if e.name.startswith("softtopk::")}
+    assert names["triton"] == names["torch"] == {"softtopk::soft_topk", "softtopk::soft_topk_backward"}

@@ -332,3 +332,15 @@ def test_kernel_mutant_fails_the_comparison(rng, monkeypatch, tmp_path, old, new
     monkeypatch.setattr(sorted_soft_topk_op, "_kernel_modules", {})
     with pytest.raises(AssertionError):
         assert_matches_torch(x, 4, rng, epsilon=0.2)
+
+
+@kernel_test
+def test_the_kernel_path_names_its_profiler_ranges_as_the_torch_path(rng):
+    """bench_train and bench_attention attribute launches by these ranges: the kernels' backward has the torch path's."""
+    leaf = torch.randn(2, 300, generator=rng).to(DEVICE).requires_grad_()
+    names = {}
+    for backend in ("torch", "triton"):
+        with torch.profiler.profile() as prof:
+            sorted_soft_topk(leaf, 3, backend=backend).sum().backward()
+        names[backend] = {e.name for e in prof.events() if e.name.startswith("softtopk::")}
+    assert names["triton"] == names["torch"] == {"softtopk::sorted_soft_topk", "softtopk::sorted_soft_topk_backward"}

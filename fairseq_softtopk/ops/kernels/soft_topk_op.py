@@ -178,7 +178,10 @@ def _backward(ctx, grad_out, grad_logits, grad_n_iter, grad_err):
     # A_i = sigmoid(z_i / eps - t(z)) with sum_i A_i = k: grad_z = w (g - sum w g / sum w) / eps, w = A (1 - A)
     # (SoftTopKFunction.backward gives the derivation).
     logits, grad_eps = ctx.saved_tensors
-    grad_x = soft_topk_backward(logits, grad_out, grad_eps) if ctx.needs_input_grad[0] else None
+    grad_x = None
+    if ctx.needs_input_grad[0]:
+        with torch.profiler.record_function("softtopk::soft_topk_backward"):  # the torch path's range
+            grad_x = soft_topk_backward(logits, grad_out, grad_eps)
     return (grad_x,) + (None,) * 10
 
 
