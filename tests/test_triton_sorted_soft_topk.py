@@ -344,3 +344,32 @@ def test_the_kernel_path_names_its_profiler_ranges_as_the_torch_path(rng):
             sorted_soft_topk(leaf, 3, backend=backend).sum().backward()
         names[backend] = {e.name for e in prof.events() if e.name.startswith("softtopk::")}
     assert names["triton"] == names["torch"] == {"softtopk::sorted_soft_topk", "softtopk::sorted_soft_topk_backward"}
+
+
+@kernel_test
+@pytest.mark.parametrize("fixed_iterations", [False, True])
+def test_a_beam_search_step_on_the_kernels_selects_as_the_torch_path(rng, fixed_iterations, monkeypatch):
+    """select_beams with ``backend="triton"``: the same candidates, beam weights and gradients as the torch path."""
+    from fairseq_softtopk.modules.beam_search_config import BeamSearchConfig
+    from fairseq_softtopk.modules.beam_selection import select_beams
+
+    launched, kernel = [], sorted_soft_topk_op.sorted_soft_topk_kernel
+    monkeypatch.setattr(sorted_soft_topk_op, "sorted_soft_topk_kernel",
+                        lambda *args: launched.append(1) or kernel(*args))
+
+    scores = (3.0 * torch.randn(2, 90, generator=rng)).log_softmax(-1).to(DEVICE)
+    weights = torch.randn(2, 90, 3, generator=rng).to(DEVICE)
+    results = {}
+    for backend in ("torch", "triton"):
+        leaf = scores.clone().requires_grad_()
+        config = BeamSearchConfig(beam=3, epsilon=0.1, tol=1e-5, max_iter=30, fixed_iterations=fixed_iterations,
+                                  backend=backend)
+        selection = select_beams(leaf, 3, config, leaf.detach().topk(4).values[:, -1:])
+        dense = torch.zeros(2, 90, 3, device=DEVICE).scatter_add(
+            1, selection.candidates.unsqueeze(-1).expand(-1, -1, 3), selection.weights)
+        grad, = torch.autograd.grad((dense * weights).sum(), leaf)
+        results[backend] = (dense.detach().cpu(), grad.cpu())
+    torch.testing.assert_close(results["triton"][0], results["torch"][0], rtol=0, atol=2e-6)
+    torch.testing.assert_close(results["triton"][1], results["torch"][1], rtol=1e-4, atol=1e-4)
+    assert results["torch"][1].abs().max() > 1e-2  # the selection's gradient is there to compare
+    assert launched == [1]  # the torch path's call did not launch, the kernels' did
