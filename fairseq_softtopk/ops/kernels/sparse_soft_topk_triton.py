@@ -137,10 +137,18 @@ def _sparse_threshold_kernel(Z, VALID, TOP, OUT, BASE, TAU, N_ITER, n, top_cols,
     lo = -gap.to(tl.float64) - 1.0
     hi = tl.zeros((), dtype=tl.float64)
     t = 0.5 * (lo + hi)
-    tau = t
     width = hi - lo
     stalled = tl.zeros((), dtype=tl.int32)
     n_iter = tl.zeros((), dtype=tl.int32)
+    # the piece that holds the root, once found: its trial point, h - k there, its free entries' sums, its ends
+    found = tl.zeros((), dtype=tl.int1)
+    piece_t = t
+    piece_excess = tl.zeros((), dtype=tl.float64)
+    piece_m = tl.zeros((), dtype=tl.float64)
+    piece_s1 = tl.zeros((), dtype=tl.float64)
+    piece_s2 = tl.zeros((), dtype=tl.float64)
+    piece_ua = tl.zeros((), dtype=tl.float64)
+    piece_ub = tl.zeros((), dtype=tl.float64)
     while (done == 0) & (n_iter < max_iter):
         h, m, c0, c1, s1, s2, s3, right, left = _piece_sums(Z, VALID, n, t, HAS_MASK, POWER, BLOCK)
         n_iter += 1
@@ -149,17 +157,23 @@ def _sparse_threshold_kernel(Z, VALID, TOP, OUT, BASE, TAU, N_ITER, n, top_cols,
         m = tl.where(up, m, m - c1 + c0)
         s1 = tl.where(up, s1, s1 - c1)
         s2 = tl.where(up, s2, s2 - c1)
-        ua = tl.where(up, 0.0, -tl.minimum(left, 8.0))  # rows lie in [-3, 1]: 8 is beyond every breakpoint
-        ub = tl.where(up, tl.minimum(right, 8.0), 0.0)
+        # the piece's ends relative to t (rows lie in [-3, 1]: 8 is beyond every breakpoint); h(t) = k: t itself
+        ua = tl.where(up | (excess == 0), 0.0, -tl.minimum(left, 8.0))
+        ub = tl.where(up & (excess != 0), tl.minimum(right, 8.0), 0.0)
         crosses = (_piece_excess(ua, excess, m, s1, s2, POWER) >= 0) & \
                   (_piece_excess(ub, excess, m, s1, s2, POWER) <= 0)
-        u = tl.minimum(tl.maximum(_piece_root(excess, m, s1, s2, ua, POWER), ua), ub)
-        u = tl.where(excess == 0, 0.0, u)
-        done = crosses | (excess == 0)
-        tau = t + u
+        crosses = crosses | (excess == 0)
+        found = found | crosses
+        piece_t = tl.where(crosses, t, piece_t)
+        piece_excess = tl.where(crosses, excess, piece_excess)
+        piece_m = tl.where(crosses, m, piece_m)
+        piece_s1 = tl.where(crosses, s1, piece_s1)
+        piece_s2 = tl.where(crosses, s2, piece_s2)
+        piece_ua = tl.where(crosses, ua, piece_ua)
+        piece_ub = tl.where(crosses, ub, piece_ub)
         # no root on this piece: its far end bounds the root
-        lo = tl.where(up & (done == 0), tl.maximum(lo, t + ub), lo)
-        hi = tl.where(up | done, hi, tl.minimum(hi, t + ua))
+        lo = tl.where(up & (crosses == 0), tl.maximum(lo, t + ub), lo)
+        hi = tl.where(up | crosses, hi, tl.minimum(hi, t + ua))
         slope = m
         if POWER == 3:
             slope = 3.0 * s2
@@ -170,11 +184,11 @@ def _sparse_threshold_kernel(Z, VALID, TOP, OUT, BASE, TAU, N_ITER, n, top_cols,
         stalled = tl.where(bisect, 0, stalled)
         width = tl.where(bisect, hi - lo, width)
         t = tl.where(bisect, 0.5 * (lo + hi), newton)
-        # a bracket at the resolution of float64: its middle is the root to rounding
-        collapsed = (done == 0) & (hi - lo <= RESOLUTION * (1.0 + tl.abs(t)))
-        tau = tl.where(collapsed, 0.5 * (lo + hi), tau)
-        done = done | collapsed
-    tau = tl.where(done, tau, 0.5 * (lo + hi))  # max_iter passes: the bracket's middle
+        # a bracket at the resolution of float64 (its middle is the root to rounding) ends the search too
+        done = found | (hi - lo <= RESOLUTION * (1.0 + tl.abs(t)))
+    u = _piece_root(piece_excess, piece_m, piece_s1, piece_s2, piece_ua, POWER)
+    u = tl.minimum(tl.maximum(u, piece_ua), piece_ub)
+    tau = tl.where(found, piece_t + u, 0.5 * (lo + hi))  # not found: a collapsed bracket, or max_iter passes
     z_dtype = Z.dtype.element_ty
     tau_row = tl.where(gap >= 1.0, tau_hard, tau.to(z_dtype))
     tl.store(TAU + row, tau_row.to(tl.float64))
