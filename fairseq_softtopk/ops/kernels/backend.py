@@ -25,6 +25,7 @@ BACKENDS = ("torch", "triton", "auto")
 FALLBACK_REASONS = {
     "row_length": "rows longer than the kernels' int32 offsets reach",
     "no_kernel": "this operator has no Triton kernel yet",
+    "rank_count": "more ranks (k) than the kernels hold in registers",
 }
 
 _fallbacks: Dict[str, int] = collections.Counter()
