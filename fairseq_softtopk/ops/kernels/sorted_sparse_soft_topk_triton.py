@@ -96,7 +96,7 @@ def _solve(H, rhs, k, RIDGE: tl.constexpr, KP: tl.constexpr):
     m = tl.cast(k, tl.float64) + 1.0
     A = tl.where(anchor, H + 1.0 / m + tl.where(diag, RIDGE * scale, 0.0), tl.where(diag, 1.0, 0.0))
     r = tl.where(tl.arange(0, KP) <= k, rhs, 0.0)
-    for j in tl.static_range(KP):
+    for j in range(0, KP):  # a loop, not unrolled: the code stays small at any KP
         row_j = tl.sum(tl.where(rows == j, A, 0.0), axis=0)  # (KP,) over columns
         col_j = tl.sum(tl.where(cols == j, A, 0.0), axis=1)  # (KP,) over rows
         pivot = tl.sum(tl.where(tl.arange(0, KP) == j, row_j, 0.0), axis=0)
@@ -130,33 +130,46 @@ def _sorted_sparse_kernel(X, VALID, B_START, N_VALID, RANKS, B, ERR, N_ITER, n, 
     no_rest = n_valid == k
     nu = tl.where(cols < k, 1.0, tl.where(anchor, n_valid - k, 0.0))
     b = tl.load(B_START + row * (k + 1) + cols, mask=anchor, other=0.0)
-    colsum, terms, H = _pass(X, VALID, n, b, k, no_rest, HAS_MASK, KP, BLOCK)
-    F = tl.sum(nu * b, axis=0) - terms
-    err = tl.max(tl.abs(colsum - nu) / tl.maximum(nu, 1.0), axis=0)
+    # one loop over trial points (the start, then each Newton step's step sizes 1, 1/2, ...): one pass per trial,
+    # one call site of the pass (the compiled code stays small)
+    trial_b = b
+    colsum = tl.zeros((KP,), dtype=tl.float64)
+    H = tl.zeros((KP, KP), dtype=tl.float64)
+    direction = tl.zeros((KP,), dtype=tl.float64)
+    F = tl.zeros((), dtype=tl.float64)
+    err = tl.full((), float("inf"), tl.float64)
+    slope = tl.zeros((), dtype=tl.float64)
+    step = tl.zeros((), dtype=tl.float64)
+    first = n > -1  # True: the start is taken as it is
+    finished = n < -1
+    tries = 0
     n_iter = tl.zeros((), dtype=tl.int32)
-    while (err > tol) & (n_iter < max_iter):
-        n_iter += 1
+    while finished == 0:
+        trial_colsum, trial_terms, trial_H = _pass(X, VALID, n, trial_b, k, no_rest, HAS_MASK, KP, BLOCK)
+        trial_F = tl.sum(nu * trial_b, axis=0) - trial_terms
+        trial_err = tl.max(tl.abs(trial_colsum - nu) / tl.maximum(nu, 1.0), axis=0)
+        # the torch path's rule: Armijo's ascent, or (near the optimum, where the objective's gain is below its
+        # rounding) a step that halves the marginal error
+        accepted = first | (trial_F >= F + ARMIJO * step * slope) | (trial_err <= 0.5 * err)
+        first = n < -1
+        b = tl.where(accepted, trial_b, b)
+        colsum = tl.where(accepted, trial_colsum, colsum)
+        H = tl.where(accepted, trial_H, H)
+        F = tl.where(accepted, trial_F, F)
+        err = tl.where(accepted, trial_err, err)
+        tries += 1
+        # a Newton step ends when a step size is taken or all were tried; the next starts unless converged
+        ends = accepted | (tries >= max_backtrack)
+        starts = ends & (err > tol) & (n_iter < max_iter)
+        finished = ends & (starts == 0)
         gradient = nu - colsum
-        direction = _solve(H, gradient, k, RIDGE, KP)
-        slope = tl.sum(direction * gradient, axis=0)
-        accepted = tl.zeros((), dtype=tl.int1)
-        step = 1.0
-        tries = 0
-        while (accepted == 0) & (tries < max_backtrack):
-            trial_b = b + step * direction
-            trial_colsum, trial_terms, trial_H = _pass(X, VALID, n, trial_b, k, no_rest, HAS_MASK, KP, BLOCK)
-            trial_F = tl.sum(nu * trial_b, axis=0) - trial_terms
-            trial_err = tl.max(tl.abs(trial_colsum - nu) / tl.maximum(nu, 1.0), axis=0)
-            # the torch path's rule: Armijo's ascent, or (near the optimum, where the objective's gain is below
-            # its rounding) a step that halves the marginal error
-            accepted = (trial_F >= F + ARMIJO * step * slope) | (trial_err <= 0.5 * err)
-            b = tl.where(accepted, trial_b, b)
-            colsum = tl.where(accepted, trial_colsum, colsum)
-            H = tl.where(accepted, trial_H, H)
-            F = tl.where(accepted, trial_F, F)
-            err = tl.where(accepted, trial_err, err)
-            step = step * 0.5
-            tries += 1
+        new_direction = _solve(H, gradient, k, RIDGE, KP)
+        direction = tl.where(starts, new_direction, direction)
+        slope = tl.where(starts, tl.sum(new_direction * gradient, axis=0), slope)
+        step = tl.where(starts, 1.0, 0.5 * step)
+        tries = tl.where(starts, 0, tries)
+        n_iter += starts.to(tl.int32)
+        trial_b = b + step * direction
     tl.store(B + row * (k + 1) + cols, b, mask=anchor)
     tl.store(ERR + row, err)
     tl.store(N_ITER + row, n_iter)
