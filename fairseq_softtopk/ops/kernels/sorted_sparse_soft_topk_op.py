@@ -28,7 +28,7 @@ KERNEL_FILE = Path(__file__).with_name("sorted_sparse_soft_topk_triton.py")
 #: ranks the kernels take at most (k + 1 potentials padded to 32)
 MAX_K = 31
 #: ``(block, k + 1, k + 1)`` float64 tiles: a block's entries times the padded ranks squared, at most this
-TILE = 1 << 12
+TILE = 1 << 10
 
 _kernel_modules = {}
 
