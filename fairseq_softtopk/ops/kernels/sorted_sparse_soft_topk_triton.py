@@ -140,8 +140,8 @@ def _sorted_sparse_kernel(X, VALID, B_START, N_VALID, RANKS, B, ERR, N_ITER, n, 
     err = tl.full((), float("inf"), tl.float64)
     slope = tl.zeros((), dtype=tl.float64)
     step = tl.zeros((), dtype=tl.float64)
-    first = n > -1  # True: the start is taken as it is
-    finished = n < -1
+    first = tl.zeros((), dtype=tl.int32) == 0  # True: the start is taken as it is (a tensor: n may be a constant)
+    finished = first == 0
     tries = 0
     n_iter = tl.zeros((), dtype=tl.int32)
     while finished == 0:
@@ -151,7 +151,7 @@ def _sorted_sparse_kernel(X, VALID, B_START, N_VALID, RANKS, B, ERR, N_ITER, n, 
         # the torch path's rule: Armijo's ascent, or (near the optimum, where the objective's gain is below its
         # rounding) a step that halves the marginal error
         accepted = first | (trial_F >= F + ARMIJO * step * slope) | (trial_err <= 0.5 * err)
-        first = n < -1
+        first = first == 0
         b = tl.where(accepted, trial_b, b)
         colsum = tl.where(accepted, trial_colsum, colsum)
         H = tl.where(accepted, trial_H, H)
@@ -178,6 +178,14 @@ def _sorted_sparse_kernel(X, VALID, B_START, N_VALID, RANKS, B, ERR, N_ITER, n, 
         P, v, valid = _project(X, VALID, offs, n, b, k, no_rest, HAS_MASK, KP)
         out = RANKS + offs[:, None].to(tl.int64) * k + cols[None, :]
         tl.store(out, P.to(RANKS.dtype.element_ty), mask=(offs[:, None] < n) & (cols[None, :] < k))
+
+
+@triton.jit
+def _rank_rows(GRAD, offs, n, k, KP: tl.constexpr):
+    """The ranks' gradient of the entries ``offs`` as ``(BLOCK, KP)`` float64, 0 on the rest anchor and padding."""
+    cols = tl.arange(0, KP)
+    mask = (offs[:, None] < n) & (cols[None, :] < k)
+    return tl.load(GRAD + offs[:, None].to(tl.int64) * k + cols[None, :], mask=mask, other=0.0).to(tl.float64)
 
 
 @triton.jit
@@ -208,8 +216,7 @@ def _sorted_sparse_backward_kernel(X, VALID, B, N_VALID, GRAD, LAMBDA, GRAD_Z, n
         P, v, valid = _project(X, VALID, offs, n, b, k, no_rest, HAS_MASK, KP)
         s = (P > 0).to(tl.float64)
         size = tl.maximum(tl.sum(s, axis=1), 1.0)
-        G = tl.load(GRAD + offs[:, None].to(tl.int64) * k + cols[None, :], mask=(offs[:, None] < n) & (cols[None, :] < k),
-                    other=0.0).to(tl.float64)
+        G = _rank_rows(GRAD, offs, n, k, KP)
         jg += tl.sum(s * (G - (tl.sum(s * G, axis=1) / size)[:, None]), axis=0)
         count += tl.sum(s, axis=0)
         gram += _support_gram(s)
@@ -219,8 +226,7 @@ def _sorted_sparse_backward_kernel(X, VALID, B, N_VALID, GRAD, LAMBDA, GRAD_Z, n
         P, v, valid = _project(X, VALID, offs, n, b, k, no_rest, HAS_MASK, KP)
         s = (P > 0).to(tl.float64)
         size = tl.maximum(tl.sum(s, axis=1), 1.0)
-        G = tl.load(GRAD + offs[:, None].to(tl.int64) * k + cols[None, :], mask=(offs[:, None] < n) & (cols[None, :] < k),
-                    other=0.0).to(tl.float64) - w[None, :]
+        G = _rank_rows(GRAD, offs, n, k, KP) - w[None, :]
         jgw = s * (G - (tl.sum(s * G, axis=1) / size)[:, None])
         grad = tl.sum(jgw * y[None, :], axis=1) / lam
         tl.store(GRAD_Z + offs, grad.to(GRAD_Z.dtype.element_ty), mask=offs < n)
