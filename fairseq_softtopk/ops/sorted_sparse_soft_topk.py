@@ -20,7 +20,7 @@ from torch import Tensor
 from ._common import SolverInfo, check_inputs, oriented_rows, restore_shape, warn_if_unconverged, working_dtype
 from .quadratic_semi_dual import quadratic_newton_solve, solve_support_hessian
 from .kernels import sorted_sparse_soft_topk_op
-from .kernels.backend import check_backend
+from .kernels.backend import check_backend, torch_path_only
 from .semi_dual import anchors
 from .sparse_rows import sparse_rows
 from .sparse_soft_topk import check_regularization
@@ -170,7 +170,10 @@ def sorted_sparse_soft_topk_window(scores: Tensor, k: int, *, regularization: fl
 
     Args:
         scores: ``(rows, n)`` floating tensor; rank 0 is the largest score.
-        k, regularization, mask, tol, max_iter, return_info, warn, backend: as :func:`sorted_sparse_soft_topk`.
+        k, regularization, mask, tol, max_iter, return_info, warn: as :func:`sorted_sparse_soft_topk`.
+        backend: ``"auto"``, ``"torch"`` or ``"triton"``, checked as there; this form has no Triton kernel (the
+            kernels solve and store whole rows, which it avoids): a call sent to the kernels runs the torch
+            path, counted in ``fallback_counts()["no_kernel"]`` (and, for ``"triton"``, warned).
 
     Returns:
         ``(ranks, index)``: ``ranks`` ``(rows, m, k)`` in ``scores``' dtype and ``index`` ``(rows, m)`` int64,
@@ -182,20 +185,14 @@ def sorted_sparse_soft_topk_window(scores: Tensor, k: int, *, regularization: fl
                          f"{tuple(scores.shape) if isinstance(scores, Tensor) else type(scores).__name__}")
     check_regularization(regularization, 2)
     check_inputs(scores, k, regularization, mask, "linear", tol, max_iter, -1)
-    kernel = _use_kernel(backend, scores, scores.shape[-1], k, "sorted_sparse_soft_topk_window")
+    # the kernels solve and store whole rows, which is what this form avoids (k x V candidates): the torch path
+    torch_path_only(backend, scores, "sorted_sparse_soft_topk_window")
     with torch.profiler.record_function("softtopk::sorted_sparse_soft_topk"):
         prep = sparse_rows(scores, k, -1, True, regularization, mask, sorted_ranks=True)
         dtype = working_dtype(scores.dtype)
-        if kernel:  # the kernels solve whole rows: the window is the row
-            out, info = sorted_sparse_soft_topk_op.sorted_sparse_kernel(
-                oriented_rows(scores, -1, prep, dtype), prep, k, regularization, tol, max_iter, False)
-            out = out.to(scores.dtype)
-            index = torch.arange(scores.shape[-1], device=scores.device).expand(scores.shape[0], -1)
-        else:
-            ranks, support, index, info = quadratic_newton_solve(prep, k, tol, max_iter, window_only=True,
-                                                                 dtype=dtype)
-            out = SortedSparseSoftTopKFunction.apply(oriented_rows(scores, -1, prep, dtype), ranks, support, index,
-                                                     torch.full_like(prep.eps, regularization)).to(scores.dtype)
+        ranks, support, index, info = quadratic_newton_solve(prep, k, tol, max_iter, window_only=True, dtype=dtype)
+        out = SortedSparseSoftTopKFunction.apply(oriented_rows(scores, -1, prep, dtype), ranks, support, index,
+                                                 torch.full_like(prep.eps, regularization)).to(scores.dtype)
     if warn:
         warn_if_unconverged(info, "sorted_sparse_soft_topk_window", tol, max_iter)
     return (out, index, info) if return_info else (out, index)
