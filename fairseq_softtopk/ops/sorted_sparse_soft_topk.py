@@ -122,8 +122,9 @@ def sorted_sparse_soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: b
             Triton kernels (:mod:`fairseq_softtopk.ops.kernels`), one launch for the whole Newton solve of
             every row (the same steps and line search, no host read, the plan never stored) and one for
             the backward; CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1`` (for tests). The same
-            ranks and gradients as ``"torch"`` to rounding once converged; ``info``'s fields are then 0-dim
-            tensors. Up to ``k = 31`` (more ranks run on the torch path, counted in
+            ranks and gradients as ``"torch"`` to rounding once converged (where tied scores put an entry
+            exactly on the edge of its support, a kink of the plan, the two may differentiate it on
+            different sides); ``info``'s fields are then 0-dim tensors. Up to ``k = 31`` (more ranks run on the torch path, counted in
             ``fallback_counts()["rank_count"]``). The kernels are not timed on a GPU yet.
 
     Returns:
