@@ -367,7 +367,7 @@ def test_asking_for_the_interpreter_after_triton_was_imported_is_named(rng, monk
         soft_topk(torch.randn(2, 30, generator=rng), 3, backend="triton")
 
 
-@pytest.mark.parametrize("name", ["sparse_soft_topk", "sorted_sparse_soft_topk", "sorted_sparse_soft_topk_window"])
+@pytest.mark.parametrize("name", ["sorted_sparse_soft_topk_window"])
 def test_operators_without_a_kernel_run_the_torch_path_and_count_the_calls_sent_to_the_kernels(name, rng,
                                                                                                monkeypatch):
     import fairseq_softtopk.ops as ops

@@ -236,7 +236,7 @@ def test_kernel_sync_free_call_compiles_as_one_graph(rng, kernel_calls):
 
 
 @pytest.mark.parametrize("k, limits, reason, message", [
-    (32, {}, "anchors", r"more ranks than the kernels hold in registers \(sorted_soft_topk: k <= 31\)"),
+    (32, {}, "rank_count", r"more ranks than the kernels hold in registers \(the sorted operators: k <= 31\)"),
     (4, {"MAX_PLAN_ENTRIES": 5 * 45 - 1}, "row_length", r"rows longer than the kernels' int32 offsets reach"),
 ], ids=["k-above-the-cap", "plan-beyond-int32"])
 def test_calls_the_kernels_cannot_take_run_the_torch_path_and_are_counted(rng, monkeypatch, k, limits, reason,

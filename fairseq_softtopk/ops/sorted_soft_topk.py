@@ -135,7 +135,7 @@ def sorted_soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = T
             ``tol=1e-12``: about 1e-15); ``info``'s fields are then 0-dim tensors (``n_iter`` the
             largest count of a row; with ``fixed_iterations=True`` each row still stops when it
             converges). Every cost runs on them. ``k`` up to 31 (the ``k + 1`` anchors are held in
-            registers): a larger ``k`` runs the torch path, counted in ``fallback_counts()["anchors"]``
+            registers): a larger ``k`` runs the torch path, counted in ``fallback_counts()["rank_count"]``
             (and, for ``"triton"``, reported by a warning). The kernels are not timed on a GPU yet.
 
     Returns:

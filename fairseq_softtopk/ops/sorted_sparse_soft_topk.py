@@ -19,7 +19,8 @@ from torch import Tensor
 
 from ._common import SolverInfo, check_inputs, oriented_rows, restore_shape, warn_if_unconverged, working_dtype
 from .quadratic_semi_dual import quadratic_newton_solve, solve_support_hessian
-from .kernels.backend import torch_path_only
+from .kernels import sorted_sparse_soft_topk_op
+from .kernels.backend import check_backend, torch_path_only
 from .semi_dual import anchors
 from .sparse_rows import sparse_rows
 from .sparse_soft_topk import check_regularization
@@ -74,6 +75,18 @@ class SortedSparseSoftTopKFunction(torch.autograd.Function):
             return grad_z, None, None, None, None
 
 
+def _use_kernel(backend: str, scores: Tensor, n: int, k: int, operator: str) -> bool:
+    """Whether a call runs the Triton kernels (:func:`.kernels.sorted_sparse_soft_topk_op.use_sorted_sparse_kernel`).
+
+    Raises:
+        ValueError: a bad ``backend``, or ``"triton"`` where the kernels cannot run.
+    """
+    if backend == "torch":  # the default pays nothing for the option
+        return False
+    check_backend(backend)
+    return sorted_sparse_soft_topk_op.use_sorted_sparse_kernel(backend, scores, n, k, operator)
+
+
 def sorted_sparse_soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = True,
                             regularization: float = 0.1, mask: Optional[Tensor] = None, tol: float = 1e-6,
                             max_iter: int = 50, hard: bool = False, return_info: bool = False, warn: bool = True,
@@ -104,10 +117,15 @@ def sorted_sparse_soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: b
         fixed_iterations: exactly ``max_iter`` Newton iterations (each trying the step sizes 1, 1/2,
             1/4, 1/8) with on-device convergence masks and no host synchronisation; the data are not
             checked, no warning is emitted, and ``info``'s fields are 0-dim tensors.
-        backend: ``"auto"`` (default), ``"torch"`` or ``"triton"`` (:mod:`fairseq_softtopk.ops.kernels`).
-            This operator has no Triton kernel yet: every call runs the torch path; a call that the
-            argument sends to the kernels (``"auto"`` on a CUDA tensor, ``"triton"``) is counted in
-            ``fallback_counts()["no_kernel"]`` (and, for ``"triton"``, reported by a warning).
+        backend: ``"auto"`` (default): the kernels below for CUDA tensors when ``triton`` imports,
+            ``"torch"`` otherwise. ``"torch"``: the solver above in torch operations. ``"triton"``: fused
+            Triton kernels (:mod:`fairseq_softtopk.ops.kernels`), one launch for the whole Newton solve of
+            every row (the same steps and line search, no host read, the plan never stored) and one for
+            the backward; CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1`` (for tests). The same
+            ranks and gradients as ``"torch"`` to rounding once converged (where tied scores put an entry
+            exactly on the edge of its support, a kink of the plan, the two may differentiate it on
+            different sides); ``info``'s fields are then 0-dim tensors. Up to ``k = 31`` (more ranks run on the torch path, counted in
+            ``fallback_counts()["rank_count"]``). The kernels are not timed on a GPU yet.
 
     Returns:
         ``(*, n, *, k)`` tensor in ``scores``' dtype (the rank dimension appended last, ``n`` at
@@ -115,7 +133,7 @@ def sorted_sparse_soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: b
     """
     check_regularization(regularization, 2)
     check_inputs(scores, k, regularization, mask, "linear", tol, max_iter, dim)
-    torch_path_only(backend, scores, "sorted_sparse_soft_topk")
+    kernel = not hard and _use_kernel(backend, scores, scores.shape[dim], k, "sorted_sparse_soft_topk")
     with torch.profiler.record_function("softtopk::sorted_sparse_soft_topk"):
         # the rows in units of lambda with the gaps that cannot matter capped (.sparse_rows)
         prep = sparse_rows(scores, k, dim, largest, regularization, mask, sorted_ranks=True,
@@ -125,6 +143,9 @@ def sorted_sparse_soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: b
             out = torch.zeros(*prep.z.shape, k, dtype=dtype, device=prep.z.device)
             out.scatter_(1, prep.top_index[:, :k].unsqueeze(1), 1.0)
             info = SolverInfo(True, 0, 0.0)
+        elif kernel:
+            out, info = sorted_sparse_soft_topk_op.sorted_sparse_kernel(
+                oriented_rows(scores, dim, prep, dtype), prep, k, regularization, tol, max_iter, fixed_iterations)
         else:
             ranks, support, index, info = quadratic_newton_solve(prep, k, tol, max_iter, fixed_iterations, dtype=dtype)
             out = SortedSparseSoftTopKFunction.apply(oriented_rows(scores, dim, prep, dtype), ranks, support, index,
@@ -150,7 +171,10 @@ def sorted_sparse_soft_topk_window(scores: Tensor, k: int, *, regularization: fl
 
     Args:
         scores: ``(rows, n)`` floating tensor; rank 0 is the largest score.
-        k, regularization, mask, tol, max_iter, return_info, warn, backend: as :func:`sorted_sparse_soft_topk`.
+        k, regularization, mask, tol, max_iter, return_info, warn: as :func:`sorted_sparse_soft_topk`.
+        backend: ``"auto"``, ``"torch"`` or ``"triton"``, checked as there; this form has no Triton kernel (the
+            kernels solve and store whole rows, which it avoids): a call sent to the kernels runs the torch
+            path, counted in ``fallback_counts()["no_kernel"]`` (and, for ``"triton"``, warned).
 
     Returns:
         ``(ranks, index)``: ``ranks`` ``(rows, m, k)`` in ``scores``' dtype and ``index`` ``(rows, m)`` int64,
@@ -162,6 +186,7 @@ def sorted_sparse_soft_topk_window(scores: Tensor, k: int, *, regularization: fl
                          f"{tuple(scores.shape) if isinstance(scores, Tensor) else type(scores).__name__}")
     check_regularization(regularization, 2)
     check_inputs(scores, k, regularization, mask, "linear", tol, max_iter, -1)
+    # the kernels solve and store whole rows, which is what this form avoids (k x V candidates): the torch path
     torch_path_only(backend, scores, "sorted_sparse_soft_topk_window")
     with torch.profiler.record_function("softtopk::sorted_sparse_soft_topk"):
         prep = sparse_rows(scores, k, -1, True, regularization, mask, sorted_ranks=True)

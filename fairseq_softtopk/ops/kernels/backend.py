@@ -26,7 +26,7 @@ BACKENDS = ("torch", "triton", "auto")
 FALLBACK_REASONS = {
     "row_length": "rows longer than the kernels' int32 offsets reach",
     "no_kernel": "this operator has no Triton kernel yet",
-    "anchors": "more ranks than the kernels hold in registers (sorted_soft_topk: k <= 31)",
+    "rank_count": "more ranks than the kernels hold in registers (the sorted operators: k <= 31)",
 }
 
 _fallbacks: Dict[str, int] = collections.Counter()

@@ -8,7 +8,7 @@
 Both have fake (meta) implementations and the forward an autograd rule (``torch.compile``,
 ``torch.library.opcheck``). The kernels module imports ``triton`` and is loaded on the first launch; importing
 this module needs torch only. The ``k + 1`` anchors are held in registers: ``k`` is capped at
-:data:`MAX_K` (beyond it the torch path runs, counted under ``fallback_counts()["anchors"]``).
+:data:`MAX_K` (beyond it the torch path runs, counted under ``fallback_counts()["rank_count"]``).
 """
 
 import importlib.util
@@ -190,14 +190,14 @@ def use_sorted_soft_topk_kernel(backend: str, scores: Tensor, n: int, k: int) ->
     """The dispatch point of :func:`~fairseq_softtopk.ops.sorted_soft_topk`: whether a call runs the kernels.
 
     ``backend`` resolved on ``scores``' device (:func:`~.backend.resolve_backend`). Calls the kernels cannot take
-    run on the torch path, counted: ``k >`` :data:`MAX_K` under ``"anchors"`` (warned where ``"triton"`` was
+    run on the torch path, counted: ``k >`` :data:`MAX_K` under ``"rank_count"`` (warned where ``"triton"`` was
     asked for by name: ``"auto"`` picks the torch path for large k on purpose), plans of more than
     :data:`MAX_PLAN_ENTRIES` entries a row under ``"row_length"`` (warned).
     """
     if resolve_backend(backend, scores) == "torch":
         return False
     if k > MAX_K:
-        record_fallback("anchors", "sorted_soft_topk", warn=backend == "triton")
+        record_fallback("rank_count", "sorted_soft_topk", warn=backend == "triton")
         return False
     if (k + 1) * n > MAX_PLAN_ENTRIES:
         record_fallback("row_length", "sorted_soft_topk")
