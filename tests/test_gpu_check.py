@@ -35,6 +35,10 @@ def test_dry_run_runs_every_step_and_writes_one_report(tmp_path, repo_root):
     assert "| sorted n=3e+03 k=5 eps=0.03 linear batch=8 | ours_fixed |" in text
     assert "| beam_soft_fixed |" in text and "launches/step" in text and "syncs/step" in text
     assert "| sorted n=2e+03 k=5 eps=0.1 linear batch=1 | sparse |" in text
+    for case, method in [("sorted n=3e+03 k=5 eps=0.03 linear batch=8", "ours_triton"),
+                         ("sorted n=2e+03 k=5 eps=0.1 linear batch=1", "sparse_triton")]:
+        assert f"| {case} | {method} | skipped: CUDA only" in text or re.search(
+            rf"^\| {re.escape(case)} \| {method} \|.*skipped: CUDA only", text, re.M), method
     assert "| beam_soft:triton | skipped: CUDA only" in text and "| sparse_topk:triton | skipped: CUDA only" in text
     for step in names:
         log = (tmp_path / f"report.{step}.log").read_text()
@@ -121,3 +125,8 @@ def test_steps_run_in_the_order_given_and_the_budget_skips_the_rest(tmp_path, mo
     ran.clear()
     code = gpu_check.main(["--dry-run", "--out", str(report), "--steps", "bench_ops", "--budget", "30"])
     assert code == 1 and ran == [] and "Not run (the --budget of 30 s was spent): bench_ops" in report.read_text()
+
+
+def test_the_kernel_tests_step_runs_every_kernel_test_file(repo_root):
+    assert gpu_check.KERNEL_TEST_FILES == sorted(str(p.relative_to(repo_root))
+                                                 for p in (repo_root / "tests").glob("test_triton_*.py"))

@@ -332,14 +332,14 @@ def test_bench_ops_lists_the_kernels_row_and_skips_it_off_cuda(monkeypatch, caps
     bench_ops = script_module("bench/bench_ops.py")
     monkeypatch.setattr(bench_ops, "MIN_TIMED_SECONDS", 0.0)
     assert bench_ops.main(["--n", "300", "--k", "3", "--eps", "0.1", "--repeats", "1", "--threads", "1",
-                           "--cost", "linear", "--batch", "2", "--triton"]) == 0
+                           "--cost", "linear", "--batch", "2", "--triton", "--sparse"]) == 0
     rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines()
             if line.startswith(("| topk n=", "| sorted n="))]
     methods = [r[1].strip() for r in rows]
-    # the kernels exist for the unsorted operator only
-    assert methods == ["ours", "ours_triton", "paper", "unrolled", "topk", "ours", "paper", "unrolled", "topk"]
-    triton_row = next(r for r in rows if r[1].strip() == "ours_triton")
-    assert triton_row[8].strip() == "skipped: CUDA only (on the CPU the kernels run under Triton's interpreter)"
+    # every operator, unsorted then sorted, and its sparse counterpart, each beside its kernels
+    assert methods == ["ours", "ours_triton", "paper", "unrolled", "sparse", "sparse_triton", "topk"] * 2
+    for triton_row in (r for r in rows if r[1].strip().endswith("_triton")):
+        assert triton_row[8].strip() == "skipped: CUDA only (on the CPU the kernels run under Triton's interpreter)"
 
 
 @kernel_test
@@ -348,10 +348,12 @@ def test_bench_ops_times_the_kernels(monkeypatch):
     bench_ops = script_module("bench/bench_ops.py")
     monkeypatch.setattr(bench_ops, "MIN_TIMED_SECONDS", 0.0)
     monkeypatch.setattr(bench_ops, "triton_skip_reason", lambda device: "")
-    rows = {r["method"]: r for r in bench_ops.bench_case(300, 3, 0.1, False, 1, 1e-5, DEVICE, cost="linear",
-                                                         batch=2, triton=True)}
-    assert rows["ours_triton"]["seconds"] > 0 and rows["ours_triton"]["err"] <= 1e-5
-    assert rows["ours_triton"]["note"] == rows["ours"]["note"]  # the same iterations, converged
+    for sorted_op in (False, True):
+        rows = {r["method"]: r for r in bench_ops.bench_case(300, 3, 0.1, sorted_op, 1, 1e-5, DEVICE, cost="linear",
+                                                             batch=2, triton=True, sparse=True)}
+        assert rows["ours_triton"]["seconds"] > 0 and rows["ours_triton"]["err"] <= 1e-5
+        assert rows["ours_triton"]["note"] == rows["ours"]["note"]  # the same iterations, converged
+        assert rows["sparse_triton"]["seconds"] > 0 and rows["sparse_triton"]["note"] == rows["sparse"]["note"]
 
 
 @needs_triton

@@ -16,9 +16,10 @@ warm-up). Methods:
   (:func:`~fairseq_softtopk.ops.sparse_soft_topk` / ``sorted_sparse_soft_topk`` with
   ``regularization = epsilon``, the linear cost's units: needs ``--cost linear``); its note gives the
   support: the mean number of entries per row with a nonzero weight (the dense operators: all n);
-* with ``--triton``, ``ours_triton``: ours (unsorted operator only) with ``backend="triton"``, the fused
-  Triton kernels (one launch for the solve of every row, one for the backward); CUDA only: on the CPU
-  the kernels run under Triton's interpreter, which is no speed to report, and the row says so;
+* with ``--triton``, ``ours_triton``: ours with ``backend="triton"``, the fused Triton kernels (one launch
+  for the solve of every row, one for the backward), and with ``--sparse`` also ``sparse_triton``; CUDA
+  only: on the CPU the kernels run under Triton's interpreter, which is no speed to report, and the rows
+  say so. ``ours``, ``ours_fixed`` and ``sparse`` are the torch path (``backend="torch"``) on every device;
 * with ``--fixed-iterations N``, ``ours_fixed``: ours with ``fixed_iterations=True`` and
   ``max_iter=N`` (no host synchronisation: N iterations on all n entries, the GPU path), and
   with ``--compile MODE`` also ``ours_compiled``: that call under
@@ -138,7 +139,7 @@ def bench_case(n: int, k: int, eps: float, sorted_op: bool, repeats: int, tol: f
 
     def ours():
         # unsorted: the paper's Algorithm 1 marks the k smallest; the appendix code sorts the largest
-        out, info = op(x, k, epsilon=eps, cost=cost, tol=tol, largest=sorted_op, return_info=True)
+        out, info = op(x, k, epsilon=eps, cost=cost, tol=tol, largest=sorted_op, return_info=True, backend="torch")
         info_box["ours"] = info
         return out
 
@@ -165,7 +166,7 @@ def bench_case(n: int, k: int, eps: float, sorted_op: bool, repeats: int, tol: f
 
     def fixed_call(v):
         return op(v, k, epsilon=eps, cost=cost, tol=tol, largest=sorted_op, return_info=True,
-                  max_iter=fixed_iterations, fixed_iterations=True)
+                  max_iter=fixed_iterations, fixed_iterations=True, backend="torch")
 
     def ours_triton():
         out, info = op(x, k, epsilon=eps, cost=cost, tol=tol, largest=sorted_op, return_info=True, backend="triton")
@@ -189,16 +190,22 @@ def bench_case(n: int, k: int, eps: float, sorted_op: bool, repeats: int, tol: f
     def topk():
         return x.topk(k, dim=-1, largest=sorted_op).values
 
-    def sparse_op():
+    def sparse_call(name, backend):
         if sorted_op:
-            out, info = sorted_sparse_soft_topk(x, k, regularization=eps, tol=tol, return_info=True)
-            info_box["sparse"] = info
+            out, info = sorted_sparse_soft_topk(x, k, regularization=eps, tol=tol, return_info=True, backend=backend)
+            info_box[name] = info
             return out
-        info_box["sparse"] = None  # exact threshold: no iteration, no marginal error beyond rounding
-        return sparse_soft_topk(x, k, regularization=eps)
+        info_box[name] = None  # exact threshold: no iteration, no marginal error beyond rounding
+        return sparse_soft_topk(x, k, regularization=eps, backend=backend)
+
+    def sparse_op():
+        return sparse_call("sparse", "torch")
+
+    def sparse_triton():
+        return sparse_call("sparse_triton", "triton")
 
     methods = {"ours": ours}
-    if triton and not sorted_op:
+    if triton:
         methods["ours_triton"] = ours_triton
     if fixed_iterations is not None:
         methods["ours_fixed"] = ours_fixed
@@ -207,10 +214,12 @@ def bench_case(n: int, k: int, eps: float, sorted_op: bool, repeats: int, tol: f
     methods.update(paper=paper, unrolled=unrolled)
     if sparse:
         methods["sparse"] = sparse_op
+        if triton:
+            methods["sparse_triton"] = sparse_triton
     methods["topk"] = topk
     outputs = {}
     for name, fn in methods.items():
-        if name == "ours_triton" and triton_skip_reason(device):
+        if name in ("ours_triton", "sparse_triton") and triton_skip_reason(device):
             rows.append(dict(method=name, seconds=None, best=None, mbytes=None, err=None,
                              note=triton_skip_reason(device)))
             continue
@@ -231,7 +240,7 @@ def bench_case(n: int, k: int, eps: float, sorted_op: bool, repeats: int, tol: f
         if name in ("ours", "ours_fixed", "ours_triton"):
             note = f"{int(err.n_iter)} it" + ("" if bool(err.converged) else " NOT CONVERGED")
             err = float(err.marginal_error)
-        elif name == "sparse":
+        elif name in ("sparse", "sparse_triton"):
             selected = outputs[name].detach()
             support = float((selected.sum(-1) if sorted_op else selected).gt(0).sum(-1).double().mean())
             note = f"support {support:.1f} of {n}"
@@ -308,8 +317,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--sparse", action="store_true",
                         help="also time the sparse operators (quadratic regularisation = --eps; needs --cost linear)")
     parser.add_argument("--triton", action="store_true",
-                        help="also time soft_topk with backend='triton' (the fused kernels; CUDA only, the row says "
-                             "skipped elsewhere)")
+                        help="also time the operators with backend='triton' (the fused kernels; CUDA only, the rows "
+                             "say skipped elsewhere)")
     parser.add_argument("--compile", default=None, metavar="MODE",
                         choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
                         help="also time the fixed-iteration call under torch.compile(fullgraph=True, mode=MODE) "

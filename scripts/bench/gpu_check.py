@@ -7,11 +7,11 @@ its own process with its output kept:
 1. ``pytest -m cuda tests``: the operators and the criterion on CUDA against the CPU, the sync-free
    search under CUDA's sync debug mode, and fairseq-train / fairseq-generate with --fp16 and --amp (not
    --bf16: fairseq 0.12 trains in bfloat16 on TPUs only);
-2. ``pytest tests/test_triton_soft_topk.py``: the Triton kernels on CUDA tensors against the torch path
+2. ``pytest tests/test_triton_*.py``: the Triton kernels on CUDA tensors against the torch path
    (without a GPU they run under Triton's interpreter in the suite);
 3. ``scripts/bench/bench_ops.py``: the operators' forward + backward against ``torch.topk`` (the target case and
-   the beam-search shape; plain, sync-free, in CUDA graphs and soft_topk's Triton kernels; and the sparse
-   operators beside the entropic ones);
+   the beam-search shape; plain, sync-free, in CUDA graphs and on the Triton kernels; and the sparse
+   operators beside the entropic ones, on both paths);
 4. ``scripts/bench/bench_train.py``: updates per second of teacher forcing, hard and soft beam search (default,
    candidate pool, fixed iterations, compiled), each soft search also with ``--topk-backend triton`` (the Triton
    kernels, ``--triton``), with the launch and sync counts per decoding step;
@@ -51,9 +51,9 @@ GPU_STEPS = {
                   "15", "--compile", "reduce-overhead", "--triton"],
     "bench_ops_beam_shape": ["--device", "cuda", "--ops", "sorted_soft_topk", "--n", "38840", "--k", "5", "--eps",
                              "0.03", "--cost", "linear", "--batch", "64", "--fixed-iterations", "15", "--compile",
-                             "reduce-overhead"],
+                             "reduce-overhead", "--triton"],
     "bench_ops_sparse": ["--device", "cuda", "--cost", "linear", "--sparse", "--n", "1000", "10000", "100000",
-                         "1000000", "--k", "5", "50", "--eps", "0.1"],
+                         "1000000", "--k", "5", "50", "--eps", "0.1", "--triton"],
     "bench_train": ["--device", "cuda", "--arch", "softtopk_lstm_multi30k", "--updates", "10", "--warmup", "2",
                     "--configs", "teacher_forcing,beam_hard,beam_soft,beam_soft_pool,beam_soft_fixed,beam_soft_compiled",
                     "--triton"],
@@ -66,15 +66,20 @@ DRY_RUN_STEPS = {
                   "--fixed-iterations", "15", "--triton"],
     "bench_ops_beam_shape": ["--device", "cpu", "--ops", "sorted_soft_topk", "--n", "3000", "--k", "5", "--eps", "0.03",
                              "--cost", "linear", "--batch", "8", "--repeats", "1", "--threads", "1",
-                             "--fixed-iterations", "15"],
+                             "--fixed-iterations", "15", "--triton"],
     "bench_ops_sparse": ["--device", "cpu", "--cost", "linear", "--sparse", "--n", "2000", "--k", "5", "--eps", "0.1",
-                         "--repeats", "1", "--threads", "1"],
+                         "--repeats", "1", "--threads", "1", "--triton"],
     "bench_train": ["--device", "cpu", "--arch", "softtopk_lstm_tiny", "--updates", "2", "--warmup", "1",
                     "--max-tokens", "200", "--beam", "3", "--candidate-pool", "10", "--threads", "1", "--in-process",
                     "--configs", "teacher_forcing,beam_hard,beam_soft,beam_soft_pool,beam_soft_fixed", "--triton"],
     "bench_attention": ["--device", "cpu", "--updates", "1", "--warmup", "0", "--repeats", "1", "--max-tokens", "200",
                         "--normalizers", "softmax,soft_topk,sparse_topk", "--triton"],
 }
+
+
+#: the Triton kernels' tests (on a GPU on CUDA tensors; in the suite under the interpreter)
+KERNEL_TEST_FILES = ["tests/test_triton_soft_topk.py", "tests/test_triton_sorted_soft_topk.py",
+                     "tests/test_triton_sorted_sparse_soft_topk.py", "tests/test_triton_sparse_soft_topk.py"]
 
 
 class StepResult(NamedTuple):
@@ -140,7 +145,7 @@ def plan(dry_run: bool, test_workers: int = 1) -> List[tuple]:
          test_env),
         # on a GPU every kernel test runs on CUDA tensors; the dry run leaves out the interpreter and the
         # ahead-of-time compiles (the suite runs them: about 20 s)
-        ("kernel_tests", [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_triton_soft_topk.py",
+        ("kernel_tests", [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *KERNEL_TEST_FILES,
                           *(["-k", "not interpreter and not compiles"] if dry_run else [])], {}),
         ("bench_ops", [python, "scripts/bench/bench_ops.py", *steps["bench_ops"]], {}),
         ("bench_ops_beam_shape", [python, "scripts/bench/bench_ops.py", *steps["bench_ops_beam_shape"]], {}),
