@@ -6,7 +6,8 @@ the device has caught up, which also keeps a step out of CUDA graphs. Both can b
 GPU: :class:`DispatchCounter` sees every operation below autograd (a ``TorchDispatchMode``, active
 in the backward pass too) and the host reads above it (a ``TorchFunctionMode``):
 
-* **launches**: dispatched ATen operations that would run a kernel: everything but views,
+* **launches**: dispatched ATen operations that would run a kernel, and the package's own Triton
+  kernels (its custom ops, one launch each): everything but views,
   ``detach``/``alias``, uninitialised allocations (``empty*``), the profiler's range markers and
   the host reads below (an approximation: a few operations launch several kernels, ``topk`` or a
   batched solve, and a compiler fuses many into one);
@@ -51,6 +52,9 @@ _FREE_OPS = {
 }
 _RECORD_ENTER = {torch.ops.profiler._record_function_enter.default, torch.ops.profiler._record_function_enter_new.default}
 _RECORD_EXIT = {torch.ops.profiler._record_function_exit.default, torch.ops.profiler._record_function_exit._RecordFunction}
+#: Namespaces whose operations launch kernels: ATen's, and the package's custom ops (each one Triton kernel
+#: launch: fairseq_softtopk::sorted_soft_topk_forward, ...; what they do inside is not dispatched again)
+_LAUNCHING_NAMESPACES = ("aten", "fairseq_softtopk")
 #: Tensor methods that copy to the host (on a CPU tensor they dispatch nothing, so they are seen above autograd).
 _HOST_READS = {torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.cpu}
 #: marks the tensors a counted host copy returned (moving them to the host again is free)
@@ -88,7 +92,7 @@ class _Dispatch(TorchDispatchMode):
             counter._count("syncs", func)
             if func is not _aten._local_scalar_dense.default:  # nonzero & co. also run a kernel
                 counter._count("launches", func)
-        elif func not in _FREE_OPS and not func.is_view and func.namespace == "aten":
+        elif func not in _FREE_OPS and not func.is_view and func.namespace in _LAUNCHING_NAMESPACES:
             counter._count("launches", func)
         return func(*args, **kwargs)
 

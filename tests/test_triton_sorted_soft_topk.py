@@ -373,3 +373,28 @@ def test_a_beam_search_step_on_the_kernels_selects_as_the_torch_path(rng, fixed_
     torch.testing.assert_close(results["triton"][1], results["torch"][1], rtol=1e-4, atol=1e-4)
     assert results["torch"][1].abs().max() > 1e-2  # the selection's gradient is there to compare
     assert launched == [1]  # the torch path's call did not launch, the kernels' did
+
+
+@kernel_test
+def test_the_sync_free_solve_on_the_kernels_never_waits_and_launches_a_few_operations(rng):
+    """The kernels' claim, counted as tests/test_dispatch_count.py counts the torch path: with
+    ``fixed_iterations=True`` forward and backward read nothing on the host (the default checks read a few
+    values), and the solve is a handful of dispatched operations where the torch path's is over 15 per
+    iteration."""
+    from fairseq_softtopk.dispatch_count import DispatchCounter
+
+    scores = torch.randn(6, 40, generator=rng).to(DEVICE).requires_grad_()
+    grad = torch.randn(6, 40, 3, generator=rng).to(DEVICE)
+    counts = {}
+    for backend in ("torch", "triton"):
+        for fixed in (False, True):
+            with DispatchCounter() as counter:
+                A = sorted_soft_topk(scores, 3, epsilon=0.1, max_iter=15, fixed_iterations=fixed, warn=False,
+                                     backend=backend)
+                (A * grad).sum().backward()
+            counts[backend, fixed] = (counter.total("syncs"), counter.total("launches", inside="sorted_soft_topk"),
+                                      counter.total("launches", inside="sorted_soft_topk_backward"))
+    assert counts["triton", True][0] == 0 and counts["torch", True][0] == 0
+    assert counts["triton", False][0] > 0  # the data checks of the default call
+    assert counts["triton", True][1] < 40 < counts["torch", True][1]  # one kernel launch among the preparation's
+    assert counts["triton", True][2] == counts["triton", False][2] == 1 < counts["torch", True][2]  # one launch
