@@ -11,7 +11,10 @@ Newton iteration and reads its stopping tests on the host; here one program solv
   Then the torch path's steps, decided in-kernel: Sinkhorn-like rescaling while it pays off, damped Newton
   (the ``k x k`` system ``K = diag(counts) - sum_i P_i P_i^T`` plus a ridge, solved by Gaussian elimination
   on a ``(KP, KP)`` float64 register tile, :func:`_solve_ridged`) with an error-or-Armijo backtracking line
-  search, the stall and convergence tests. A last pass writes the plan ``(k + 1, n)``;
+  search, the stall and convergence tests. Rows longer than ``WMAX`` solve, as the torch path, on the entries
+  at or above a floor below the (k+1)-th best (:func:`_compact` copies them to scratch memory in one pass), the
+  window certified from the solution and widened where it is not (:func:`_window_solve`). A last pass writes
+  the plan ``(k + 1, n)``;
 * backward (:func:`_sorted_backward_kernel`): the ``_vjp`` of ``SortedSoftTopKFunction``, two passes over the
   plan (``b`` and ``K``, then the gradient) around one in-kernel ``k x k`` solve.
 
@@ -235,6 +238,67 @@ def _compact(Z, VALID, WIN, n, cut, HAS_MASK: tl.constexpr, BLOCK: tl.constexpr,
 
 
 @triton.jit
+def _targets(n_solved, no_rest, k, KP: tl.constexpr):
+    """``(target, 1 / target)`` ``(KP,)`` of a problem of ``n_solved`` valid entries (float64): 1 per rank,
+    ``n_solved - k`` for the rest anchor (its inverse 0 in rows without one), 0 on padding."""
+    lane = tl.arange(0, KP)
+    kf = tl.cast(k, tl.float64)
+    target = tl.where(lane == k, n_solved - kf, 1.0)
+    inv_rest = tl.where(no_rest, 0.0, 1.0 / tl.maximum(n_solved - kf, 1.0))
+    return target, tl.where(lane < k, 1.0, tl.where(lane == k, inv_rest, 0.0))
+
+
+@triton.jit
+def _window_solve(Z, VALID, WIN, n, cut, margin, g0, n_valid, no_rest, eps_z, y_eps2, rest_bias, anchor, k, tol,
+                  max_iter, CUT, RIDGE, HAS_MASK: tl.constexpr, BLOCK: tl.constexpr, KP: tl.constexpr,
+                  WMAX: tl.constexpr):
+    """The solve on the row's certified candidate window (see :func:`_sorted_forward_kernel`), from the first
+    floor ``cut``. Returns ``(g, err, iterations, whether the solution is a certified window's, its floor)``."""
+    lane = tl.arange(0, KP)
+    eps = eps_z.to(tl.float64)
+    g = g0
+    err = tl.cast(float("inf"), tl.float64)
+    best_out = tl.cast(float("-inf"), Z.dtype.element_ty)
+    used = 0  # iterations of the solves so far
+    windowed = 1
+    windows = 0
+    solving = 1
+    while solving != 0:
+        src = Z
+        count = n
+        n_solved = n_valid
+        if windowed != 0:
+            m, best_out, nan = _compact(Z, VALID, WIN, n, cut, HAS_MASK, BLOCK, WMAX)
+            if (m > WMAX) | (nan != 0):  # the whole row, from the hard start
+                windowed = 0
+                g = g0
+            else:
+                src = WIN
+                count = m
+                n_solved = m.to(tl.float64)
+        target, inv_target = _targets(n_solved, no_rest, k, KP)
+        g, err, n_iter = _newton(src, VALID, count, windowed == 0, g, target, inv_target, no_rest, y_eps2,
+                                 rest_bias, anchor, k, tol, max_iter - used, CUT, RIDGE, HAS_MASK, BLOCK, KP)
+        used += n_iter
+        solving = 0
+        if windowed != 0:
+            # the best entry left out must give every rank less than exp(margin) of its mass
+            rank_logit = best_out.to(tl.float64) * tl.where(lane < k, k - lane, 1).to(tl.float64) / eps + g
+            rank_logit = tl.max(tl.where(lane < k, rank_logit, float("-inf")), axis=0)
+            if tl.where(rank_logit < margin, 0, 1) != 0:  # uncertified (NaN included)
+                solving = 1
+                windows += 1
+                if used >= max_iter:  # no iteration left: the whole row evaluated where the window ended
+                    windowed = 0
+                elif windows >= MAX_WINDOWS:
+                    windowed = 0
+                    g = g0
+                else:  # widen the window, as the torch path does
+                    cut = cut + (margin - WINDOW_GAP).to(Z.dtype.element_ty) * eps_z
+    return g, err, used, windowed, cut
+
+
+@triton.jit
 def _sorted_forward_kernel(Z, VALID, EPS, N_VALID, G0, FLOOR, MARGIN, WIN, PLAN, N_ITER, ERR, n, k, tol_hi, tol_lo,
                            max_iter, CUT, RIDGE, HAS_MASK: tl.constexpr, BLOCK: tl.constexpr, KP: tl.constexpr,
                            WMAX: tl.constexpr):
@@ -277,55 +341,15 @@ def _sorted_forward_kernel(Z, VALID, EPS, N_VALID, G0, FLOOR, MARGIN, WIN, PLAN,
     # the rest anchor (lane k) of rows without one takes no mass and has no marginal error
     rest_bias = tl.where(lane == k, tl.where(no_rest, float("-inf"), 0.0), 0.0)
     g0 = tl.load(G0 + row * (k + 1) + lane, mask=lane <= k, other=0.0)
-    g = g0
-    used = 0  # iterations of the solves so far
-    windowed = 0
-    cut = tl.cast(float("-inf"), Z.dtype.element_ty)
-    margin = tl.cast(0.0, tl.float64)
-    best_out = tl.cast(float("-inf"), Z.dtype.element_ty)
-    err = tl.cast(float("inf"), tl.float64)
     if WMAX > 0:
-        windowed = 1
-        cut = tl.load(FLOOR + row)
-        margin = tl.load(MARGIN + row)
-    windows = 0
-    solving = 1
-    while solving != 0:
-        src = Z
-        count = n
-        n_solved = n_valid
-        if WMAX > 0:
-            if windowed != 0:
-                m, best_out, nan = _compact(Z, VALID, WIN + row * WMAX, n, cut, HAS_MASK, BLOCK, WMAX)
-                if (m > WMAX) | (nan != 0):  # the whole row, from the hard start
-                    windowed = 0
-                    g = g0
-                else:
-                    src = WIN + row * WMAX
-                    count = m
-                    n_solved = m.to(tl.float64)
-        target = tl.where(lane == k, n_solved - kf, 1.0)
-        inv_rest = tl.where(no_rest, 0.0, 1.0 / tl.maximum(n_solved - kf, 1.0))
-        inv_target = tl.where(lane < k, 1.0, tl.where(lane == k, inv_rest, 0.0))
-        g, err, n_iter = _newton(src, VALID, count, windowed == 0, g, target, inv_target, no_rest, y_eps2,
-                                 rest_bias, anchor, k, tol, max_iter - used, CUT, RIDGE, HAS_MASK, BLOCK, KP)
-        used += n_iter
-        solving = 0
-        if WMAX > 0:
-            if windowed != 0:
-                # the best entry left out must give every rank less than exp(margin) of its mass
-                rank_logit = best_out.to(tl.float64) * tl.where(lane < k, k - lane, 1).to(tl.float64) / eps + g
-                rank_logit = tl.max(tl.where(lane < k, rank_logit, float("-inf")), axis=0)
-                if tl.where(rank_logit < margin, 0, 1) != 0:  # uncertified (NaN included)
-                    solving = 1
-                    windows += 1
-                    if used >= max_iter:  # no iteration left: the whole row evaluated where the window ended
-                        windowed = 0
-                    elif windows >= MAX_WINDOWS:
-                        windowed = 0
-                        g = g0
-                    else:  # widen the window, as the torch path does
-                        cut = cut + (margin - WINDOW_GAP).to(Z.dtype.element_ty) * eps_z
+        g, err, used, windowed, cut = _window_solve(Z, VALID, WIN + row * WMAX, n, tl.load(FLOOR + row),
+                                                    tl.load(MARGIN + row), g0, n_valid, no_rest, eps_z, y_eps2,
+                                                    rest_bias, anchor, k, tol, max_iter, CUT, RIDGE, HAS_MASK,
+                                                    BLOCK, KP, WMAX)
+    else:  # the whole row (the kernel's code without the window's)
+        target, inv_target = _targets(n_valid, no_rest, k, KP)
+        g, err, used = _newton(Z, VALID, n, True, g0, target, inv_target, no_rest, y_eps2, rest_bias, anchor, k,
+                               tol, max_iter, CUT, RIDGE, HAS_MASK, BLOCK, KP)
     tl.store(N_ITER + row, used)
     tl.store(ERR + row, err)
     shift = ((g + rest_bias) * LOG2E)[None, :]
