@@ -58,7 +58,7 @@ def _plan_tile(Z, VALID, offs, n, use_mask, y_eps2, shift, anchor, k, CUT, HAS_M
     z = tl.load(Z + offs, mask=inside, other=0.0)
     valid = inside
     if HAS_MASK:
-        valid = valid & (tl.load(VALID + offs, mask=inside & use_mask, other=1) != 0)
+        valid = valid & (tl.load(VALID + offs, mask=tl.where(use_mask, inside, False), other=1) != 0)
     used = anchor <= k  # (1, KP)
     logits = z.to(tl.float64)[:, None] * y_eps2 + shift
     logits = tl.where(used, logits, float("-inf"))
