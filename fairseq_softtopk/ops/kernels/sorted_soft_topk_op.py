@@ -1,8 +1,9 @@
 """``torch.library`` ops around the Triton kernels of :func:`~fairseq_softtopk.ops.sorted_soft_topk`.
 
 * ``fairseq_softtopk::sorted_soft_topk_forward``: the whole semi-dual Newton solve of every row on the
-  device, one launch (``sorted_soft_topk_triton._sorted_forward_kernel``); returns the plan ``(rows, k + 1,
-  n)`` (the torch path's layout) and per row the iterations used and the marginal error reached, as tensors;
+  device, one launch (``sorted_soft_topk_triton._sorted_forward_kernel``; rows longer than :data:`WINDOW_MAX` on
+  the torch path's certified candidate window, in scratch memory); returns the plan ``(rows, k + 1, n)`` (the
+  torch path's layout) and per row the iterations used and the marginal error reached, as tensors;
 * ``fairseq_softtopk::sorted_soft_topk_backward``: the implicit gradient, one launch.
 
 Both have fake (meta) implementations and the forward an autograd rule (``torch.compile``,
@@ -176,7 +177,9 @@ def sorted_soft_topk_forward(x: Tensor, z: Tensor, valid: Tensor, eps: Tensor, g
         k (``<=`` :data:`MAX_K`), tol, max_iter: as :func:`~fairseq_softtopk.ops.sorted_soft_topk`'s.
     Returns:
         ``(P, n_iter, err)``: the plan ``(rows, k + 1, n)`` in ``z``'s dtype (anchors first, the rest last),
-        ``n_iter`` ``(rows,)`` int32, ``err`` ``(rows,)`` float64.
+        ``n_iter`` ``(rows,)`` int32 (the iterations of all of a row's solves), ``err`` ``(rows,)`` float64 (the
+        marginal error of the problem solved last: rows longer than :data:`WINDOW_MAX`, the certified window's,
+        whose rest anchor's target is its count minus k, as the torch path's; otherwise the whole row's).
     """
     return launch_forward(z, valid, eps, top, n_valid, k, tol, max_iter, has_mask)
 
