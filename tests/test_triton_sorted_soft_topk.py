@@ -235,6 +235,114 @@ def test_kernel_sync_free_call_compiles_as_one_graph(rng, kernel_calls):
     torch._dynamo.reset()
 
 
+@pytest.fixture
+def windows(monkeypatch):
+    """Rows longer than 64 entries solve on candidate windows (16 entries with ``windows.cap(16)``), in blocks of
+    64 entries (KP = 16); returns an object whose ``kernel`` lists, per kernel launch, each row's last window
+    width (the entries the kernel wrote to its scratch memory; ``WINDOW_MAX`` where the window overflowed), and
+    whose ``torch_windows(n)`` lists the torch path's window solves of rows of ``n`` (each row's width)."""
+    from fairseq_softtopk.ops import semi_dual_newton
+
+    record = type("Windows", (), {"kernel": [], "torch": []})()
+    monkeypatch.setattr(sorted_soft_topk_op, "WINDOW_MAX", 64)
+    monkeypatch.setattr(sorted_soft_topk_op, "INTERPRETER_MAX_TILE", 1024)
+    monkeypatch.setattr(sorted_soft_topk_op, "MAX_TILE", 1024)
+    record.cap = lambda wmax: monkeypatch.setattr(sorted_soft_topk_op, "WINDOW_MAX", wmax)
+    buffer, solve = sorted_soft_topk_op.window_buffer, semi_dual_newton._solve_rows
+
+    def filled(z, rows, wmax):  # NaN until written
+        window = buffer(z, rows, wmax).fill_(math.nan)
+        record.kernel.append(window)
+        return window
+
+    def solve_rows(problem, *args, **kwargs):
+        record.torch.append((problem.z.shape[-1], problem.n_valid.long().tolist()))
+        return solve(problem, *args, **kwargs)
+
+    monkeypatch.setattr(sorted_soft_topk_op, "window_buffer", filled)
+    monkeypatch.setattr(semi_dual_newton, "_solve_rows", solve_rows)
+    # the torch path's windows: its solves of fewer columns than the rows'
+    record.torch_windows = lambda n: [widths for columns, widths in record.torch if columns < n]
+    record.widths = lambda: [(~window.isnan()).sum(-1).tolist() for window in record.kernel]
+    return record
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_kernel_long_rows_solve_on_the_torch_paths_window(rng, windows, dtype):
+    """Rows of 300 entries at a small epsilon: the kernel's windows are the torch path's (a masked row and one
+    with excluded entries among them); a row with 100 entries near its top overflows the 64 entries of scratch
+    memory and solves the whole row. Values and gradients as the torch path's."""
+    x, mask = _scores(rng, 4, 300, dtype, excluded=30, masked=80)
+    x[3, :100] = (3.0 + 0.01 * torch.randn(100, generator=rng, dtype=torch.float64)).to(dtype)
+    assert_matches_torch(x, 5, rng, epsilon=0.02, mask=mask)
+    torch_windows = windows.torch_windows(300)
+    assert len(torch_windows) == 1 and windows.widths() == [torch_windows[0][:3] + [64]], (windows.widths(),
+                                                                                          torch_windows)
+    assert 5 < max(torch_windows[0][:3]) < 64 < torch_windows[0][3]
+
+
+@kernel_test
+def test_kernel_widens_an_uncertified_window(rng, windows, monkeypatch):
+    """A first floor half an epsilon below the (k+1)-th best (the torch path's lies ``2 - margin`` epsilons below:
+    its first window passes): the entries just below it carry more than the margin at the window's solution, the
+    kernel widens the window by ``2 - margin`` epsilons, as the torch path does, and solves again."""
+    floor_of = sorted_soft_topk_op.window_floor
+    first = []
+
+    def high_floor(top, n_valid, eps, k, tol):
+        floor, margin = floor_of(top, n_valid, eps, k, tol)
+        first.append((top[:, k] - 0.5 * eps.reshape(-1), margin, eps.reshape(-1)))
+        return first[-1][0], margin
+
+    monkeypatch.setattr(sorted_soft_topk_op, "window_floor", high_floor)
+    x = torch.randn(2, 300, generator=rng, dtype=torch.float64)
+    assert_matches_torch(x, 5, rng, epsilon=0.03)
+    from fairseq_softtopk.ops._common import prepare_scores
+
+    z = prepare_scores(x, 5, -1, True, 0.03, None, "linear", 5).z
+    floor, margin, eps = first[0]
+    widened = floor + (margin - 2.0) * eps
+    assert windows.widths() == [(z >= widened[:, None]).sum(-1).tolist()]
+    assert ((z >= floor[:, None]).sum(-1) < (z >= widened[:, None]).sum(-1)).all()
+
+
+@kernel_test
+def test_kernel_windows_of_extreme_k_and_masked_rows_match_the_torch_path(rng, windows):
+    """16 entries of scratch memory, rows of 20: k = n - 1 (the window holds the whole row: it overflows); a masked
+    row of k + 1 valid entries, and one of exactly k (no rest anchor: every valid entry, no floor), on windows."""
+    windows.cap(16)
+    x, _ = _scores(rng, 2, 20, torch.float64)
+    assert_matches_torch(x, 19, rng, epsilon=0.2)
+    mask = torch.zeros(2, 20, dtype=torch.bool)
+    mask[1, 14:] = True
+    assert_matches_torch(x, 13, rng, epsilon=0.2, mask=mask)
+    mask[1, 12:] = True
+    assert_matches_torch(x, 12, rng, epsilon=0.2, mask=mask)
+    assert [widths[1] for widths in windows.widths()] == [16, 14, 12]
+
+
+@kernel_test
+@pytest.mark.parametrize("old, new, check", [
+    ("n_solved = m.to(tl.float64)", "n_solved = n_valid", "long-rows"),  # the window solved as the whole row
+    ("if tl.where(rank_logit < margin, 0, 1) != 0:", "if tl.where(rank_logit < margin, 0, 0) != 0:", "widen"),
+], ids=["window-rest-target", "no-certification"])
+def test_kernel_window_mutant_fails_its_test(rng, windows, monkeypatch, tmp_path, old, new, check):
+    """Each window test fails on a kernel whose window is broken: solved with the whole row's rest target, or
+    never certified."""
+    source = sorted_soft_topk_op.KERNEL_FILE.read_text()
+    assert source.count(old) == 1, old
+    path = tmp_path / "sorted_soft_topk_triton.py"
+    path.write_text(source.replace(old, new))
+    monkeypatch.setattr(sorted_soft_topk_op, "KERNEL_FILE", path)
+    monkeypatch.setattr(sorted_soft_topk_op, "_kernel_modules", {})
+    with pytest.raises(AssertionError):
+        if check == "long-rows":
+            test_kernel_long_rows_solve_on_the_torch_paths_window(rng, windows, torch.float64)
+        else:
+            test_kernel_widens_an_uncertified_window(rng, windows, monkeypatch)
+
+
 @pytest.mark.parametrize("k, limits, reason, message", [
     (32, {}, "rank_count", r"more ranks than the kernels hold in registers \(the sorted operators: k <= 31\)"),
     (4, {"MAX_PLAN_ENTRIES": 5 * 45 - 1}, "row_length", r"rows longer than the kernels' int32 offsets reach"),
@@ -283,9 +391,9 @@ def test_fake_implementations_give_shapes_and_dtypes_on_the_meta_device():
 
 #: the kernels' arguments (pointer types with D for the scores' dtype); the test fails if a kernel's change
 _SIGNATURES = {
-    "_sorted_forward_kernel": dict(Z="*D", VALID="*u8", EPS="*D", N_VALID="*D", G0="*fp64", PLAN="*D",
-                                   N_ITER="*i32", ERR="*fp64", n="i32", k="i32", tol_hi="fp32", tol_lo="fp32",
-                                   max_iter="i32", CUT="fp32", RIDGE="fp32"),
+    "_sorted_forward_kernel": dict(Z="*D", VALID="*u8", EPS="*D", N_VALID="*D", G0="*fp64", FLOOR="*D",
+                                   MARGIN="*fp64", WIN="*D", PLAN="*D", N_ITER="*i32", ERR="*fp64", n="i32", k="i32",
+                                   tol_hi="fp32", tol_lo="fp32", max_iter="i32", CUT="fp32", RIDGE="fp32"),
     "_sorted_backward_kernel": dict(PLAN="*D", GRAD="*D", EPS="*D", NO_REST="*u8", GRAD_Z="*D", n="i32", k="i32",
                                     RIDGE="fp32"),
 }
@@ -305,8 +413,8 @@ def test_every_kernel_compiles_for_the_gpu(arch, dtype, lanes, monkeypatch, tmp_
     for name, signature in _SIGNATURES.items():
         kernel = getattr(module, name)
         constexprs = {"BLOCK": sorted_soft_topk_op.MAX_TILE // lanes, "KP": lanes}
-        if "HAS_MASK" in kernel.arg_names:
-            constexprs["HAS_MASK"] = True
+        if "HAS_MASK" in kernel.arg_names:  # the forward: with a mask, on candidate windows
+            constexprs.update(HAS_MASK=True, WMAX=sorted_soft_topk_op.WINDOW_MAX)
         assert set(kernel.arg_names) == set(signature) | set(constexprs), name
         types = {arg: kind.replace("D", dtype) for arg, kind in signature.items()}
         types.update({arg: "constexpr" for arg in constexprs})

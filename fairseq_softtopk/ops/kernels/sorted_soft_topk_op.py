@@ -1,8 +1,9 @@
 """``torch.library`` ops around the Triton kernels of :func:`~fairseq_softtopk.ops.sorted_soft_topk`.
 
 * ``fairseq_softtopk::sorted_soft_topk_forward``: the whole semi-dual Newton solve of every row on the
-  device, one launch (``sorted_soft_topk_triton._sorted_forward_kernel``); returns the plan ``(rows, k + 1,
-  n)`` (the torch path's layout) and per row the iterations used and the marginal error reached, as tensors;
+  device, one launch (``sorted_soft_topk_triton._sorted_forward_kernel``; rows longer than :data:`WINDOW_MAX` on
+  the torch path's certified candidate window, in scratch memory); returns the plan ``(rows, k + 1, n)`` (the
+  torch path's layout) and per row the iterations used and the marginal error reached, as tensors;
 * ``fairseq_softtopk::sorted_soft_topk_backward``: the implicit gradient, one launch.
 
 Both have fake (meta) implementations and the forward an autograd rule (``torch.compile``,
@@ -12,6 +13,7 @@ this module needs torch only. The ``k + 1`` anchors are held in registers: ``k``
 """
 
 import importlib.util
+import math
 import os
 from pathlib import Path
 from typing import Tuple
@@ -20,6 +22,7 @@ import torch
 from torch import Tensor
 
 from .._common import PreparedScores, SolverInfo
+from ..candidate_window import candidate_window
 from ..semi_dual import subnormal_cut
 from ..semi_dual_warm_start import hard_start
 from .backend import record_fallback, resolve_backend
@@ -36,6 +39,14 @@ MAX_K = 31
 MAX_TILE = 1024
 #: ... and under the interpreter, whose cost grows with the block iterations, not the entries
 INTERPRETER_MAX_TILE = 1 << 17
+#: rows longer than this solve on the torch path's candidate window (see ``_sorted_forward_kernel``): the entries
+#: at or above the row's floor, up to WINDOW_MAX of them, compacted into scratch memory; more: the whole row. At
+#: the beam search's shape (38,840 candidates, k = 5, epsilon 0.03, log-probabilities) windows hold about 100
+#: entries. Shorter rows solve on the whole row.
+WINDOW_MAX = 4096
+#: the window's first guess of the rank/rest boundary's distance below the (k+1)-th best, in epsilons (the torch
+#: path's ``semi_dual_newton._WINDOW_GAP``; the kernels' ``WINDOW_GAP``)
+WINDOW_GAP = 2.0
 #: rows whose plan has more entries than this run on the torch path: offsets within a row are int32
 MAX_PLAN_ENTRIES = 2 ** 31 - 2 ** 17
 
@@ -102,12 +113,36 @@ def launch_forward(z: Tensor, valid: Tensor, eps: Tensor, top: Tensor, n_valid: 
     module, interpret = _kernels_for(z)
     block = block_size(n, k, interpret)
     g0 = hard_start(top, n_valid == k, eps, k).contiguous()  # (rows, k + 1) float64, on the device
+    wmax = WINDOW_MAX if n > WINDOW_MAX else 0
+    if wmax:
+        floor, margin = window_floor(top, n_valid, eps, k, tol)
+        scratch = window_buffer(z, rows, wmax)
+    else:  # not read
+        floor, margin, scratch = z.new_empty(1), err.new_empty(1), z.new_empty(1)
     tol_hi, tol_lo = _float32_halves(float(tol))
     module._sorted_forward_kernel[(rows,)](
-        z, valid.contiguous().view(torch.uint8), eps.reshape(rows).contiguous(), n_valid.contiguous(), g0, plan,
-        n_iter, err, n, k, tol_hi, tol_lo, max_iter, subnormal_cut(z.dtype, k), _ridge(z.dtype),
-        HAS_MASK=has_mask, BLOCK=block, KP=anchor_lanes(k), **_launch_options(block * anchor_lanes(k)))
+        z, valid.contiguous().view(torch.uint8), eps.reshape(rows).contiguous(), n_valid.contiguous(), g0, floor,
+        margin, scratch, plan, n_iter, err, n, k, tol_hi, tol_lo, max_iter, subnormal_cut(z.dtype, k),
+        _ridge(z.dtype), HAS_MASK=has_mask, BLOCK=block, KP=anchor_lanes(k), WMAX=wmax,
+        **_launch_options(block * anchor_lanes(k)))
     return plan, n_iter, err
+
+
+def window_floor(top: Tensor, n_valid: Tensor, eps: Tensor, k: int, tol: float) -> Tuple[Tensor, Tensor]:
+    """The first window's floor and the certification's margin, as ``semi_dual_newton.newton_solve`` computes
+    them (on the device, no host read): ``(floor (rows,) in top's dtype, -inf for rows without a rest anchor;
+    margin (rows,) float64, the log of the share of a rank each entry left out may carry)``."""
+    out_of_window = (n_valid - k).clamp_min(1).double().unsqueeze(-1)  # at most n_valid - k entries left out
+    margin = torch.log(0.01 * tol / out_of_window)
+    edge = top[:, -1:] if top.shape[-1] > k else top[:, -1:] - 1.0
+    floor = candidate_window(edge, k, eps, tol, out_of_window, boundary_gap=WINDOW_GAP)
+    floor = torch.where((n_valid == k).unsqueeze(-1), torch.full_like(edge, -math.inf), floor)
+    return floor.reshape(-1).contiguous(), margin.reshape(-1).contiguous()
+
+
+def window_buffer(z: Tensor, rows: int, wmax: int) -> Tensor:
+    """The forward kernel's scratch memory: ``(rows, wmax)`` in ``z``'s dtype, each row's window of entries."""
+    return z.new_empty((rows, wmax))
 
 
 def launch_backward(plan: Tensor, grad: Tensor, eps: Tensor, no_rest: Tensor) -> Tensor:
@@ -142,7 +177,9 @@ def sorted_soft_topk_forward(x: Tensor, z: Tensor, valid: Tensor, eps: Tensor, g
         k (``<=`` :data:`MAX_K`), tol, max_iter: as :func:`~fairseq_softtopk.ops.sorted_soft_topk`'s.
     Returns:
         ``(P, n_iter, err)``: the plan ``(rows, k + 1, n)`` in ``z``'s dtype (anchors first, the rest last),
-        ``n_iter`` ``(rows,)`` int32, ``err`` ``(rows,)`` float64.
+        ``n_iter`` ``(rows,)`` int32 (the iterations of all of a row's solves), ``err`` ``(rows,)`` float64 (the
+        marginal error of the problem solved last: rows longer than :data:`WINDOW_MAX`, the certified window's,
+        whose rest anchor's target is its count minus k, as the torch path's; otherwise the whole row's).
     """
     return launch_forward(z, valid, eps, top, n_valid, k, tol, max_iter, has_mask)
 

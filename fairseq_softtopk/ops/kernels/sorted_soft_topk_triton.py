@@ -11,7 +11,10 @@ Newton iteration and reads its stopping tests on the host; here one program solv
   Then the torch path's steps, decided in-kernel: Sinkhorn-like rescaling while it pays off, damped Newton
   (the ``k x k`` system ``K = diag(counts) - sum_i P_i P_i^T`` plus a ridge, solved by Gaussian elimination
   on a ``(KP, KP)`` float64 register tile, :func:`_solve_ridged`) with an error-or-Armijo backtracking line
-  search, the stall and convergence tests. A last pass writes the plan ``(k + 1, n)``;
+  search, the stall and convergence tests. Rows longer than ``WMAX`` solve, as the torch path, on the entries
+  at or above a floor below the (k+1)-th best (:func:`_compact` copies them to scratch memory in one pass), the
+  window certified from the solution and widened where it is not (:func:`_window_solve`). A last pass writes
+  the plan ``(k + 1, n)``;
 * backward (:func:`_sorted_backward_kernel`): the ``_vjp`` of ``SortedSoftTopKFunction``, two passes over the
   plan (``b`` and ``K``, then the gradient) around one in-kernel ``k x k`` solve.
 
@@ -30,6 +33,10 @@ ARMIJO = tl.constexpr(1e-4)
 MAX_BACKTRACK = tl.constexpr(12)
 RESCALE_STEPS = tl.constexpr(4)
 RESCALE_GAIN = tl.constexpr(8.0)
+# the candidate window's (semi_dual_newton._WINDOW_GAP: the first guess of the rank/rest boundary's distance below
+# the (k+1)-th best, in epsilons), and the windows a row solves at most before it solves the whole row
+WINDOW_GAP = tl.constexpr(2.0)
+MAX_WINDOWS = tl.constexpr(4)
 
 
 @triton.jit
@@ -42,15 +49,16 @@ def _div(x, y):
 
 
 @triton.jit
-def _plan_tile(Z, VALID, offs, n, y_eps2, shift, anchor, k, CUT, HAS_MASK: tl.constexpr):
+def _plan_tile(Z, VALID, offs, n, use_mask, y_eps2, shift, anchor, k, CUT, HAS_MASK: tl.constexpr):
     """``(P, valid, log2 normaliser)`` of the entries ``offs``: ``P`` ``(BLOCK, KP)`` in the scores' dtype,
     the softmax over the ``k + 1`` anchors of ``z_i y_r / eps + g_r`` (0 on padded lanes and excluded entries),
-    the exponents clamped at ``CUT`` as the torch path's."""
+    the exponents clamped at ``CUT`` as the torch path's; ``VALID`` is read only with ``HAS_MASK`` and
+    ``use_mask``."""
     inside = offs < n
     z = tl.load(Z + offs, mask=inside, other=0.0)
     valid = inside
     if HAS_MASK:
-        valid = valid & (tl.load(VALID + offs, mask=inside, other=0) != 0)
+        valid = valid & (tl.load(VALID + offs, mask=tl.where(use_mask, inside, False), other=1) != 0)
     used = anchor <= k  # (1, KP)
     logits = z.to(tl.float64)[:, None] * y_eps2 + shift
     logits = tl.where(used, logits, float("-inf"))
@@ -64,8 +72,8 @@ def _plan_tile(Z, VALID, offs, n, y_eps2, shift, anchor, k, CUT, HAS_MASK: tl.co
 
 
 @triton.jit
-def _evaluate(Z, VALID, n, g, y_eps2, rest_bias, anchor, k, CUT, HAS_MASK: tl.constexpr, BLOCK: tl.constexpr,
-              KP: tl.constexpr):
+def _evaluate(Z, VALID, n, use_mask, g, y_eps2, rest_bias, anchor, k, CUT, HAS_MASK: tl.constexpr,
+              BLOCK: tl.constexpr, KP: tl.constexpr):
     """One pass over the row at potentials ``g`` ``(KP,)``: ``(counts (KP,) float64, sum_i lse_i (log2
     units, float64), Gram (KP, KP) in the scores' dtype)``."""
     shift = ((g + rest_bias) * LOG2E)[None, :]
@@ -74,7 +82,7 @@ def _evaluate(Z, VALID, n, g, y_eps2, rest_bias, anchor, k, CUT, HAS_MASK: tl.co
     gram = tl.zeros((KP, KP), dtype=Z.dtype.element_ty)
     for start in range(0, n, BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        P, valid, lse_i = _plan_tile(Z, VALID, offs, n, y_eps2, shift, anchor, k, CUT, HAS_MASK)
+        P, valid, lse_i = _plan_tile(Z, VALID, offs, n, use_mask, y_eps2, shift, anchor, k, CUT, HAS_MASK)
         counts += tl.sum(P.to(tl.float64), axis=0)
         lse += tl.where(valid, lse_i, 0.0)
         gram += tl.dot(tl.trans(P), P, input_precision="ieee")
@@ -132,47 +140,23 @@ def _solve_ridged(K, rhs, k, RIDGE, KP: tl.constexpr):
 
 
 @triton.jit
-def _sorted_forward_kernel(Z, VALID, EPS, N_VALID, G0, PLAN, N_ITER, ERR, n, k, tol_hi, tol_lo, max_iter, CUT,
-                           RIDGE, HAS_MASK: tl.constexpr, BLOCK: tl.constexpr, KP: tl.constexpr):
-    """One program per row: the potentials ``g`` maximising the semi-dual, then the plan.
-
-    Args (per row; ``n`` entries, row-major, contiguous):
-        Z: ``(rows, n)`` prepared scores (0 where excluded). VALID: ``(rows, n)`` uint8, nonzero where the
-        entry takes part (read only with ``HAS_MASK``). EPS: ``(rows,)`` temperatures. N_VALID: ``(rows,)``
-        valid counts (Z's dtype). G0: ``(rows, k + 1)`` float64 hard start. PLAN: ``(rows, k + 1, n)``
-        output. N_ITER: ``(rows,)`` int32 iterations (rescaling and Newton steps). ERR: ``(rows,)``
-        float64 marginal error reached. CUT: the exponent clamp; RIDGE: the solve's relative ridge.
-    """
-    row = tl.program_id(0).to(tl.int64)
-    Z += row * n
-    VALID += row * n
-    PLAN += row * (k + 1) * n
-    tol = tl.cast(tol_hi, tl.float64) + tl.cast(tol_lo, tl.float64)  # scalar arguments: tl.cast, not .to
-    eps = tl.load(EPS + row).to(tl.float64)
-    n_valid = tl.load(N_VALID + row).to(tl.float64)
-    kf = tl.cast(k, tl.float64)
-    no_rest = n_valid == kf
+def _newton(SRC, VALID, count, use_mask, g, target, inv_target, no_rest, y_eps2, rest_bias, anchor, k, tol, budget,
+            CUT, RIDGE, HAS_MASK: tl.constexpr, BLOCK: tl.constexpr, KP: tl.constexpr):
+    """The solve from ``g`` on the ``count`` entries at ``SRC`` (``VALID`` read where ``use_mask``): at most
+    ``budget`` iterations. Returns ``(g, err, iterations)``; ``budget = 0``: the point ``g`` evaluated."""
     lane = tl.arange(0, KP)
-    anchor = lane[None, :]
-    y_eps2 = (tl.where(lane <= k, k - lane, 0).to(tl.float64) * (LOG2E / eps))[None, :]
-    # the rest anchor (lane k) of rows without one takes no mass and has no marginal error
-    rest_bias = tl.where(lane == k, tl.where(no_rest, float("-inf"), 0.0), 0.0)
-    target = tl.where(lane == k, n_valid - kf, 1.0)
-    inv_rest = tl.where(no_rest, 0.0, 1.0 / tl.maximum(n_valid - kf, 1.0))
-    inv_target = tl.where(lane < k, 1.0, tl.where(lane == k, inv_rest, 0.0))
-    g = tl.load(G0 + row * (k + 1) + lane, mask=lane <= k, other=0.0)
     # The point reached (potentials, counts, log-normalisers, Gram matrix, error) and the state of the steps:
     # every trial, whether the start, a rescaling or a Newton step at some length, is one evaluation below
     # (one call site: the kernel's code holds one copy of the pass).
     counts = tl.zeros((KP,), dtype=tl.float64)
     lse = tl.cast(0.0, tl.float64)
-    gram = tl.zeros((KP, KP), dtype=Z.dtype.element_ty)
+    gram = tl.zeros((KP, KP), dtype=SRC.dtype.element_ty)
     err = tl.cast(float("inf"), tl.float64)
     step = tl.zeros((KP,), dtype=tl.float64)
     alpha = tl.cast(1.0, tl.float64)
     F = tl.cast(0.0, tl.float64)
     slope = tl.cast(0.0, tl.float64)
-    fresh = 1  # the first trial is the hard start itself
+    fresh = 1  # the first trial is the start itself
     going = 0  # rescaling goes on (semi_dual_newton._rescale)
     rescaled = 0
     n_newton = 0
@@ -199,8 +183,8 @@ def _sorted_forward_kernel(Z, VALID, EPS, N_VALID, G0, PLAN, N_ITER, ERR, n, k, 
         else:  # backtracking
             alpha = 0.5 * alpha
             trial = g + alpha * step
-        t_counts, t_lse, t_gram = _evaluate(Z, VALID, n, trial, y_eps2, rest_bias, anchor, k, CUT, HAS_MASK, BLOCK,
-                                            KP)
+        t_counts, t_lse, t_gram = _evaluate(SRC, VALID, count, use_mask, trial, y_eps2, rest_bias, anchor, k, CUT,
+                                            HAS_MASK, BLOCK, KP)
         t_err = _marginal_error(t_counts, target, inv_target)
         if fresh != 0:
             accept = fresh != 0  # whatever its error (NaN data: NaN results, as the torch path's)
@@ -224,15 +208,159 @@ def _sorted_forward_kernel(Z, VALID, EPS, N_VALID, G0, PLAN, N_ITER, ERR, n, k, 
         gram = tl.where(accept, t_gram, gram)
         err = tl.where(accept, t_err, err)
         fresh = 0
-        in_rescale = tl.where((going != 0) & (rescaled < tl.minimum(max_iter, RESCALE_STEPS)), 1, 0)
-        newton_goes_on = (err > tol) & (stalled < 3) & (n_newton < max_iter - rescaled)
+        in_rescale = tl.where((going != 0) & (rescaled < tl.minimum(budget, RESCALE_STEPS)), 1, 0)
+        newton_goes_on = (err > tol) & (stalled < 3) & (n_newton < budget - rescaled)
         active = tl.where((in_rescale != 0) | (tries > 0) | newton_goes_on, 1, 0)
-    tl.store(N_ITER + row, rescaled + n_newton)
+    return g, err, rescaled + n_newton
+
+
+@triton.jit
+def _compact(Z, VALID, WIN, n, cut, HAS_MASK: tl.constexpr, BLOCK: tl.constexpr, WMAX: tl.constexpr):
+    """One pass over the row: its valid entries at or above ``cut``, in row order, to ``WIN`` (the first
+    ``WMAX`` of them). Returns ``(m, best left-out entry (-inf: none), whether the row holds a NaN)``."""
+    m = tl.cast(0, tl.int32)
+    best_out = tl.cast(float("-inf"), Z.dtype.element_ty)
+    nan = tl.cast(0, tl.int32)
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        inside = offs < n
+        z = tl.load(Z + offs, mask=inside, other=0.0)
+        valid = inside
+        if HAS_MASK:
+            valid = valid & (tl.load(VALID + offs, mask=inside, other=0) != 0)
+        keep = valid & (z >= cut)
+        slot = m + tl.cumsum(keep.to(tl.int32), axis=0) - 1  # the entry's place in the window
+        tl.store(WIN + slot, z, mask=keep & (slot < WMAX))
+        m += tl.sum(keep.to(tl.int32), axis=0)
+        best_out = tl.maximum(best_out, tl.max(tl.where(valid & (z < cut), z, float("-inf")), axis=0))
+        nan = tl.maximum(nan, tl.max(tl.where(valid & (z != z), 1, 0), axis=0))
+    return m, best_out, nan
+
+
+@triton.jit
+def _targets(n_solved, no_rest, k, KP: tl.constexpr):
+    """``(target, 1 / target)`` ``(KP,)`` of a problem of ``n_solved`` valid entries (float64): 1 per rank,
+    ``n_solved - k`` for the rest anchor (its inverse 0 in rows without one), 0 on padding."""
+    lane = tl.arange(0, KP)
+    kf = tl.cast(k, tl.float64)
+    target = tl.where(lane == k, n_solved - kf, 1.0)
+    inv_rest = tl.where(no_rest, 0.0, 1.0 / tl.maximum(n_solved - kf, 1.0))
+    return target, tl.where(lane < k, 1.0, tl.where(lane == k, inv_rest, 0.0))
+
+
+@triton.jit
+def _window_solve(Z, VALID, WIN, n, cut, margin, g0, n_valid, no_rest, eps_z, y_eps2, rest_bias, anchor, k, tol,
+                  max_iter, CUT, RIDGE, HAS_MASK: tl.constexpr, BLOCK: tl.constexpr, KP: tl.constexpr,
+                  WMAX: tl.constexpr):
+    """The solve on the row's certified candidate window (see :func:`_sorted_forward_kernel`), from the first
+    floor ``cut``. Returns ``(g, err, iterations, whether the solution is a certified window's, its floor)``."""
+    lane = tl.arange(0, KP)
+    eps = eps_z.to(tl.float64)
+    g = g0
+    err = tl.cast(float("inf"), tl.float64)
+    best_out = tl.cast(float("-inf"), Z.dtype.element_ty)
+    used = 0  # iterations of the solves so far
+    windowed = 1
+    windows = 0
+    solving = 1
+    while solving != 0:
+        src = Z
+        count = n
+        n_solved = n_valid
+        if windowed != 0:
+            m, best_out, nan = _compact(Z, VALID, WIN, n, cut, HAS_MASK, BLOCK, WMAX)
+            if (m > WMAX) | (nan != 0):  # the whole row, from the hard start
+                windowed = 0
+                g = g0
+            else:
+                src = WIN
+                count = m
+                n_solved = m.to(tl.float64)
+        target, inv_target = _targets(n_solved, no_rest, k, KP)
+        g, err, n_iter = _newton(src, VALID, count, windowed == 0, g, target, inv_target, no_rest, y_eps2,
+                                 rest_bias, anchor, k, tol, max_iter - used, CUT, RIDGE, HAS_MASK, BLOCK, KP)
+        used += n_iter
+        solving = 0
+        if windowed != 0:
+            # the best entry left out must give every rank less than exp(margin) of its mass
+            rank_logit = best_out.to(tl.float64) * tl.where(lane < k, k - lane, 1).to(tl.float64) / eps + g
+            rank_logit = tl.max(tl.where(lane < k, rank_logit, float("-inf")), axis=0)
+            if tl.where(rank_logit < margin, 0, 1) != 0:  # uncertified (NaN included)
+                solving = 1
+                windows += 1
+                if used >= max_iter:  # no iteration left: the whole row evaluated where the window ended
+                    windowed = 0
+                elif windows >= MAX_WINDOWS:
+                    windowed = 0
+                    g = g0
+                else:  # widen the window, as the torch path does
+                    cut = cut + (margin - WINDOW_GAP).to(Z.dtype.element_ty) * eps_z
+    return g, err, used, windowed, cut
+
+
+@triton.jit
+def _sorted_forward_kernel(Z, VALID, EPS, N_VALID, G0, FLOOR, MARGIN, WIN, PLAN, N_ITER, ERR, n, k, tol_hi, tol_lo,
+                           max_iter, CUT, RIDGE, HAS_MASK: tl.constexpr, BLOCK: tl.constexpr, KP: tl.constexpr,
+                           WMAX: tl.constexpr):
+    """One program per row: the potentials ``g`` maximising the semi-dual, then the plan.
+
+    With ``WMAX > 0`` (rows longer than ``WMAX``), the torch path's candidate window (``newton_solve``): a pass
+    compacts the valid entries at or above the row's floor into ``WIN``, the solve runs on them (the rest
+    anchor's target is the window's count minus k), and the best entry left out must give every rank a logit
+    below ``MARGIN`` at the solution; where it does not, the floor drops by ``(WINDOW_GAP - MARGIN)`` epsilons
+    and the window is solved again (at most ``MAX_WINDOWS`` windows). A window of more than ``WMAX`` entries,
+    a row holding a NaN, or ``MAX_WINDOWS`` uncertified windows: the whole row from the hard start, as without
+    a window. Iterations count over all the solves together (at most ``max_iter``); a window uncertified when
+    they are spent: the whole row evaluated at its potentials. The plan of a certified window is the solution
+    on the window's entries, and exactly the rest anchor (1) on the valid entries left out.
+
+    Args (per row; ``n`` entries, row-major, contiguous):
+        Z: ``(rows, n)`` prepared scores (0 where excluded). VALID: ``(rows, n)`` uint8, nonzero where the
+        entry takes part (read only with ``HAS_MASK``). EPS: ``(rows,)`` temperatures. N_VALID: ``(rows,)``
+        valid counts (Z's dtype). G0: ``(rows, k + 1)`` float64 hard start. FLOOR: ``(rows,)`` the first
+        window's floor (Z's dtype; ``-inf``: every valid entry). MARGIN: ``(rows,)`` float64, the log of the
+        share of a rank each entry left out may carry. WIN: ``(rows, WMAX)`` scratch (Z's dtype); FLOOR,
+        MARGIN and WIN are read only with ``WMAX > 0``. PLAN: ``(rows, k + 1, n)`` output. N_ITER: ``(rows,)``
+        int32 iterations (rescaling and Newton steps, of every solve). ERR: ``(rows,)`` float64 marginal error
+        of the problem last solved (the certified window's, or the whole row's). CUT: the exponent clamp;
+        RIDGE: the solve's relative ridge.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    Z += row * n
+    VALID += row * n
+    PLAN += row * (k + 1) * n
+    tol = tl.cast(tol_hi, tl.float64) + tl.cast(tol_lo, tl.float64)  # scalar arguments: tl.cast, not .to
+    eps_z = tl.load(EPS + row)
+    eps = eps_z.to(tl.float64)
+    n_valid = tl.load(N_VALID + row).to(tl.float64)
+    kf = tl.cast(k, tl.float64)
+    no_rest = n_valid == kf
+    lane = tl.arange(0, KP)
+    anchor = lane[None, :]
+    y_eps2 = (tl.where(lane <= k, k - lane, 0).to(tl.float64) * (LOG2E / eps))[None, :]
+    # the rest anchor (lane k) of rows without one takes no mass and has no marginal error
+    rest_bias = tl.where(lane == k, tl.where(no_rest, float("-inf"), 0.0), 0.0)
+    g0 = tl.load(G0 + row * (k + 1) + lane, mask=lane <= k, other=0.0)
+    if WMAX > 0:
+        g, err, used, windowed, cut = _window_solve(Z, VALID, WIN + row * WMAX, n, tl.load(FLOOR + row),
+                                                    tl.load(MARGIN + row), g0, n_valid, no_rest, eps_z, y_eps2,
+                                                    rest_bias, anchor, k, tol, max_iter, CUT, RIDGE, HAS_MASK,
+                                                    BLOCK, KP, WMAX)
+    else:  # the whole row (the kernel's code without the window's)
+        target, inv_target = _targets(n_valid, no_rest, k, KP)
+        g, err, used = _newton(Z, VALID, n, True, g0, target, inv_target, no_rest, y_eps2, rest_bias, anchor, k,
+                               tol, max_iter, CUT, RIDGE, HAS_MASK, BLOCK, KP)
+    tl.store(N_ITER + row, used)
     tl.store(ERR + row, err)
     shift = ((g + rest_bias) * LOG2E)[None, :]
     for start in range(0, n, BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        P, valid, lse_i = _plan_tile(Z, VALID, offs, n, y_eps2, shift, anchor, k, CUT, HAS_MASK)
+        P, valid, lse_i = _plan_tile(Z, VALID, offs, n, True, y_eps2, shift, anchor, k, CUT, HAS_MASK)
+        if WMAX > 0:
+            if windowed != 0:  # valid entries left out of a certified window: on the rest anchor
+                z = tl.load(Z + offs, mask=offs < n, other=0.0)
+                out = (z < cut)[:, None]
+                P = tl.where(out, tl.where(valid[:, None] & (anchor == k), 1.0, 0.0).to(P.dtype), P)
         tl.store(PLAN + anchor * n + offs[:, None], P, mask=(offs < n)[:, None] & (anchor <= k))
 
 
