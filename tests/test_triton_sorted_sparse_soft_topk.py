@@ -184,7 +184,7 @@ def test_more_ranks_than_the_kernels_hold_run_the_torch_path_counted(rng, monkey
     monkeypatch.setattr(op, "sorted_sparse_kernel", no_kernel)
     reset_fallback_counts()
     x = torch.randn(2, 40, generator=rng).to(DEVICE)
-    with pytest.warns(KernelFallbackWarning, match=r"sorted_sparse_soft_topk: .*more ranks \(k\) than the kernels"):
+    with pytest.warns(KernelFallbackWarning, match=r"sorted_sparse_soft_topk: .*more ranks than the kernels hold in registers \(the sorted operators: k <= 31\)"):
         out = sorted_sparse_soft_topk(x, 3, backend="triton")
     torch.testing.assert_close(out, sorted_sparse_soft_topk(x, 3, backend="torch"), rtol=0, atol=0)
     assert fallback_counts() == {"rank_count": 1}
