@@ -33,13 +33,18 @@ fi
 # which the constraints pin: a CUDA torch kept above must not be replaced by the pinned CPU one
 "${pip[@]}" pytest pytest-xdist pyflakes matplotlib cvxpy
 "${pip[@]}" --no-deps entmax
-# triton (the dev extra; soft_topk's opt-in kernels, tested on the CPU under its interpreter): the pinned one,
+# triton (the dev extra; the operators' kernels, tested on the CPU under its interpreter): the pinned one,
 # unless the virtualenv has one already: a CUDA torch depends on the triton it was built with
 if "${venv}/bin/python" -c "import triton" 2>/dev/null; then
     echo "[setup] keeping the virtualenv's triton $("${venv}/bin/python" -c 'import triton; print(triton.__version__)')" >&2
 else
     "${pip[@]}" triton
 fi
+# the oldest triton the kernels support, beside it (not importable from the virtualenv): the tests compile every
+# kernel with it too (tests/test_oldest_triton.py); the constraints pin the newest, hence no -c here
+oldest_triton="$(sed -n 's/^# oldest supported: triton==//p' "${root}/constraints.txt")"
+"${venv}/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps --upgrade \
+    --target "${venv}/triton-oldest" "triton==${oldest_triton}"
 "${pip[@]}" --no-deps --no-build-isolation -e "${root}"
 "${venv}/bin/python" -c "import torch, fairseq, fairseq_softtopk; print('[setup] torch', torch.__version__, 'fairseq', fairseq.__version__)" >&2
 echo "${stamp_value}" > "${stamp_file}"

@@ -1,6 +1,7 @@
 """scripts/setup_venv.sh keeps a torch and a triton that the virtualenv already has (a CUDA user's build)."""
 
 import os
+import re
 import shutil
 import subprocess
 
@@ -65,3 +66,20 @@ def test_the_pinned_triton_is_installed_unless_the_virtualenv_has_one(tmp_path, 
     else:
         assert len(triton_installs) == 1 and "-c" in triton_installs[0]
         assert str(tmp_path / "project" / "constraints.txt") in triton_installs[0]
+
+
+@pytest.mark.parametrize("triton_version", [None, "3.6.0"])
+def test_the_oldest_supported_triton_is_installed_beside_the_virtualenv(tmp_path, repo_root, triton_version):
+    """The oldest supported triton (constraints.txt's "# oldest supported: triton==" line) goes to
+    ``.venv/triton-oldest``, whatever triton the virtualenv has: without the constraints (they pin the newest) and
+    without dependencies (torch's, which would replace the virtualenv's)."""
+    oldest = re.search(r"^# oldest supported: triton==(\S+)$", (repo_root / "constraints.txt").read_text(), re.M)
+    assert oldest, "constraints.txt names no oldest supported triton"
+    _, installs = _run_setup(tmp_path, repo_root, "2.11.0", triton_version)
+    oldest_installs = [args for args in installs if f"triton=={oldest.group(1)}" in args]
+    assert len(oldest_installs) == 1, installs
+    args = oldest_installs[0]
+    assert "--no-deps" in args and "-c" not in args and "--upgrade" in args
+    assert not any("constraints.txt" in arg for arg in args)
+    assert args[args.index("--target") + 1] == str(tmp_path / "project" / ".venv" / "triton-oldest")
+    assert [a for a in args if "triton" in a and not a.startswith(str(tmp_path))] == [f"triton=={oldest.group(1)}"]

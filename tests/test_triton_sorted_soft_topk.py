@@ -401,10 +401,12 @@ _SIGNATURES = {
 
 @needs_triton
 @pytest.mark.skipif(backend_module.interpreter_requested(), reason="under the interpreter, triton compiles nothing")
-@pytest.mark.parametrize("arch, dtype, lanes", [(90, "fp32", 32), (80, "fp64", 16)])
+@pytest.mark.parametrize("arch, dtype, lanes", [(90, "fp32", 32), (90, "fp64", 16), (80, "fp32", 16),
+                                                 (80, "fp64", 32)])
 def test_every_kernel_compiles_for_the_gpu(arch, dtype, lanes, monkeypatch, tmp_path):
-    """Ahead-of-time compilation to a cubin (no GPU needed): float32 tiles at the largest k on sm_90, float64
-    tiles (the float64 ``tl.dot``) on sm_80; lowering errors the interpreter lets through fail here."""
+    """Ahead-of-time compilation to a cubin (no GPU needed): both dtypes on sm_90 and sm_80 (float64: the float64
+    ``tl.dot``), each at both tile widths (KP 16 and 32, k up to 31); lowering errors the interpreter lets
+    through fail here."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # compiled now, not found in a cache
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile as triton_compile

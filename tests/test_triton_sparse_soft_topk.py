@@ -296,7 +296,7 @@ _SIGNATURES = {
 @pytest.mark.skipif(backend_module.interpreter_requested(), reason="under the interpreter, triton compiles nothing")
 @pytest.mark.parametrize("arch", [90, 80])
 def test_every_kernel_compiles_for_the_gpu(arch, monkeypatch, tmp_path):
-    """Ahead-of-time compilation to a cubin for sm_90 / sm_80 (no GPU needed): p = 2 in float32, p = 4/3 in
+    """Ahead-of-time compilation to a cubin for sm_90 / sm_80 (no GPU needed): p = 2 and p = 4/3 in float32 and
     float64, and rows of one entry (Triton turns integer arguments equal to 1 into constants)."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # compiled now, not found in a cache
     from triton.backends.compiler import GPUTarget
@@ -306,7 +306,8 @@ def test_every_kernel_compiles_for_the_gpu(arch, monkeypatch, tmp_path):
     for name, signature in _SIGNATURES.items():
         kernel = getattr(module, name)
         ones = {arg: 1 for arg in ("n", "k", "top_cols", "max_iter") if arg in signature}
-        for power, dtype, with_ones in ((1, "fp32", False), (3, "fp64", False), (3, "fp32", True)):
+        for power, dtype, with_ones in ((1, "fp32", False), (1, "fp64", False), (3, "fp32", False),
+                                        (3, "fp64", False), (3, "fp32", True)):
             constexprs = {"BLOCK": sparse_soft_topk_op.MAX_BLOCK, "POWER": power}
             if "HAS_MASK" in kernel.arg_names:
                 constexprs.update(HAS_MASK=True, GAP_CAP=2.0, RESOLUTION=1e-15)

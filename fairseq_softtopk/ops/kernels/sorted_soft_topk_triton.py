@@ -65,8 +65,11 @@ def _plan_tile(Z, VALID, offs, n, use_mask, y_eps2, shift, anchor, k, CUT, HAS_M
     top = tl.max(logits, axis=1)
     e = tl.exp2(tl.maximum((logits - top[:, None]).to(z.dtype), CUT))
     e = tl.where(used, e, 0.0)
-    total = tl.sum(e, axis=1)
-    P = tl.where(valid[:, None], _div(e, total[:, None]), 0.0)
+    # excluded entries: total = inf, so P = e / inf = 0. Not tl.where(valid, ...) on P: triton 3.6 sizes a dot's
+    # operands by the narrowest load they derive from elementwise (VALID's 8 bits) and cannot lower the float64
+    # tl.dot of the Gram matrix so; the sum hides that load from it
+    total = tl.sum(tl.where(valid[:, None], e, float("inf")), axis=1)
+    P = _div(e, total[:, None])
     P = tl.where((z == z)[:, None], P, float("nan"))  # NaN scores (unchecked calls) give NaN, as in torch
     return P, valid, tl.log2(total.to(tl.float64)) + top
 
