@@ -1,5 +1,6 @@
 """The oldest supported triton (constraints.txt's "oldest supported" line; the GPU machines' version) compiles every
-kernel for sm_90 and sm_80, as the pinned one does in tests/test_triton_*.py.
+kernel for sm_90 (the H100's and H200's), in float32 and float64, as the pinned one does for sm_90 and sm_80 in
+tests/test_triton_*.py.
 
 scripts/setup_venv.sh installs it beside the virtualenv (``.venv/triton-oldest``, not on the virtualenv's path);
 a child pytest runs the kernel files' compile tests with it first on ``PYTHONPATH``. Its interpreter is not used:
@@ -35,7 +36,7 @@ def test_every_kernel_compiles_with_the_oldest_supported_triton(repo_root, tmp_p
     assert version == oldest_supported() == "3.6.0"
     assert len(KERNEL_TEST_FILES) == 4
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-                           *KERNEL_TEST_FILES, "-k", "compiles_for_the_gpu"],
+                           *KERNEL_TEST_FILES, "-k", "compiles_for_the_gpu and not 80"],
                           cwd=repo_root, env=env, capture_output=True, text=True)
     summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
