@@ -130,3 +130,14 @@ def test_steps_run_in_the_order_given_and_the_budget_skips_the_rest(tmp_path, mo
 def test_the_kernel_tests_step_runs_every_kernel_test_file(repo_root):
     assert gpu_check.KERNEL_TEST_FILES == sorted(str(p.relative_to(repo_root))
                                                  for p in (repo_root / "tests").glob("test_triton_*.py"))
+
+
+def test_the_test_steps_report_pytests_summary():
+    def summary(name, output):
+        return gpu_check.summary_of(gpu_check.StepResult(name, [], 0, 1.0, output, None))
+
+    assert summary("kernel_tests", "....\n106 passed, 3 skipped in 20.1s\n") == "106 passed, 3 skipped"
+    assert summary("kernel_tests", "sss\n21 skipped, 5 deselected in 1.2s\n") == "21 skipped, 5 deselected"
+    assert summary("cuda_tests", "==== 2 failed, 130 passed in 99.0s ====\n") == "2 failed, 130 passed"
+    assert summary("bench_ops", "| case | method |\n| a | ours |\n") == "1 table rows"
+

@@ -204,8 +204,8 @@ def run_step(name: str, command: List[str], extra_env: Dict[str, str], log: Path
 
 def summary_of(result: StepResult) -> str:
     """One line on the outcome: the tests' summary, or the benchmark's verdict line."""
-    if result.name == "cuda_tests":
-        found = re.findall(r"^=*\s*(\d+ (?:passed|failed).*?)(?: in [0-9.]+s.*)?=*$", result.output, re.M)
+    if result.name in ("cuda_tests", "kernel_tests"):
+        found = re.findall(r"^=*\s*(\d+ (?:passed|failed|skipped).*?)(?: in [0-9.]+s.*)?=*$", result.output, re.M)
         return found[-1].strip() if found else "no test summary"
     if result.name == "bench_train":
         verdict = [line for line in result.output.splitlines() if "target <=" in line]
