@@ -11,9 +11,7 @@ on the first launch (compiled for GPUs, or under Triton's interpreter when ``TRI
 importing this module needs torch only.
 """
 
-import importlib.util
 import math
-import os
 import struct
 from pathlib import Path
 from typing import Tuple
@@ -23,6 +21,7 @@ from torch import Tensor
 
 from .._common import PreparedScores, SolverInfo, log_floor
 from .backend import record_fallback, resolve_backend
+from .loading import check_device, load_kernels
 
 KERNEL_FILE = Path(__file__).with_name("soft_topk_triton.py")
 #: entries per block iteration on a GPU (a row of n entries takes ceil(n / block) iterations per pass) ...
@@ -36,27 +35,14 @@ _kernel_modules = {}  # the loaded kernels module (one entry)
 
 
 def kernel_module():
-    """The kernels module (``soft_topk_triton.py``), loaded on first use.
-
-    Triton fixes, at ``import triton``, whether its kernels are compiled for GPUs or run by its interpreter
-    (``TRITON_INTERPRET=1``), and a kernel defined in the other mode cannot call its library: a mismatch
-    (the variable set or cleared after triton was imported) raises here rather than inside a launch.
+    """The kernels module (``soft_topk_triton.py``), loaded on first use (:func:`.loading.load_kernels`).
 
     Raises:
         RuntimeError: the kernels and triton's own library were defined in different modes.
     """
     if "module" not in _kernel_modules:
-        import triton.language as tl
-
-        name = f"{__package__}.soft_topk_triton"
-        spec = importlib.util.spec_from_file_location(name, KERNEL_FILE)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        if type(module._soft_topk_threshold_kernel) is not type(tl.sum):
-            raise RuntimeError(f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r} now, but triton was imported "
-                               f"with the other setting: set it before anything imports triton (torch.compile does)")
-        module.INTERPRETED = type(tl.sum).__name__ == "InterpretedFunction"
-        _kernel_modules["module"] = module
+        _kernel_modules["module"] = load_kernels(KERNEL_FILE, f"{__package__}.soft_topk_triton",
+                                                 "_soft_topk_threshold_kernel")
     return _kernel_modules["module"]
 
 
@@ -75,9 +61,7 @@ def _launch_options(block: int) -> dict:
 def _kernels_for(t: Tensor):
     """``(kernels module, interpreted)`` for tensors on ``t``'s device (raises where the kernels cannot run)."""
     module = kernel_module()
-    if not (t.is_cuda or module.INTERPRETED):
-        raise ValueError(f"the Triton kernels run on CUDA tensors (or on CPU tensors with TRITON_INTERPRET=1 set "
-                         f"before triton is imported), got a tensor on {t.device}")
+    check_device(module, t)
     return module, module.INTERPRETED
 
 

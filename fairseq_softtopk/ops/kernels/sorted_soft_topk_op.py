@@ -12,9 +12,7 @@ this module needs torch only. The ``k + 1`` anchors are held in registers: ``k``
 :data:`MAX_K` (beyond it the torch path runs, counted under ``fallback_counts()["rank_count"]``).
 """
 
-import importlib.util
 import math
-import os
 from pathlib import Path
 from typing import Tuple
 
@@ -26,6 +24,7 @@ from ..candidate_window import candidate_window
 from ..semi_dual import subnormal_cut
 from ..semi_dual_warm_start import hard_start
 from .backend import record_fallback, resolve_backend
+from .loading import check_device, load_kernels
 from .soft_topk_op import _float32_halves, _launch_options
 
 KERNEL_FILE = Path(__file__).with_name("sorted_soft_topk_triton.py")
@@ -61,17 +60,8 @@ def kernel_module():
             set or cleared after triton was imported).
     """
     if "module" not in _kernel_modules:
-        import triton.language as tl
-
-        name = f"{__package__}.sorted_soft_topk_triton"
-        spec = importlib.util.spec_from_file_location(name, KERNEL_FILE)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        if type(module._sorted_forward_kernel) is not type(tl.sum):
-            raise RuntimeError(f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r} now, but triton was imported "
-                               f"with the other setting: set it before anything imports triton (torch.compile does)")
-        module.INTERPRETED = type(tl.sum).__name__ == "InterpretedFunction"
-        _kernel_modules["module"] = module
+        _kernel_modules["module"] = load_kernels(KERNEL_FILE, f"{__package__}.sorted_soft_topk_triton",
+                                                 "_sorted_forward_kernel")
     return _kernel_modules["module"]
 
 
@@ -89,9 +79,7 @@ def block_size(n: int, k: int, interpret: bool) -> int:
 def _kernels_for(t: Tensor):
     """``(kernels module, interpreted)`` for tensors on ``t``'s device (raises where the kernels cannot run)."""
     module = kernel_module()
-    if not (t.is_cuda or module.INTERPRETED):
-        raise ValueError(f"the Triton kernels run on CUDA tensors (or on CPU tensors with TRITON_INTERPRET=1 set "
-                         f"before triton is imported), got a tensor on {t.device}")
+    check_device(module, t)
     return module, module.INTERPRETED
 
 

@@ -10,8 +10,6 @@ Both have fake implementations and the forward an autograd rule. The kernels hol
 (counted). Importing this module needs torch only.
 """
 
-import importlib.util
-import os
 from pathlib import Path
 from typing import Tuple
 
@@ -22,6 +20,7 @@ from .._common import PreparedScores, SolverInfo
 from ..quadratic_semi_dual import _ARMIJO, _FIXED_BACKTRACK, _MAX_BACKTRACK, _RIDGE
 from ..semi_dual_warm_start import hard_start
 from .backend import record_fallback, resolve_backend
+from .loading import check_device, load_kernels
 from .soft_topk_op import MAX_ROW_LENGTH, _float32_halves, _launch_options
 
 KERNEL_FILE = Path(__file__).with_name("sorted_sparse_soft_topk_triton.py")
@@ -40,17 +39,8 @@ def kernel_module():
         RuntimeError: the kernels and triton's own library were defined in different modes.
     """
     if "module" not in _kernel_modules:
-        import triton.language as tl
-
-        name = f"{__package__}.sorted_sparse_soft_topk_triton"
-        spec = importlib.util.spec_from_file_location(name, KERNEL_FILE)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        if type(module._sorted_sparse_kernel) is not type(tl.sum):
-            raise RuntimeError(f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r} now, but triton was imported "
-                               f"with the other setting: set it before anything imports triton (torch.compile does)")
-        module.INTERPRETED = type(tl.sum).__name__ == "InterpretedFunction"
-        _kernel_modules["module"] = module
+        _kernel_modules["module"] = load_kernels(KERNEL_FILE, f"{__package__}.sorted_sparse_soft_topk_triton",
+                                                 "_sorted_sparse_kernel")
     return _kernel_modules["module"]
 
 
@@ -66,9 +56,7 @@ def block_size(n: int, k: int) -> int:
 
 def _module_for(t: Tensor):
     module = kernel_module()
-    if not (t.is_cuda or module.INTERPRETED):
-        raise ValueError(f"the Triton kernels run on CUDA tensors (or on CPU tensors with TRITON_INTERPRET=1 set "
-                         f"before triton is imported), got a tensor on {t.device}")
+    check_device(module, t)
     return module
 
 

@@ -10,8 +10,6 @@ kernels module imports ``triton`` and is loaded on the first launch (compiled fo
 interpreter when ``TRITON_INTERPRET=1``); importing this module needs torch only.
 """
 
-import importlib.util
-import os
 from pathlib import Path
 from typing import Tuple
 
@@ -21,6 +19,7 @@ from torch import Tensor
 from .._common import PreparedScores
 from ..sparse_rows import UNSORTED_GAP_CAP
 from .backend import record_fallback, resolve_backend
+from .loading import check_device, load_kernels
 from .soft_topk_op import MAX_ROW_LENGTH, _launch_options
 
 KERNEL_FILE = Path(__file__).with_name("sparse_soft_topk_triton.py")
@@ -43,17 +42,8 @@ def kernel_module():
         set or cleared after triton was imported).
     """
     if "module" not in _kernel_modules:
-        import triton.language as tl
-
-        name = f"{__package__}.sparse_soft_topk_triton"
-        spec = importlib.util.spec_from_file_location(name, KERNEL_FILE)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        if type(module._sparse_threshold_kernel) is not type(tl.sum):
-            raise RuntimeError(f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r} now, but triton was imported "
-                               f"with the other setting: set it before anything imports triton (torch.compile does)")
-        module.INTERPRETED = type(tl.sum).__name__ == "InterpretedFunction"
-        _kernel_modules["module"] = module
+        _kernel_modules["module"] = load_kernels(KERNEL_FILE, f"{__package__}.sparse_soft_topk_triton",
+                                                 "_sparse_threshold_kernel")
     return _kernel_modules["module"]
 
 
@@ -66,9 +56,7 @@ def block_size(n: int, interpret: bool) -> int:
 def _kernels_for(t: Tensor):
     """``(kernels module, block cap mode)`` for tensors on ``t``'s device (raises where the kernels cannot run)."""
     module = kernel_module()
-    if not (t.is_cuda or module.INTERPRETED):
-        raise ValueError(f"the Triton kernels run on CUDA tensors (or on CPU tensors with TRITON_INTERPRET=1 set "
-                         f"before triton is imported), got a tensor on {t.device}")
+    check_device(module, t)
     return module, module.INTERPRETED
 
 
