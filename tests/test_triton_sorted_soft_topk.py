@@ -8,39 +8,22 @@ needed). Tests that need triton skip, with the reason, where it is not installed
 """
 
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import clean_env
+from triton_harness import DEVICE, interpreter_runner, kernel_test, needs_triton, run_under_the_interpreter
 from fairseq_softtopk.ops import sorted_soft_topk
 from fairseq_softtopk.ops.kernels import (KernelFallbackWarning, backend as backend_module, fallback_counts,
-                                          reset_fallback_counts, triton_available)
+                                          reset_fallback_counts)
 from fairseq_softtopk.ops.kernels import soft_topk_op, sorted_soft_topk_op
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-IN_PROCESS = DEVICE == "cuda" or backend_module.interpreter_requested()
-needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed (pip install triton; "
-                                                                 "the dev extra has it)")
-kernel_test = pytest.mark.skipif(
-    not (IN_PROCESS and triton_available()),
-    reason="no GPU: run in a child process under TRITON_INTERPRET=1 by test_kernels_under_the_interpreter"
-    if triton_available() else "triton is not installed (pip install triton; the dev extra has it)")
 
 
-@needs_triton
-@pytest.mark.skipif(IN_PROCESS, reason="the kernel tests run in this process")
+@interpreter_runner
 def test_kernels_under_the_interpreter(repo_root):
     """Every kernel test of this file, in a child pytest started with ``TRITON_INTERPRET=1``."""
-    env = dict(clean_env(), TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-                           __file__, "-k", "test_kernel_"],
-                          cwd=repo_root, env=env, capture_output=True, text=True)
-    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert "passed" in summary and "skipped" not in summary, proc.stdout[-3000:]
+    run_under_the_interpreter(__file__, repo_root, "test_kernel_")
 
 
 @pytest.fixture

@@ -1,0 +1,40 @@
+"""What the Triton kernel tests (tests/test_triton_*_topk.py) share: where the kernels run, and the child pytest
+that runs them under Triton's interpreter where there is no GPU.
+
+Triton fixes its mode (compiled or interpreted) when it is first imported, and torch.compile imports it: so the
+interpreter must be chosen before the test process imports anything, in a child process of its own.
+"""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import clean_env
+from fairseq_softtopk.ops.kernels import backend as backend_module, triton_available
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+#: the kernels run in this process: on a GPU, or on the CPU when this process started under the interpreter
+IN_PROCESS = DEVICE == "cuda" or backend_module.interpreter_requested()
+needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed (pip install triton; "
+                                                                 "the dev extra has it)")
+kernel_test = pytest.mark.skipif(
+    not (IN_PROCESS and triton_available()),
+    reason="no GPU: run in a child process under TRITON_INTERPRET=1 by test_kernels_under_the_interpreter"
+    if triton_available() else "triton is not installed (pip install triton; the dev extra has it)")
+#: the runner of a test file's kernel tests (decorates ``test_kernels_under_the_interpreter``)
+interpreter_runner = pytest.mark.skipif(IN_PROCESS or not triton_available(),
+                                        reason="the kernel tests run in this process" if IN_PROCESS else
+                                        "triton is not installed (pip install triton; the dev extra has it)")
+
+
+def run_under_the_interpreter(test_file: str, repo_root, selection: str) -> None:
+    """Runs the tests of ``test_file`` that ``selection`` (pytest's ``-k``) picks in a child pytest started with
+    ``TRITON_INTERPRET=1``; fails unless they all pass (none skipped)."""
+    env = dict(clean_env(), TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                           test_file, "-k", selection], cwd=repo_root, env=env, capture_output=True, text=True)
+    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert "passed" in summary and "skipped" not in summary, proc.stdout[-3000:]
