@@ -8,12 +8,13 @@ processes, each on half a batch, must equal the single-process gradient of the w
 """
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from conftest import REPO
 
 pytestmark = pytest.mark.slow
 
@@ -55,48 +56,54 @@ def _grads(model):
     return torch.cat([p.grad.flatten() for p in model.parameters()])
 
 
-def _worker(rank, world, port, data_bin, user_dir, mode, architecture, out_path):
+#: every case the test compares: (topk mode, architecture)
+CASES = [(mode, architecture) for mode in ("soft", "hard") for architecture in sorted(ARCHITECTURES)]
+
+
+def _worker(rank, world, store_path, data_bin, user_dir, out_dir):
+    """One rank: every case in turn, on its half of sentences 0..11; rank 0 saves each averaged gradient."""
     from fairseq.distributed import ModuleProxyWrapper
     from torch.nn.parallel import DistributedDataParallel
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    model, criterion, dataset = _build(data_bin, user_dir, mode, architecture)
-    indices = list(range(rank * 6, rank * 6 + 6))  # each rank: its half of sentences 0..11
-    sample = dataset.collater([dataset[i] for i in indices])
-    wrapped = ModuleProxyWrapper(DistributedDataParallel(model))
-    loss, _, _ = criterion(wrapped, sample)
-    loss.backward()
-    if rank == 0:
-        torch.save(_grads(model), out_path)
+    # a file rendezvous: no rank hosts a store server that the other could lose while leaving
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
+    for mode, architecture in CASES:
+        model, criterion, dataset = _build(data_bin, user_dir, mode, architecture)
+        indices = list(range(rank * 6, rank * 6 + 6))
+        sample = dataset.collater([dataset[i] for i in indices])
+        wrapped = ModuleProxyWrapper(DistributedDataParallel(model))
+        loss, _, _ = criterion(wrapped, sample)
+        loss.backward()
+        if rank == 0:
+            torch.save(_grads(model), out_dir / f"{mode}-{architecture}.pt")
     # both ranks leave together: a rank that tears its group down while the other still finishes the last
     # gradient exchange closes its sockets under it, and gloo's thread on the other side aborts the process
     dist.barrier()
     dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
-@pytest.mark.parametrize("mode", ["soft", "hard"])
-def test_ddp_gradients_match_single_process(toy_data_bin, repo_root, tmp_path, mode, architecture):
+@pytest.fixture(scope="module")
+def ddp_gradients(toy_data_bin, tmp_path_factory):
+    """``{(mode, architecture): gradient averaged over 2 processes}``: one pair of processes runs every case
+    (starting the processes, which import fairseq, costs more than a case)."""
     import fairseq  # noqa: F401  (so that importing the plugin registers it)
 
     _, data_bin = toy_data_bin
-    user_dir = repo_root / "fairseq_softtopk"
-    out_path = tmp_path / "ddp_grads.pt"
+    out_dir = tmp_path_factory.mktemp("ddp")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(_worker, args=(2, _free_port(), data_bin, user_dir, mode, architecture, out_path), nprocs=2, join=True)
-    ddp_average = torch.load(out_path)
+    mp.spawn(_worker, args=(2, out_dir / "rendezvous", data_bin, REPO / "fairseq_softtopk", out_dir),
+             nprocs=2, join=True)
+    return {case: torch.load(out_dir / f"{case[0]}-{case[1]}.pt") for case in CASES}
 
-    model, criterion, dataset = _build(data_bin, user_dir, mode, architecture)
+
+@pytest.mark.parametrize("mode, architecture", CASES)
+def test_ddp_gradients_match_single_process(ddp_gradients, toy_data_bin, repo_root, mode, architecture):
+    _, data_bin = toy_data_bin
+    model, criterion, dataset = _build(data_bin, repo_root / "fairseq_softtopk", mode, architecture)
     sample = dataset.collater([dataset[i] for i in range(12)])
     loss, _, _ = criterion(model, sample)
     loss.backward()
     single = _grads(model)
     assert float(single.abs().max()) > 0
-    torch.testing.assert_close(2 * ddp_average, single, rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(2 * ddp_gradients[mode, architecture], single, rtol=1e-6, atol=1e-9)
