@@ -10,6 +10,23 @@ from fairseq_softtopk.checkpoint_safety import torch_release
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _share_the_cores_among_workers():
+    """Under pytest-xdist each worker (and each process it starts) gets its share of the cores: with torch's
+    default, two workers ran two threads each on two cores, and a set of test files took 1.75x as long (OpenMP
+    threads wait for each other spinning)."""
+    import os
+
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if not workers:
+        return
+    threads = max(1, (os.cpu_count() or 1) // int(workers))
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+
+
+_share_the_cores_among_workers()
+
+
 def script_module(path: str):
     """The module of a script under ``scripts/`` (``path`` relative to it, e.g. ``"bench/bench_train.py"``),
     loaded from its file once and kept in ``sys.modules`` under its file name: the scripts are not a package,
