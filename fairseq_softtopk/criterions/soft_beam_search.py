@@ -47,7 +47,7 @@ from fairseq.criterions import FairseqCriterion, register_criterion
 from ..modules.beam_search import BeamSearchConfig, unroll_beam_search
 from ..modules.beam_search_to_eos import search_max_len, unroll_beam_search_to_eos
 from ..modules.incremental_decoder_unroll import IncrementalDecoderUnroll, incremental_unroll_missing
-from ..modules.sequence_risk import expected_risk, sentence_bleu_costs
+from ..modules.search_losses import gold_token_loss, risk_loss, smoothed_nll
 from ._soft_beam_search_config import SoftBeamSearchConfig, check_soft_beam_search_options, resolve_renamed
 
 #: logged per sentence and step from the backward pass (see SelectionGradientStats)
@@ -214,23 +214,6 @@ def annealed_epsilon(start: float, end: float, update: int, anneal_updates: int)
     return start * (end / start) ** (max(update, 0) / anneal_updates)
 
 
-def smoothed_nll(gold_lprobs: torch.Tensor, sum_lprobs: torch.Tensor, mask: torch.Tensor, epsilon: float,
-                 vocab: int):
-    """Label-smoothed NLL summed over unmasked positions, as fairseq's label_smoothed_nll_loss.
-
-    Args:
-        gold_lprobs: ``(...)`` log-probability of the gold token.
-        sum_lprobs: ``(...)`` sum of the log-probabilities over the vocabulary.
-        mask: ``(...)`` bool, True where the position counts.
-    Returns:
-        ``(loss, nll_loss)`` scalars.
-    """
-    nll = -(gold_lprobs * mask).sum()
-    smooth = -(sum_lprobs * mask).sum()
-    eps_i = epsilon / (vocab - 1)
-    return (1.0 - epsilon - eps_i) * nll + eps_i * smooth, nll
-
-
 @register_criterion("soft_beam_search", dataclass=SoftBeamSearchConfig)
 class SoftBeamSearchCriterion(FairseqCriterion):
     def __init__(self, task, train_beam=5, teacher_forcing_ratio=0.8, topk_mode="soft", topk_epsilon=0.03,
@@ -311,12 +294,11 @@ class SoftBeamSearchCriterion(FairseqCriterion):
                                                             self.label_smoothing)
         risk = None
         if run_beam and self.beam_loss == "risk":  # the finished hypotheses, read up to their EOS
-            costs = sentence_bleu_costs(beam.tokens, target, self.eos, self.padding_idx)
-            risk = expected_risk(beam.scores, costs, self.beam_loss_temperature)  # (batch,)
+            risk = risk_loss(beam, target, self.eos, self.padding_idx, self.beam_loss_temperature)  # (batch,)
             beam_loss = weighted_risk(risk, mask, self.sentence_avg)
             beam_nll = beam_loss.new_zeros(())  # no gold path in a search that stops at EOS
         elif run_beam:
-            beam_loss, beam_nll = smoothed_nll(beam.gold_lprobs, beam.smooth_lprobs, mask, self.label_smoothing, vocab)
+            beam_loss, beam_nll, _ = gold_token_loss(beam, target, self.padding_idx, self.label_smoothing, vocab)
         else:
             beam_loss = beam_nll = tf_loss.new_zeros(())
         loss = self.p * tf_loss + (1.0 - self.p) * beam_loss

@@ -1,0 +1,181 @@
+"""The public search API (fairseq_softtopk.search) with a decoder written here, not the plugin's: the hard search
+against a plain beam-search loop, the gold-token loss along its best beam, labels padded with -100, the soft
+search's gradient against finite differences, and the risk loss against the BLEU+1 of the hypotheses."""
+
+import math
+import subprocess
+import sys
+from typing import NamedTuple
+
+import pytest
+import torch
+from torch import nn
+
+from fairseq_softtopk.modules.sequence_risk import sentence_bleu, strip_sequence
+from fairseq_softtopk.search import (BeamSearchConfig, SearchDecoder, beam_search, beam_search_to_eos,
+                                     check_decoder, gold_token_loss, repeat_rows, risk_loss)
+
+V, DIM, HIDDEN, BOS, EOS = 9, 4, 6, 1, 2
+
+
+class GRUState(NamedTuple):
+    hidden: torch.Tensor  # (rows, HIDDEN)
+
+
+class GRUDecoder(nn.Module):
+    """The smallest decoder of the protocol: the encoder output is an initial hidden state per sentence."""
+
+    def __init__(self, seed=0, dtype=torch.float64):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb, self.cell, self.out = nn.Embedding(V, DIM), nn.GRUCell(DIM, HIDDEN), nn.Linear(HIDDEN, V)
+        with torch.no_grad():
+            self.out.weight.mul_(4.0)  # peaked distributions: beams differ
+        self.to(dtype)
+
+    def initial_state(self, encoder_out):
+        return GRUState(torch.tanh(encoder_out["hidden"]))
+
+    def embed(self, tokens):
+        return self.emb(tokens)
+
+    def embedding_matrix(self):
+        return self.emb.weight
+
+    def step(self, inputs, state, encoder_out):
+        hidden = self.cell(inputs, state.hidden)
+        return torch.log_softmax(self.out(hidden), -1), GRUState(hidden)
+
+
+def plain_beam_search(decoder, hidden, target, k):
+    """Beam search written out for one sentence (``hidden`` ``(HIDDEN,)``, ``target`` its tokens, no padding):
+    each beam keeps its score, tokens and the log-probabilities it gave the gold tokens."""
+    beams = [(0.0, [], [], torch.tanh(hidden), BOS)]
+    for gold in target.tolist():
+        candidates = []
+        for score, tokens, gold_lprobs, h, last in beams:
+            h_new = decoder.cell(decoder.emb.weight[last].unsqueeze(0), h.unsqueeze(0)).squeeze(0)
+            lprobs = torch.log_softmax(decoder.out(h_new), -1)
+            for token in range(V):
+                candidates.append((score + float(lprobs[token]), tokens + [token], gold_lprobs + [float(lprobs[gold])],
+                                   h_new, token))
+        beams = sorted(candidates, key=lambda c: -c[0])[:k]
+    return beams
+
+
+def _batch(lengths, seed=3, pad=-100):
+    g = torch.Generator().manual_seed(seed)
+    target = torch.full((len(lengths), max(lengths)), pad, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        target[b, :n] = torch.randint(3, V, (n,), generator=g)
+        target[b, n - 1] = EOS
+    hidden = torch.randn(len(lengths), HIDDEN, generator=g, dtype=torch.float64)
+    return {"hidden": hidden}, target
+
+
+def test_the_decoder_written_here_is_a_search_decoder():
+    assert isinstance(GRUDecoder(), SearchDecoder)
+
+
+@torch.no_grad()
+def test_hard_search_equals_a_plain_beam_search_and_the_loss_follows_its_best_beam():
+    decoder, k = GRUDecoder(), 3
+    encoder_out, target = _batch([5, 3, 4])  # padded with -100, as Hugging Face labels are
+    out = beam_search(decoder, encoder_out, target, pad=-100, bos=BOS, config=BeamSearchConfig(beam=k, mode="hard"))
+    nll = 0.0
+    for b, length in enumerate([5, 3, 4]):
+        beams = plain_beam_search(decoder, encoder_out["hidden"][b], target[b, :length], k)
+        if length == target.shape[1]:  # the longest sentence: the final beams are the search's
+            torch.testing.assert_close(out.final_scores[b], torch.tensor([c[0] for c in beams], dtype=torch.float64))
+            assert out.tokens[b].tolist() == [c[1] for c in beams]
+        best = beams[0]
+        nll -= sum(best[2])
+    loss = gold_token_loss(out, target, pad=-100)
+    torch.testing.assert_close(loss.nll, torch.tensor(nll, dtype=torch.float64))
+    assert int(loss.ntokens) == 12 and torch.equal(loss.loss, loss.nll)
+
+
+@torch.no_grad()
+def test_label_smoothing_mixes_in_the_mean_log_probability():
+    decoder = GRUDecoder()
+    encoder_out, target = _batch([4, 4])
+    out = beam_search(decoder, encoder_out, target, pad=-100, bos=BOS, config=BeamSearchConfig(beam=2, mode="hard"))
+    smoothed = gold_token_loss(out, target, pad=-100, label_smoothing=0.1, vocab=V)
+    eps_i = 0.1 / (V - 1)
+    expected = (1 - 0.1 - eps_i) * smoothed.nll - eps_i * out.smooth_lprobs.sum()
+    torch.testing.assert_close(smoothed.loss, expected)
+    with pytest.raises(ValueError, match="vocabulary's size"):
+        gold_token_loss(out, target, pad=-100, label_smoothing=0.1)
+    with pytest.raises(ValueError, match="target is"):
+        gold_token_loss(out, target[:, :3], pad=-100)
+
+
+def test_soft_search_tends_to_the_hard_search():
+    decoder = GRUDecoder()
+    encoder_out, target = _batch([4, 4, 4])
+    hard = beam_search(decoder, encoder_out, target, pad=-100, bos=BOS, config=BeamSearchConfig(beam=3, mode="hard"))
+    soft = beam_search(decoder, encoder_out, target, pad=-100, bos=BOS,
+                       config=BeamSearchConfig(beam=3, epsilon=1e-5, tol=1e-9, max_iter=200))
+    torch.testing.assert_close(soft.final_scores, hard.final_scores, atol=1e-4, rtol=0)
+    assert torch.equal(soft.tokens, hard.tokens)
+
+
+def test_soft_search_gradient_matches_finite_differences():
+    """float64 gradcheck of the gold-token loss in the encoder output: through the first state, every step's
+    soft selection (implicit gradient of the sorted SOFT top-k) and the mixed inputs and states."""
+    decoder = GRUDecoder(seed=1)
+    encoder_out, target = _batch([3, 3], seed=5)
+    config = BeamSearchConfig(beam=2, epsilon=0.5, tol=1e-12, max_iter=200)
+
+    def loss(hidden):
+        out = beam_search(decoder, {"hidden": hidden}, target, pad=-100, bos=BOS, config=config)
+        return gold_token_loss(out, target, pad=-100).loss
+
+    hidden = encoder_out["hidden"].clone().requires_grad_(True)
+    assert float(torch.autograd.grad(loss(hidden), hidden)[0].abs().max()) > 0
+    assert torch.autograd.gradcheck(loss, (hidden,), eps=1e-6, atol=1e-6, rtol=1e-4)
+
+
+@torch.no_grad()
+def test_search_to_eos_and_its_risk_loss():
+    decoder, k = GRUDecoder(seed=2), 3
+    encoder_out, target = _batch([4, 5])
+    finished = beam_search_to_eos(decoder, encoder_out, 2, pad=0, bos=BOS, eos=EOS, max_len=6,
+                                  config=BeamSearchConfig(beam=k, mode="hard"))
+    assert finished.scores.shape == (2, k) and torch.isfinite(finished.scores).all()
+    assert (finished.tokens.gather(2, (finished.lengths - 1).unsqueeze(-1)) == EOS).all()
+    risk = risk_loss(finished, target.clamp_min(0), eos=EOS, pad=0, temperature=0.5)
+    for b in range(2):
+        reference = strip_sequence(target[b].clamp_min(0).tolist(), EOS, 0)
+        costs = torch.tensor([1 - sentence_bleu(strip_sequence(h, EOS, 0), reference)
+                              for h in finished.tokens[b].tolist()], dtype=torch.float64)
+        weights = torch.softmax(finished.scores[b] / 0.5, -1)
+        assert math.isclose(float(risk[b]), float((weights * costs).sum()), rel_tol=1e-12)
+
+
+def test_a_decoder_without_the_protocol_is_named():
+    class NoStep:
+        def initial_state(self, encoder_out):
+            return None
+
+        def embed(self, tokens):
+            return tokens
+
+    with pytest.raises(TypeError, match="NoStep cannot be searched: it has no embedding_matrix, step"):
+        check_decoder(NoStep())
+    with pytest.raises(TypeError, match="no embedding_matrix, step"):
+        beam_search(NoStep(), None, torch.zeros(1, 2, dtype=torch.long), pad=0, bos=1)
+
+
+def test_repeat_rows_takes_the_rows_of_every_tensor_in_the_encoder_output():
+    order = torch.tensor([0, 0, 1, 1])
+    a, b = torch.arange(2.0), torch.arange(6).view(2, 3)
+    out = repeat_rows({"a": a, "pair": (b, None), "n": 3}, order)
+    assert out["a"].tolist() == [0, 0, 1, 1] and out["pair"][0].tolist() == [[0, 1, 2]] * 2 + [[3, 4, 5]] * 2
+    assert out["pair"][1] is None and out["n"] == 3
+
+
+def test_importing_the_search_api_does_not_import_fairseq():
+    code = "import sys, fairseq_softtopk.search; assert 'fairseq' not in sys.modules, 'fairseq imported'"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
