@@ -1,5 +1,5 @@
-"""matplotlib and entmax are optional: the package imports, trains with its defaults and decodes without them;
-the sparse normalisers say which package they need."""
+"""matplotlib, entmax and transformers are optional: the package imports, trains with its defaults and decodes
+without them; the sparse normalisers and the Hugging Face adapters say which package they need."""
 
 import subprocess
 import sys
@@ -47,3 +47,31 @@ def test_optional_dependencies_are_declared_as_extras(repo_root):
     dependencies = text.split("dependencies = [", 1)[1].split("]", 1)[0]
     assert "matplotlib" not in dependencies and "entmax" not in dependencies
     assert 'plot = ["matplotlib"]' in text and 'sparse-attention = ["entmax>=1.1"]' in text
+
+
+def test_the_hugging_face_adapters_name_their_extra_without_transformers(repo_root):
+    code = textwrap.dedent("""
+        import sys
+
+        class Blocked:
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] == "transformers":
+                    raise ImportError(f"{name} is blocked by the test")
+
+        sys.meta_path.insert(0, Blocked())
+        from fairseq_softtopk.adapters.huggingface import CausalLMSearchDecoder
+        from fairseq_softtopk.search import beam_search
+        try:
+            CausalLMSearchDecoder(object())
+        except ImportError as error:
+            print("ERROR:", error)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=repo_root, capture_output=True, text=True, env=clean_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ERROR: the Hugging Face adapters need transformers: pip install 'fairseq-softtopk[hf]'" in proc.stdout
+
+
+def test_the_hugging_face_extra_is_declared(repo_root):
+    text = (repo_root / "pyproject.toml").read_text()
+    dependencies = text.split("dependencies = [", 1)[1].split("]", 1)[0]
+    assert "transformers" not in dependencies and 'hf = ["transformers>=5.23,<6"]' in text
