@@ -63,7 +63,10 @@ class _HFSearchDecoder:
     """What both adapters share: the input embeddings, the excluded tokens, the cache mixing."""
 
     def __init__(self, model, excluded_tokens: Optional[Sequence[int]]):
-        if getattr(model, "is_gradient_checkpointing", False) and model.training:
+        checkpointing = getattr(model, "is_activation_checkpointing", None)  # transformers >= 5.2x's name
+        if checkpointing is None:
+            checkpointing = getattr(model, "is_gradient_checkpointing", False)
+        if checkpointing and model.training:
             raise ValueError(f"{type(model).__name__} has gradient checkpointing on: in training mode its layers "
                              f"drop the key/value cache the search mixes (model.gradient_checkpointing_disable())")
         self.model = model
