@@ -18,6 +18,7 @@ from fairseq.tasks import FairseqTask
 from builders import build_criterion, build_model, build_stock_transformer, build_transformer, make_sample
 from conftest import word_dictionary
 
+from fairseq_softtopk import search as search_api
 from fairseq_softtopk.criterions import soft_beam_search
 
 #: powers of two as fairseq's scalers use them: the initial fp16 scale, the amp maximum, beyond
@@ -104,8 +105,8 @@ def test_the_logged_selection_gradients_do_not_depend_on_the_loss_scale(dictiona
 def test_without_the_probe_the_capped_gradient_changes_with_the_loss_scale(dictionary, rng, monkeypatch):
     """The control: with the probe left out of the loss, the cap is absolute and acts on the scaled
     gradient (the behaviour before): the unscaled update differs, by several percent here."""
-    unroll = soft_beam_search.unroll_beam_search
-    monkeypatch.setattr(soft_beam_search, "unroll_beam_search",
+    unroll = search_api.beam_search
+    monkeypatch.setattr(search_api, "beam_search",
                         lambda *args, **kwargs: unroll(*args, **kwargs)._replace(scale_probe=None))
     model, criterion, sample = _sharp_case(dictionary, rng)
     _, reference = scaled_train_step(model, criterion, sample, 1.0)

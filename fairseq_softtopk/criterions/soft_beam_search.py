@@ -44,10 +44,10 @@ import torch
 from fairseq import metrics, utils
 from fairseq.criterions import FairseqCriterion, register_criterion
 
-from ..modules.beam_search import BeamSearchConfig, unroll_beam_search
-from ..modules.beam_search_to_eos import search_max_len, unroll_beam_search_to_eos
+from ..modules.beam_search_to_eos import search_max_len
 from ..modules.incremental_decoder_unroll import IncrementalDecoderUnroll, incremental_unroll_missing
 from ..modules.search_losses import gold_token_loss, risk_loss, smoothed_nll
+from .. import search as search_api
 from ._soft_beam_search_config import SoftBeamSearchConfig, check_soft_beam_search_options, resolve_renamed
 
 #: logged per sentence and step from the backward pass (see SelectionGradientStats)
@@ -237,7 +237,7 @@ class SoftBeamSearchCriterion(FairseqCriterion):
             else None
         # the cap is given relative to one gold token's gradient in the beam term, (1 - p); p = 1 runs no search
         unit = 1.0 - o.teacher_forcing_ratio if o.teacher_forcing_ratio < 1.0 else 1.0
-        self.search = BeamSearchConfig(beam=o.train_beam, mode=str(o.topk_mode), epsilon=o.topk_epsilon,
+        self.search = search_api.BeamSearchConfig(beam=o.train_beam, mode=str(o.topk_mode), epsilon=o.topk_epsilon,
                                        cost=str(o.topk_cost), tol=o.topk_tol, max_iter=o.topk_max_iter,
                                        candidate_pool=o.topk_candidate_pool, selection_grad=str(o.topk_grad),
                                        selection_grad_cap=o.topk_grad_cap * unit,
@@ -252,7 +252,7 @@ class SoftBeamSearchCriterion(FairseqCriterion):
         self.record_selection_grads: Optional[List[float]] = None
         self.sentence_avg = o.sentence_avg
 
-    def search_config(self, model) -> BeamSearchConfig:
+    def search_config(self, model) -> search_api.BeamSearchConfig:
         """The search's options at the model's current update (the epsilon schedule, if any)."""
         if self.epsilon_schedule is None:
             return self.search
@@ -279,11 +279,12 @@ class SoftBeamSearchCriterion(FairseqCriterion):
         def beam_search(encoder, decoder, encoder_out):
             if self.beam_loss == "risk":  # a search that decodes as fairseq-generate does
                 max_len = training_search_max_len(model, sample["net_input"], self.max_len_a, self.max_len_b)
-                return unroll_beam_search_to_eos(
-                    decoder, encoder_out, encoder.reorder_encoder_out, target.size(0), self.padding_idx, bos, self.eos,
-                    search, max_len, self.lenpen, grad_observer=stats, device=target.device)
-            return unroll_beam_search(decoder, encoder_out, encoder.reorder_encoder_out, target, self.padding_idx,
-                                      bos, search, grad_observer=stats)
+                return search_api.beam_search_to_eos(
+                    decoder, encoder_out, target.size(0), pad=self.padding_idx, bos=bos, eos=self.eos, max_len=max_len,
+                    lenpen=self.lenpen, config=search, reorder_encoder_out=encoder.reorder_encoder_out,
+                    grad_observer=stats, device=target.device)
+            return search_api.beam_search(decoder, encoder_out, target, pad=self.padding_idx, bos=bos, config=search,
+                                          reorder_encoder_out=encoder.reorder_encoder_out, grad_observer=stats)
 
         if run_beam:
             net_output, beam = forward_with_beam_search(model, sample["net_input"], beam_search, bos,
