@@ -78,8 +78,9 @@ def test_readme_option_tables_are_the_dataclass_fields_with_their_defaults(repo_
     assert attention == _defaults(SoftTopKAttentionConfig)
     lstm_only = {f.name for f in dataclasses.fields(SoftTopKLSTMConfig)} - {
         f.name for f in dataclasses.fields(AttentionNormalizerConfig)}
+    docs = (repo_root / "docs" / "beam_search_training.md").read_text()  # the sizes are there (README's length)
     sizes = dict(re.findall(r"`(--[\w-]+)` \(([^);]*)[^)]*\)",
-                            text.split("`softtopk_lstm` sizes:")[1].split("\n\n")[0]))
+                            docs.split("`softtopk_lstm`'s size options (defaults):")[1].split("\n\n")[0]))
     assert sizes == _defaults(SoftTopKLSTMConfig, lstm_only)
 
 
@@ -105,3 +106,13 @@ def test_readme_demo_row_is_the_published_main_job_run(repo_root):
                            ("soft − hard", results["bootstrap_vs"]["hard"]["soft"])):
         deltas = [d["test"]["bleu"]["delta"] for d in by_seed.values()]
         assert f"{label} {statistics.fmean(deltas):+.2f} ± {statistics.stdev(deltas):.2f}".replace("-", "−") in row
+
+
+def test_the_readme_hugging_face_example_prints_what_it_says(repo_root, capsys):
+    """The Quick start's search API block runs as written and prints the output its last comment shows."""
+    pytest.importorskip("transformers")
+    text = (repo_root / "README.md").read_text()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "Seq2SeqSearchDecoder" in b)
+    shown = re.search(r"# (\(.*?\) [\d.]+)", block.strip().splitlines()[-1]).group(1)
+    exec(compile(block, "README.md", "exec"), {})
+    assert capsys.readouterr().out.strip() == shown
