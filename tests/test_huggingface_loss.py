@@ -103,3 +103,48 @@ def test_a_causal_lm_trains_through_the_soft_search():
         optimizer.step()
         losses.append(float(loss.detach()))
     assert losses[-1] < 0.8 * losses[0], losses
+
+
+def test_the_soft_search_and_the_loss_pass_the_device_check():
+    """Every tensor the adapters, the loss and the search create takes the data's device and dtype (float64
+    here), in the forward and the backward pass (tests/device_check.py: no GPU needed)."""
+    from device_check import package_device_check
+
+    for family in ("marian", "gpt2"):
+        model = tiny(family, torch.float64)
+        if family == "marian":
+            inputs, labels = _batch(model)
+            loss_fn = Seq2SeqBeamSearchLoss(model, BeamSearchConfig(beam=3, selection_grad="capped"), 0.5)
+            with package_device_check() as check:
+                loss_fn(model(**inputs), labels).backward()
+        else:
+            from fairseq_softtopk.adapters.huggingface import CausalLMSearchDecoder
+
+            decoder = CausalLMSearchDecoder(model)
+            ids, mask = _sources("gpt2")
+            labels = _labels([4, 3])
+            with package_device_check() as check:
+                out = beam_search(decoder, decoder.prompt(ids.masked_fill(mask == 0, 0), mask), labels, pad=-100,
+                                  bos=decoder.bos, config=BeamSearchConfig(beam=3))
+                gold_token_loss(out, labels, pad=-100).loss.backward()
+        assert check.sites, family  # the check saw the package's factories
+
+
+def test_a_loss_scale_scales_the_gradients_exactly_with_the_capped_selection_gradient():
+    """fp16/amp multiply the loss before the backward pass: with the selection gradient capped, the cap follows
+    that factor (the search's scale probe), so the update does not change; the control: the cap acts here."""
+    model = tiny("marian", torch.float64)
+    inputs, labels = _batch(model)
+
+    def gradients(scale, selection_grad="capped"):
+        model.zero_grad()
+        config = BeamSearchConfig(beam=3, epsilon=0.5, tol=1e-10, selection_grad=selection_grad, selection_grad_cap=1e-3)
+        loss_fn = Seq2SeqBeamSearchLoss(model, config, teacher_forcing_ratio=0.5)
+        (scale * loss_fn(model(**inputs), labels)).backward()
+        loss_fn.remove()
+        return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+    reference = gradients(1.0)
+    torch.testing.assert_close(gradients(2.0 ** 12) / 2.0 ** 12, reference, rtol=1e-9, atol=1e-12)
+    full = gradients(1.0, "full")
+    assert float((full - reference).norm() / full.norm()) > 1e-3  # the cap changed the gradient
