@@ -148,3 +148,67 @@ def test_a_loss_scale_scales_the_gradients_exactly_with_the_capped_selection_gra
     torch.testing.assert_close(gradients(2.0 ** 12) / 2.0 ** 12, reference, rtol=1e-9, atol=1e-12)
     full = gradients(1.0, "full")
     assert float((full - reference).norm() / full.norm()) > 1e-3  # the cap changed the gradient
+
+
+def _causal_batch():
+    """Right-padded prompt + continuation rows, as a supervised fine-tuning collator makes them: labels are the
+    continuation's ids, -100 on the prompt and the padding."""
+    rows = [([5, 6, 7], [8, 9, 10, 1]), ([11, 12], [13, 14, 1])]
+    L = max(len(p) + len(c) for p, c in rows)
+    ids = torch.zeros(len(rows), L, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    labels = torch.full_like(ids, -100)
+    for b, (prompt, cont) in enumerate(rows):
+        n = len(prompt) + len(cont)
+        ids[b, :n] = torch.tensor(prompt + cont)
+        mask[b, :n] = 1
+        labels[b, len(prompt):n] = torch.tensor(cont)
+    return rows, {"input_ids": ids, "attention_mask": mask}, labels
+
+
+@torch.no_grad()
+def test_causal_lm_loss_terms_against_independent_computations():
+    from fairseq_softtopk.adapters.huggingface import CausalLMSearchDecoder
+    from fairseq_softtopk.adapters.huggingface_loss import CausalLMBeamSearchLoss
+
+    model = tiny("gpt2")
+    rows, inputs, labels = _causal_batch()
+    tf = CausalLMBeamSearchLoss(model, teacher_forcing_ratio=1.0)
+    logits = model(**inputs).logits
+    expected = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), labels[:, 1:], ignore_index=-100)
+    torch.testing.assert_close(tf(model(**inputs), labels), expected)
+    tf.remove()
+    config = BeamSearchConfig(beam=3, mode="hard")
+    beam = CausalLMBeamSearchLoss(model, config, teacher_forcing_ratio=0.0)
+    got = beam(model(**inputs), labels)
+    prompt_ids = torch.tensor([[5, 6, 7], [0, 11, 12]])  # left-padded by hand
+    continuation = torch.tensor([[8, 9, 10, 1], [13, 14, 1, -100]])
+    decoder = CausalLMSearchDecoder(model)
+    out = beam_search(decoder, decoder.prompt(prompt_ids, prompt_ids.ne(0).long()), continuation, pad=-100,
+                      bos=decoder.bos, config=config)
+    torch.testing.assert_close(got, gold_token_loss(out, continuation, pad=-100).loss / 7)
+    with pytest.raises(ValueError, match="every row needs a prompt"):
+        beam(model(**inputs), inputs["input_ids"])
+
+
+def test_trainer_trains_a_causal_lm_with_the_soft_beam_search_loss(tmp_path):
+    pytest.importorskip("accelerate")
+    from fairseq_softtopk.adapters.huggingface_loss import CausalLMBeamSearchLoss
+
+    model = tiny("gpt2")
+    _, inputs, labels = _causal_batch()
+    data = [{"input_ids": inputs["input_ids"][b], "attention_mask": inputs["attention_mask"][b],
+             "labels": labels[b]} for b in range(2)] * 4
+
+    def collate(features):
+        return {key: torch.stack([f[key] for f in features]) for key in features[0]}
+
+    loss_fn = CausalLMBeamSearchLoss(model, BeamSearchConfig(beam=2, epsilon=0.1), teacher_forcing_ratio=0.5)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=12, per_device_train_batch_size=2, learning_rate=1e-2, logging_steps=1,
+        save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, seed=0)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data, data_collator=collate,
+                                   compute_loss_func=loss_fn)
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert len(losses) == 12 and sum(losses[-3:]) < 0.8 * sum(losses[:3]), losses

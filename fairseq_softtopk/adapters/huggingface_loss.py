@@ -1,11 +1,16 @@
-"""The soft beam-search training loss for a Hugging Face encoder-decoder, as ``Trainer``'s ``compute_loss_func``.
+"""The soft beam-search training loss for Hugging Face models, as ``Trainer``'s ``compute_loss_func``.
 
-``loss = p * L_tf + (1 - p) * L_beam`` per target token (Xie et al. 2020, section 5.2; the plugin's fairseq
-criterion ``soft_beam_search``): ``L_tf`` the NLL of the labels under teacher forcing (the model's own outputs),
-``L_beam`` the NLL of the labels along the best beam of the search (:func:`fairseq_softtopk.search.beam_search`,
-soft by default), both label-smoothed as fairseq's ``label_smoothed_cross_entropy``. The search reuses the
-encoder output of the teacher-forced call (``outputs.encoder_last_hidden_state``: both terms train the encoder)
-and the attention mask the model was called with, which a forward pre-hook on the model records.
+``loss = p * L_tf + (1 - p) * L_beam`` per label token (Xie et al. 2020, section 5.2; the plugin's fairseq criterion
+``soft_beam_search``): ``L_tf`` the NLL of the labels under teacher forcing (the model's own outputs), ``L_beam`` the
+NLL of the labels along the best beam of the search (:func:`fairseq_softtopk.search.beam_search`, soft by default),
+both label-smoothed as fairseq's ``label_smoothed_cross_entropy``. A forward pre-hook on the model records the inputs
+of its teacher-forced call (the search's own calls are not recorded):
+
+* :class:`Seq2SeqBeamSearchLoss` (encoder-decoders): the search reuses the encoder output of that call
+  (``outputs.encoder_last_hidden_state``: both terms train the encoder) and its attention mask; the batches need
+  ``decoder_input_ids`` (``DataCollatorForSeq2Seq(tokenizer, model=model)``) and labels padded with -100;
+* :class:`CausalLMBeamSearchLoss` (decoder-only): each row's prompt is its tokens before the first label (labels
+  -100 on the prompt and the padding, as for supervised fine-tuning), and the search continues the prompts.
 
 Use::
 
@@ -13,12 +18,10 @@ Use::
     trainer = Seq2SeqTrainer(model=model, args=args, train_dataset=data, data_collator=collator,
                              compute_loss_func=loss_fn)
 
-or in a plain loop: ``outputs = model(input_ids=..., attention_mask=..., decoder_input_ids=...)``, then
-``loss_fn(outputs, labels).backward()``. Labels are padded with -100 (as ``DataCollatorForSeq2Seq`` pads them),
-EOS included.
+or in a plain loop: ``loss_fn(model(**batch_without_labels), labels).backward()``.
 """
 
-from typing import Optional
+from typing import List, Optional
 
 import torch
 from torch import Tensor
@@ -26,42 +29,66 @@ from torch import Tensor
 from ..modules.beam_search_config import BeamSearchConfig
 from ..modules.search_losses import gold_token_loss, smoothed_nll
 from ..search import beam_search
-from .huggingface import Seq2SeqSearchDecoder
+from .huggingface import CausalLMSearchDecoder, Seq2SeqSearchDecoder
 
-__all__ = ["Seq2SeqBeamSearchLoss"]
+__all__ = ["CausalLMBeamSearchLoss", "Seq2SeqBeamSearchLoss"]
 
 IGNORE = -100  # Hugging Face's label padding
 
 
-class Seq2SeqBeamSearchLoss:
+class _BeamSearchLoss:
     """Args:
-        model: the encoder-decoder being trained (the hook is put on it; :meth:`remove` takes it off).
+        model: the model being trained (the hook is put on it; :meth:`remove` takes it off).
         config: the search's options (default: soft, beam 5, epsilon 0.1).
         teacher_forcing_ratio: ``p``; 1 is plain teacher forcing (no search).
         label_smoothing: as fairseq's ``label_smoothed_cross_entropy``.
     """
 
-    def __init__(self, model, config: Optional[BeamSearchConfig] = None, teacher_forcing_ratio: float = 0.8,
-                 label_smoothing: float = 0.0):
+    def __init__(self, decoder, config: Optional[BeamSearchConfig], teacher_forcing_ratio: float,
+                 label_smoothing: float):
         if not 0.0 <= teacher_forcing_ratio <= 1.0:
             raise ValueError(f"teacher_forcing_ratio must be in [0, 1], got {teacher_forcing_ratio}")
-        self.decoder = Seq2SeqSearchDecoder(model)
+        self.decoder = decoder
         self.config = config if config is not None else BeamSearchConfig()
         self.p = teacher_forcing_ratio
         self.label_smoothing = label_smoothing
-        self._mask: Optional[Tensor] = None
-        self._hook = model.register_forward_pre_hook(self._record_mask, with_kwargs=True)
+        self._inputs: dict = {}
+        self._searching = False
+        self._hook = decoder.model.register_forward_pre_hook(self._record, with_kwargs=True)
 
-    def _record_mask(self, module, args, kwargs):
-        if "decoder_inputs_embeds" not in kwargs:  # not one of the search's own steps
-            self._mask = kwargs.get("attention_mask")
+    def _record(self, module, args, kwargs):
+        if not self._searching:
+            self._inputs = {key: kwargs.get(key) for key in ("input_ids", "attention_mask")}
 
     def remove(self) -> None:
         """Takes the hook off the model."""
         self._hook.remove()
 
+    def _smoothed(self, lprobs: Tensor, labels: Tensor) -> Tensor:
+        gold = lprobs.gather(-1, labels.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+        return smoothed_nll(gold, lprobs.sum(-1), labels.ne(IGNORE), self.label_smoothing, lprobs.shape[-1])[0]
+
+    def _search_loss(self, context, labels: Tensor, vocab: int) -> Tensor:
+        """The beam term (summed) plus the search's scale probe, if any (a zero through which a capped selection
+        gradient follows the factor that multiplies the summed loss: the division per token, a loss scale)."""
+        self._searching = True
+        try:
+            out = beam_search(self.decoder, context, labels, pad=IGNORE, bos=self.decoder.bos, config=self.config)
+        finally:
+            self._searching = False
+        loss = (1.0 - self.p) * gold_token_loss(out, labels, IGNORE, self.label_smoothing, vocab).loss
+        return loss if out.scale_probe is None else loss + out.scale_probe
+
+
+class Seq2SeqBeamSearchLoss(_BeamSearchLoss):
+    __doc__ = "The loss for a Hugging Face encoder-decoder (module docstring).\n\n    " + _BeamSearchLoss.__doc__
+
+    def __init__(self, model, config: Optional[BeamSearchConfig] = None, teacher_forcing_ratio: float = 0.8,
+                 label_smoothing: float = 0.0):
+        super().__init__(Seq2SeqSearchDecoder(model), config, teacher_forcing_ratio, label_smoothing)
+
     def __call__(self, outputs, labels: Tensor, num_items_in_batch=None) -> Tensor:
-        """The loss per target token (``num_items_in_batch`` tokens if given, as ``Trainer`` counts them over
+        """The loss per label token (``num_items_in_batch`` tokens if given, as ``Trainer`` counts them over
         gradient accumulation; else this batch's). ``outputs``: the model's teacher-forced output for ``labels``
         ``(batch, T)``."""
         logits = outputs.logits
@@ -69,21 +96,62 @@ class Seq2SeqBeamSearchLoss:
             raise ValueError(f"the outputs' logits are {tuple(logits.shape)} but the labels {tuple(labels.shape)}: "
                              f"call the model with decoder_input_ids from these labels")
         lprobs = torch.log_softmax(logits.float(), -1)
-        mask = labels.ne(IGNORE)
-        gold = lprobs.gather(-1, labels.clamp_min(0).unsqueeze(-1)).squeeze(-1)
-        vocab = lprobs.shape[-1]
-        loss, _ = smoothed_nll(gold, lprobs.sum(-1), mask, self.label_smoothing, vocab)
-        loss = self.p * loss
+        loss = self.p * self._smoothed(lprobs, labels)
         if self.p < 1.0:
             hidden = outputs.encoder_last_hidden_state
-            encoder_mask = self._mask if self._mask is not None else hidden.new_ones(hidden.shape[:2], dtype=torch.long)
-            if encoder_mask.shape != hidden.shape[:2]:
-                raise ValueError(f"the attention mask recorded from the model's call is {tuple(encoder_mask.shape)}, "
-                                 f"the encoder output {tuple(hidden.shape[:2])}: call the model with keyword arguments")
-            out = beam_search(self.decoder, {"hidden": hidden, "mask": encoder_mask}, labels, pad=IGNORE,
-                              bos=self.decoder.bos, config=self.config)
-            loss = loss + (1.0 - self.p) * gold_token_loss(out, labels, IGNORE, self.label_smoothing, vocab).loss
-            if out.scale_probe is not None:  # a zero through which a capped selection gradient follows the factor
-                loss = loss + out.scale_probe  # that multiplies the summed loss (the division below, a loss scale)
-        count = num_items_in_batch if num_items_in_batch is not None else mask.sum()
-        return loss / count
+            mask = self._inputs.get("attention_mask")
+            mask = mask if mask is not None else hidden.new_ones(hidden.shape[:2], dtype=torch.long)
+            if mask.shape != hidden.shape[:2]:
+                raise ValueError(f"the attention mask recorded from the model's call is {tuple(mask.shape)}, the "
+                                 f"encoder output {tuple(hidden.shape[:2])}: call the model with keyword arguments")
+            loss = loss + self._search_loss({"hidden": hidden, "mask": mask}, labels, lprobs.shape[-1])
+        return loss / (num_items_in_batch if num_items_in_batch is not None else labels.ne(IGNORE).sum())
+
+
+class CausalLMBeamSearchLoss(_BeamSearchLoss):
+    __doc__ = "The loss for a Hugging Face decoder-only model (module docstring).\n\n    " + _BeamSearchLoss.__doc__
+
+    def __init__(self, model, config: Optional[BeamSearchConfig] = None, teacher_forcing_ratio: float = 0.8,
+                 label_smoothing: float = 0.0):
+        super().__init__(CausalLMSearchDecoder(model), config, teacher_forcing_ratio, label_smoothing)
+
+    def __call__(self, outputs, labels: Tensor, num_items_in_batch=None) -> Tensor:
+        """The loss per label token. ``labels`` ``(batch, L)``: the model's input ids where they are trained,
+        -100 on the prompt and the padding (the model predicts position ``i + 1`` at ``i``)."""
+        logits = outputs.logits
+        if logits.shape[:2] != labels.shape:
+            raise ValueError(f"the outputs' logits are {tuple(logits.shape)} but the labels {tuple(labels.shape)}")
+        lprobs = torch.log_softmax(logits[:, :-1].float(), -1)
+        shifted = labels[:, 1:]
+        loss = self.p * self._smoothed(lprobs, shifted)
+        if self.p < 1.0:
+            prompt, continuation = self.prompts_and_continuations(labels)
+            loss = loss + self._search_loss(prompt, continuation, lprobs.shape[-1])
+        return loss / (num_items_in_batch if num_items_in_batch is not None else shifted.ne(IGNORE).sum())
+
+    def prompts_and_continuations(self, labels: Tensor):
+        """Each row's prompt (its attended tokens before the first label; left-padded, as the search takes them)
+        and continuation (its labels from there, -100-padded on the right), from the recorded call's inputs."""
+        ids, mask = self._inputs.get("input_ids"), self._inputs.get("attention_mask")
+        if ids is None or ids.shape != labels.shape:
+            raise ValueError("call the model with input_ids= (a keyword argument) of the labels' shape")
+        mask = mask if mask is not None else torch.ones_like(ids)
+        prompts: List[List[int]] = []
+        continuations: List[List[int]] = []
+        for row_ids, row_mask, row_labels in zip(ids.tolist(), mask.tolist(), labels.tolist()):
+            first = next((i for i, label in enumerate(row_labels) if label != IGNORE), None)
+            if first is None or first == 0:
+                raise ValueError("every row needs a prompt (its first label after position 0) and a label")
+            prompts.append([t for t, m in zip(row_ids[:first], row_mask[:first]) if m])
+            if not prompts[-1]:
+                raise ValueError("a row has no attended token before its first label: no prompt to continue")
+            continuations.append([label for label in row_labels[first:] if label != IGNORE])
+        P, T = max(map(len, prompts)), max(map(len, continuations))
+        prompt_ids = ids.new_zeros(len(prompts), P)
+        prompt_mask = ids.new_zeros(len(prompts), P)
+        continuation = labels.new_full((len(prompts), T), IGNORE)
+        for b, (prompt, cont) in enumerate(zip(prompts, continuations)):
+            prompt_ids[b, P - len(prompt):] = ids.new_tensor(prompt)
+            prompt_mask[b, P - len(prompt):] = 1
+            continuation[b, :len(cont)] = labels.new_tensor(cont)
+        return CausalLMSearchDecoder.prompt(prompt_ids, prompt_mask), continuation
