@@ -173,6 +173,23 @@ def test_one_hot_weights_give_the_cache_of_reorder_cache(family):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("family", ["marian", "llama"])
+@torch.no_grad()
+def test_soft_search_tends_to_the_hard_search(family):
+    """As epsilon goes to 0 the soft selection is the hard one: the same beams, scores and gold-token NLL."""
+    model = tiny(family, torch.float64)
+    decoder = _decoder(family, model)
+    ids, mask = _sources(family)
+    labels = _labels([4, 3])
+    context = _context(family, decoder, ids, mask)
+    hard = beam_search(decoder, context, labels, pad=-100, bos=decoder.bos, config=BeamSearchConfig(beam=3, mode="hard"))
+    soft = beam_search(decoder, context, labels, pad=-100, bos=decoder.bos,
+                       config=BeamSearchConfig(beam=3, epsilon=1e-6, tol=1e-10, max_iter=200))
+    assert torch.equal(soft.tokens, hard.tokens)
+    torch.testing.assert_close(soft.final_scores, hard.final_scores, atol=1e-6, rtol=0)
+    torch.testing.assert_close(gold_token_loss(soft, labels, -100).nll, gold_token_loss(hard, labels, -100).nll)
+
+
 def _layers(cache):
     self_cache = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
     return [t for layer in self_cache.layers for t in (layer.keys, layer.values)]
