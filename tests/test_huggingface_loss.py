@@ -47,6 +47,10 @@ def test_the_beam_term_is_the_search_on_the_recorded_encoder_output():
     torch.testing.assert_close(got, gold_token_loss(out, labels, pad=-100).loss / 7)
     loss_fn.remove()
     assert not model._forward_pre_hooks
+    # the default search: the fairseq criterion's (the selection gradient capped at 0.3 label-token gradients)
+    default = Seq2SeqBeamSearchLoss(model, teacher_forcing_ratio=0.8).config
+    assert (default.beam, default.epsilon, default.selection_grad) == (5, 0.1, "capped")
+    assert abs(default.selection_grad_cap - 0.3 * 0.2) < 1e-15
 
 
 def test_a_plain_training_loop_lowers_the_soft_loss():

@@ -31,15 +31,25 @@ from ..modules.search_losses import gold_token_loss, smoothed_nll
 from ..search import beam_search
 from .huggingface import CausalLMSearchDecoder, Seq2SeqSearchDecoder
 
-__all__ = ["CausalLMBeamSearchLoss", "Seq2SeqBeamSearchLoss"]
+__all__ = ["CausalLMBeamSearchLoss", "Seq2SeqBeamSearchLoss", "default_config"]
 
 IGNORE = -100  # Hugging Face's label padding
+
+
+def default_config(teacher_forcing_ratio: float, beam: int = 5, epsilon: float = 0.1, grad_cap: float = 0.3
+                   ) -> BeamSearchConfig:
+    """The search of the fairseq criterion's defaults: the selection gradient capped per sentence and step at
+    ``grad_cap`` times one label token's gradient in the beam term, ``1 - p`` (the exact gradient explodes where
+    candidates nearly tie: norms to 1e9 on Multi30k)."""
+    unit = 1.0 - teacher_forcing_ratio if teacher_forcing_ratio < 1.0 else 1.0
+    return BeamSearchConfig(beam=beam, epsilon=epsilon, selection_grad="capped", selection_grad_cap=grad_cap * unit)
 
 
 class _BeamSearchLoss:
     """Args:
         model: the model being trained (the hook is put on it; :meth:`remove` takes it off).
-        config: the search's options (default: soft, beam 5, epsilon 0.1).
+        config: the search's options (default: :func:`default_config`, the fairseq criterion's defaults with the
+            paper's epsilon: soft, beam 5, epsilon 0.1, the selection gradient capped at 0.3 gold-token gradients).
         teacher_forcing_ratio: ``p``; 1 is plain teacher forcing (no search).
         label_smoothing: as fairseq's ``label_smoothed_cross_entropy``.
     """
@@ -49,7 +59,7 @@ class _BeamSearchLoss:
         if not 0.0 <= teacher_forcing_ratio <= 1.0:
             raise ValueError(f"teacher_forcing_ratio must be in [0, 1], got {teacher_forcing_ratio}")
         self.decoder = decoder
-        self.config = config if config is not None else BeamSearchConfig()
+        self.config = config if config is not None else default_config(teacher_forcing_ratio)
         self.p = teacher_forcing_ratio
         self.label_smoothing = label_smoothing
         self._inputs: dict = {}

@@ -16,6 +16,7 @@ joined dictionary ``bin/dict.en.txt``, the untouched reference ``raw/test.de``).
 """
 
 import argparse
+import dataclasses
 import json
 import logging
 import time
@@ -46,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--beam", type=int, default=5, help="the training search's beam (the paper: 5)")
     p.add_argument("--epsilon", type=float, default=0.1, help="the soft top-k's epsilon (the paper: 0.1)")
     p.add_argument("--teacher-forcing-ratio", type=float, default=0.8, help="p (the paper: 0.8)")
+    p.add_argument("--selection-grad", choices=["capped", "full", "none"], default="capped",
+                   help="the gradient through the soft selection: capped (the criterion's default), full (the paper's)")
+    p.add_argument("--grad-cap", type=float, default=0.3, help="capped: per sentence and step, in label-token gradients")
     p.add_argument("--test-sentences", type=int, default=0, help="score the first N test sentences (0: all)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
@@ -156,8 +160,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     import transformers
 
-    from fairseq_softtopk.adapters.huggingface_loss import Seq2SeqBeamSearchLoss
-    from fairseq_softtopk.search import BeamSearchConfig
+    from fairseq_softtopk.adapters.huggingface_loss import Seq2SeqBeamSearchLoss, default_config
 
     vocab = read_dictionary(data / "bin" / f"dict.{args.src}.txt")
     symbols = ["<s>", "<pad>", "</s>", "<unk>"] + list(vocab)
@@ -192,10 +195,12 @@ def main(argv=None) -> int:
     beam_dir = out / "soft_beam_search"
     if not (beam_dir / "config.json").is_file():
         model = transformers.MarianMTModel.from_pretrained(tf_dir)
-        loss_fn = Seq2SeqBeamSearchLoss(model, BeamSearchConfig(beam=args.beam, epsilon=args.epsilon),
-                                        teacher_forcing_ratio=args.teacher_forcing_ratio)
-        logger.info("soft beam-search fine-tuning: %d updates of %d sentences, beam %d, epsilon %g, p %g",
-                    args.beam_updates, args.beam_batch_size, args.beam, args.epsilon, args.teacher_forcing_ratio)
+        config = dataclasses.replace(default_config(args.teacher_forcing_ratio, args.beam, args.epsilon, args.grad_cap),
+                                     selection_grad=args.selection_grad)
+        loss_fn = Seq2SeqBeamSearchLoss(model, config, teacher_forcing_ratio=args.teacher_forcing_ratio)
+        logger.info("soft beam-search fine-tuning: %d updates of %d sentences, beam %d, epsilon %g, p %g, "
+                    "selection gradient %s", args.beam_updates, args.beam_batch_size, args.beam, args.epsilon,
+                    args.teacher_forcing_ratio, args.selection_grad)
         start = time.time()
         history, _ = train(model, train_rows, args, beam_dir, loss_fn=loss_fn, max_steps=args.beam_updates,
                            lr=args.beam_lr, batch_size=args.beam_batch_size)
