@@ -172,7 +172,7 @@ def main(argv=None) -> int:
     if args.test_sentences:
         test_rows = test_rows[:args.test_sentences]
     results_path = out / "results.json"
-    results = json.loads(results_path.read_text()) if results_path.is_file() else {"args": vars(args)}
+    results = json.loads(results_path.read_text()) if results_path.is_file() else {}  # each stage keeps its args
     vocab_size = (len(symbols) + 7) // 8 * 8
 
     tf_dir = out / "teacher_forcing"
@@ -183,7 +183,7 @@ def main(argv=None) -> int:
         start = time.time()
         history, _ = train(model, train_rows, args, tf_dir, epochs=args.tf_epochs, lr=args.tf_lr,
                            batch_size=args.batch_size)
-        results["teacher_forcing"] = {"seconds": round(time.time() - start), "log": history}
+        results["teacher_forcing"] = {"args": vars(args), "seconds": round(time.time() - start), "log": history}
         model.save_pretrained(tf_dir)
         results_path.write_text(json.dumps(results, indent=1))
     if "bleu_before" not in results:
@@ -205,7 +205,7 @@ def main(argv=None) -> int:
         history, _ = train(model, train_rows, args, beam_dir, loss_fn=loss_fn, max_steps=args.beam_updates,
                            lr=args.beam_lr, batch_size=args.beam_batch_size)
         loss_fn.remove()
-        results["soft_beam_search"] = {"seconds": round(time.time() - start), "log": history}
+        results["soft_beam_search"] = {"args": vars(args), "seconds": round(time.time() - start), "log": history}
         model.save_pretrained(beam_dir)
         results.pop("bleu_after", None)
         results_path.write_text(json.dumps(results, indent=1))
@@ -213,10 +213,11 @@ def main(argv=None) -> int:
         model = transformers.MarianMTModel.from_pretrained(beam_dir)
         results["bleu_after"] = translate_and_score(model, test_rows, symbols, reference, args.tgt)
         results_path.write_text(json.dumps(results, indent=1))
+    updates = "soft beam-search" if args.teacher_forcing_ratio < 1 else "teacher-forcing"
+    before, after = results["bleu_before"], results["bleu_after"]
     print(f"| model | test2016 BLEU | chrF |\n|---|---:|---:|\n"
-          f"| teacher forcing | {results['bleu_before']['bleu']} | {results['bleu_before']['chrf']} |\n"
-          f"| + {args.beam_updates} soft beam-search updates | {results['bleu_after']['bleu']} | "
-          f"{results['bleu_after']['chrf']} |\n{results['bleu_after']['bleu_signature']}")
+          f"| teacher forcing | {before['bleu']} | {before['chrf']} |\n"
+          f"| + {args.beam_updates} {updates} updates | {after['bleu']} | {after['chrf']} |\n{after['bleu_signature']}")
     return 0
 
 
