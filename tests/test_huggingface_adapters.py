@@ -32,7 +32,8 @@ def tiny(family: str, dtype=torch.float32):
             **enc_dec, pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2, scale_embedding=True))
     elif family == "t5":
         model = transformers.T5ForConditionalGeneration(transformers.T5Config(
-            vocab_size=V, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_heads=2,  # generate sizes its cache by num_layers
+            # num_layers for both stacks: generate sizes its cache by num_layers
+            vocab_size=V, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_heads=2,
             pad_token_id=0, eos_token_id=1, decoder_start_token_id=0))
     elif family == "gpt2":
         model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
@@ -140,7 +141,8 @@ def test_hard_search_keeps_the_beams_and_scores_of_generate(family):
                       pad=-100, bos=decoder.bos, config=BeamSearchConfig(beam=k, mode="hard"))
     generated = model.generate(input_ids=ids, attention_mask=mask, num_beams=k, num_return_sequences=k,
                                max_new_tokens=steps, length_penalty=0.0, do_sample=False, early_stopping=False,
-                               bad_words_ids=[[t] for t in banned], pad_token_id=pad, eos_token_id=eos, forced_eos_token_id=None,
+                               bad_words_ids=[[t] for t in banned], pad_token_id=pad, eos_token_id=eos,
+                               forced_eos_token_id=None,
                                output_scores=True, return_dict_in_generate=True)
     continuation = generated.sequences[:, -steps:]
     assert out.tokens[0].tolist() == continuation.tolist()
@@ -182,7 +184,8 @@ def test_soft_search_tends_to_the_hard_search(family):
     ids, mask = _sources(family)
     labels = _labels([4, 3])
     context = _context(family, decoder, ids, mask)
-    hard = beam_search(decoder, context, labels, pad=-100, bos=decoder.bos, config=BeamSearchConfig(beam=3, mode="hard"))
+    hard = beam_search(decoder, context, labels, pad=-100, bos=decoder.bos,
+                       config=BeamSearchConfig(beam=3, mode="hard"))
     soft = beam_search(decoder, context, labels, pad=-100, bos=decoder.bos,
                        config=BeamSearchConfig(beam=3, epsilon=1e-6, tol=1e-10, max_iter=200))
     assert torch.equal(soft.tokens, hard.tokens)

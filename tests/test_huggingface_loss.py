@@ -1,5 +1,6 @@
-"""Seq2SeqBeamSearchLoss (the soft beam-search loss for Hugging Face encoder-decoders): its two terms against
-independent computations, and training with it (a plain loop, and Trainer's compute_loss_func) lowers it."""
+"""The soft beam-search losses for Hugging Face models (Seq2SeqBeamSearchLoss, CausalLMBeamSearchLoss): their two
+terms against independent computations, and training with them (plain loops, Trainer's compute_loss_func) lowers
+them."""
 
 import pytest
 import torch
@@ -17,10 +18,23 @@ def _batch(model, lengths=(5, 3)):
     ids, mask = _sources("marian")
     ids = ids.masked_fill(mask == 0, model.config.pad_token_id)
     labels = _labels(list(lengths))
-    start = torch.full((labels.shape[0], 1), model.config.decoder_start_token_id)
-    decoder_input_ids = torch.cat([start, labels[:, :-1]], 1).masked_fill(
-        torch.cat([start, labels[:, :-1]], 1) == -100, model.config.pad_token_id)
+    shifted = torch.cat([torch.full((labels.shape[0], 1), model.config.decoder_start_token_id), labels[:, :-1]], 1)
+    decoder_input_ids = shifted.masked_fill(shifted == -100, model.config.pad_token_id)
     return {"input_ids": ids, "attention_mask": mask, "decoder_input_ids": decoder_input_ids}, labels
+
+
+def _trainer_losses(trainer_class, arguments_class, model, rows, loss_fn, out_dir):
+    """The logged losses of 12 updates of ``trainer_class`` on ``rows`` (dicts of tensors) with ``loss_fn``."""
+    def collate(features):
+        return {key: torch.stack([f[key] for f in features]) for key in features[0]}
+
+    args = arguments_class(
+        output_dir=str(out_dir), max_steps=12, per_device_train_batch_size=2, learning_rate=1e-2, logging_steps=1,
+        save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, seed=0)
+    trainer = trainer_class(model=model, args=args, train_dataset=rows, data_collator=collate,
+                            compute_loss_func=loss_fn)
+    trainer.train()
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
 
 @torch.no_grad()
@@ -73,18 +87,9 @@ def test_trainer_with_compute_loss_func_lowers_the_loss(tmp_path):
     model = tiny("marian")
     inputs, labels = _batch(model)
     rows = [{key: value[b] for key, value in dict(inputs, labels=labels).items()} for b in range(2)] * 4
-
-    def collate(features):
-        return {key: torch.stack([f[key] for f in features]) for key in features[0]}
-
     loss_fn = Seq2SeqBeamSearchLoss(model, BeamSearchConfig(beam=2, epsilon=0.1), teacher_forcing_ratio=0.5)
-    args = transformers.Seq2SeqTrainingArguments(
-        output_dir=str(tmp_path), max_steps=12, per_device_train_batch_size=2, learning_rate=1e-2, logging_steps=1,
-        save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, seed=0)
-    trainer = transformers.Seq2SeqTrainer(model=model, args=args, train_dataset=rows, data_collator=collate,
-                                          compute_loss_func=loss_fn)
-    trainer.train()
-    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    losses = _trainer_losses(transformers.Seq2SeqTrainer, transformers.Seq2SeqTrainingArguments, model, rows,
+                             loss_fn, tmp_path)
     assert len(losses) == 12 and sum(losses[-3:]) < 0.8 * sum(losses[:3]), losses
 
 
@@ -142,7 +147,8 @@ def test_a_loss_scale_scales_the_gradients_exactly_with_the_capped_selection_gra
 
     def gradients(scale, selection_grad="capped"):
         model.zero_grad()
-        config = BeamSearchConfig(beam=3, epsilon=0.5, tol=1e-10, selection_grad=selection_grad, selection_grad_cap=1e-3)
+        config = BeamSearchConfig(beam=3, epsilon=0.5, tol=1e-10, selection_grad=selection_grad,
+                                  selection_grad_cap=1e-3)
         loss_fn = Seq2SeqBeamSearchLoss(model, config, teacher_forcing_ratio=0.5)
         (scale * loss_fn(model(**inputs), labels)).backward()
         loss_fn.remove()
@@ -201,18 +207,7 @@ def test_trainer_trains_a_causal_lm_with_the_soft_beam_search_loss(tmp_path):
 
     model = tiny("gpt2")
     _, inputs, labels = _causal_batch()
-    data = [{"input_ids": inputs["input_ids"][b], "attention_mask": inputs["attention_mask"][b],
-             "labels": labels[b]} for b in range(2)] * 4
-
-    def collate(features):
-        return {key: torch.stack([f[key] for f in features]) for key in features[0]}
-
+    rows = [{key: value[b] for key, value in dict(inputs, labels=labels).items()} for b in range(2)] * 4
     loss_fn = CausalLMBeamSearchLoss(model, BeamSearchConfig(beam=2, epsilon=0.1), teacher_forcing_ratio=0.5)
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path), max_steps=12, per_device_train_batch_size=2, learning_rate=1e-2, logging_steps=1,
-        save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, seed=0)
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=data, data_collator=collate,
-                                   compute_loss_func=loss_fn)
-    trainer.train()
-    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    losses = _trainer_losses(transformers.Trainer, transformers.TrainingArguments, model, rows, loss_fn, tmp_path)
     assert len(losses) == 12 and sum(losses[-3:]) < 0.8 * sum(losses[:3]), losses

@@ -154,7 +154,8 @@ class CausalLMSearchDecoder(_HFSearchDecoder):
 
     @staticmethod
     def prompt(input_ids: Tensor, attention_mask: Optional[Tensor] = None) -> dict:
-        """``{"ids": (batch, P), "mask": (batch, P)}``, the prompts left-padded (``tokenizer.padding_side = "left"``)."""
+        """``{"ids": (batch, P), "mask": (batch, P)}``: the prompts, left-padded
+        (``tokenizer.padding_side = "left"``)."""
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         if bool((attention_mask[:, -1] == 0).any()):

@@ -52,19 +52,26 @@ class _BeamSearchLoss:
             paper's epsilon: soft, beam 5, epsilon 0.1, the selection gradient capped at 0.3 gold-token gradients).
         teacher_forcing_ratio: ``p``; 1 is plain teacher forcing (no search).
         label_smoothing: as fairseq's ``label_smoothed_cross_entropy``.
+
+    A subclass names its search decoder and says which logits predict which labels (:meth:`_aligned`) and what the
+    search runs on (:meth:`_search_inputs`).
     """
 
-    def __init__(self, decoder, config: Optional[BeamSearchConfig], teacher_forcing_ratio: float,
-                 label_smoothing: float):
+    decoder_class: type
+    #: appended to the error for logits that do not match the labels
+    shape_hint = ""
+
+    def __init__(self, model, config: Optional[BeamSearchConfig] = None, teacher_forcing_ratio: float = 0.8,
+                 label_smoothing: float = 0.0):
         if not 0.0 <= teacher_forcing_ratio <= 1.0:
             raise ValueError(f"teacher_forcing_ratio must be in [0, 1], got {teacher_forcing_ratio}")
-        self.decoder = decoder
+        self.decoder = self.decoder_class(model)
         self.config = config if config is not None else default_config(teacher_forcing_ratio)
         self.p = teacher_forcing_ratio
         self.label_smoothing = label_smoothing
         self._inputs: dict = {}
         self._searching = False
-        self._hook = decoder.model.register_forward_pre_hook(self._record, with_kwargs=True)
+        self._hook = model.register_forward_pre_hook(self._record, with_kwargs=True)
 
     def _record(self, module, args, kwargs):
         if not self._searching:
@@ -74,70 +81,72 @@ class _BeamSearchLoss:
         """Takes the hook off the model."""
         self._hook.remove()
 
-    def _smoothed(self, lprobs: Tensor, labels: Tensor) -> Tensor:
-        gold = lprobs.gather(-1, labels.clamp_min(0).unsqueeze(-1)).squeeze(-1)
-        return smoothed_nll(gold, lprobs.sum(-1), labels.ne(IGNORE), self.label_smoothing, lprobs.shape[-1])[0]
+    def __call__(self, outputs, labels: Tensor, num_items_in_batch=None) -> Tensor:
+        """The loss per label token (``num_items_in_batch`` tokens if given, as ``Trainer`` counts them over
+        gradient accumulation; else this batch's). ``outputs``: the model's teacher-forced output for ``labels``."""
+        logits = outputs.logits
+        if logits.shape[:2] != labels.shape:
+            raise ValueError(f"the outputs' logits are {tuple(logits.shape)} but the labels {tuple(labels.shape)}"
+                             f"{self.shape_hint}")
+        logits, targets = self._aligned(logits, labels)
+        lprobs = torch.log_softmax(logits.float(), -1)
+        gold = lprobs.gather(-1, targets.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+        loss = self.p * smoothed_nll(gold, lprobs.sum(-1), targets.ne(IGNORE), self.label_smoothing,
+                                     lprobs.shape[-1])[0]
+        if self.p < 1.0:
+            context, search_labels = self._search_inputs(outputs, labels)
+            self._searching = True
+            try:
+                out = beam_search(self.decoder, context, search_labels, pad=IGNORE, bos=self.decoder.bos,
+                                  config=self.config)
+            finally:
+                self._searching = False
+            loss = loss + (1.0 - self.p) * gold_token_loss(out, search_labels, IGNORE, self.label_smoothing,
+                                                           lprobs.shape[-1]).loss
+            if out.scale_probe is not None:  # a zero through which a capped selection gradient follows the factor
+                loss = loss + out.scale_probe  # that multiplies the summed loss (the division below, a loss scale)
+        return loss / (num_items_in_batch if num_items_in_batch is not None else targets.ne(IGNORE).sum())
 
-    def _search_loss(self, context, labels: Tensor, vocab: int) -> Tensor:
-        """The beam term (summed) plus the search's scale probe, if any (a zero through which a capped selection
-        gradient follows the factor that multiplies the summed loss: the division per token, a loss scale)."""
-        self._searching = True
-        try:
-            out = beam_search(self.decoder, context, labels, pad=IGNORE, bos=self.decoder.bos, config=self.config)
-        finally:
-            self._searching = False
-        loss = (1.0 - self.p) * gold_token_loss(out, labels, IGNORE, self.label_smoothing, vocab).loss
-        return loss if out.scale_probe is None else loss + out.scale_probe
+    def _aligned(self, logits: Tensor, labels: Tensor):
+        """``(logits, labels)`` position by position: the teacher-forcing term's prediction and target."""
+        raise NotImplementedError
+
+    def _search_inputs(self, outputs, labels: Tensor):
+        """``(the search's encoder output, its target)`` for this batch."""
+        raise NotImplementedError
 
 
 class Seq2SeqBeamSearchLoss(_BeamSearchLoss):
-    __doc__ = "The loss for a Hugging Face encoder-decoder (module docstring).\n\n    " + _BeamSearchLoss.__doc__
+    """The loss for a Hugging Face encoder-decoder (module docstring); ``labels`` ``(batch, T)``."""
 
-    def __init__(self, model, config: Optional[BeamSearchConfig] = None, teacher_forcing_ratio: float = 0.8,
-                 label_smoothing: float = 0.0):
-        super().__init__(Seq2SeqSearchDecoder(model), config, teacher_forcing_ratio, label_smoothing)
+    decoder_class = Seq2SeqSearchDecoder
+    shape_hint = ": call the model with decoder_input_ids from these labels"
 
-    def __call__(self, outputs, labels: Tensor, num_items_in_batch=None) -> Tensor:
-        """The loss per label token (``num_items_in_batch`` tokens if given, as ``Trainer`` counts them over
-        gradient accumulation; else this batch's). ``outputs``: the model's teacher-forced output for ``labels``
-        ``(batch, T)``."""
-        logits = outputs.logits
-        if logits.shape[:2] != labels.shape:
-            raise ValueError(f"the outputs' logits are {tuple(logits.shape)} but the labels {tuple(labels.shape)}: "
-                             f"call the model with decoder_input_ids from these labels")
-        lprobs = torch.log_softmax(logits.float(), -1)
-        loss = self.p * self._smoothed(lprobs, labels)
-        if self.p < 1.0:
-            hidden = outputs.encoder_last_hidden_state
-            mask = self._inputs.get("attention_mask")
-            mask = mask if mask is not None else hidden.new_ones(hidden.shape[:2], dtype=torch.long)
-            if mask.shape != hidden.shape[:2]:
-                raise ValueError(f"the attention mask recorded from the model's call is {tuple(mask.shape)}, the "
-                                 f"encoder output {tuple(hidden.shape[:2])}: call the model with keyword arguments")
-            loss = loss + self._search_loss({"hidden": hidden, "mask": mask}, labels, lprobs.shape[-1])
-        return loss / (num_items_in_batch if num_items_in_batch is not None else labels.ne(IGNORE).sum())
+    def _aligned(self, logits: Tensor, labels: Tensor):
+        return logits, labels
+
+    def _search_inputs(self, outputs, labels: Tensor):
+        hidden = outputs.encoder_last_hidden_state
+        mask = self._inputs.get("attention_mask")
+        mask = mask if mask is not None else hidden.new_ones(hidden.shape[:2], dtype=torch.long)
+        if mask.shape != hidden.shape[:2]:
+            raise ValueError(f"the attention mask recorded from the model's call is {tuple(mask.shape)}, the "
+                             f"encoder output {tuple(hidden.shape[:2])}: call the model with keyword arguments")
+        return {"hidden": hidden, "mask": mask}, labels
 
 
 class CausalLMBeamSearchLoss(_BeamSearchLoss):
-    __doc__ = "The loss for a Hugging Face decoder-only model (module docstring).\n\n    " + _BeamSearchLoss.__doc__
+    """The loss for a Hugging Face decoder-only model (module docstring). ``labels`` ``(batch, L)``: the model's
+    input ids where they are trained, -100 on the prompt and the padding (the model predicts position ``i + 1`` at
+    ``i``)."""
 
-    def __init__(self, model, config: Optional[BeamSearchConfig] = None, teacher_forcing_ratio: float = 0.8,
-                 label_smoothing: float = 0.0):
-        super().__init__(CausalLMSearchDecoder(model), config, teacher_forcing_ratio, label_smoothing)
+    decoder_class = CausalLMSearchDecoder
 
-    def __call__(self, outputs, labels: Tensor, num_items_in_batch=None) -> Tensor:
-        """The loss per label token. ``labels`` ``(batch, L)``: the model's input ids where they are trained,
-        -100 on the prompt and the padding (the model predicts position ``i + 1`` at ``i``)."""
-        logits = outputs.logits
-        if logits.shape[:2] != labels.shape:
-            raise ValueError(f"the outputs' logits are {tuple(logits.shape)} but the labels {tuple(labels.shape)}")
-        lprobs = torch.log_softmax(logits[:, :-1].float(), -1)
-        shifted = labels[:, 1:]
-        loss = self.p * self._smoothed(lprobs, shifted)
-        if self.p < 1.0:
-            prompt, continuation = self.prompts_and_continuations(labels)
-            loss = loss + self._search_loss(prompt, continuation, lprobs.shape[-1])
-        return loss / (num_items_in_batch if num_items_in_batch is not None else shifted.ne(IGNORE).sum())
+    def _aligned(self, logits: Tensor, labels: Tensor):
+        return logits[:, :-1], labels[:, 1:]
+
+    def _search_inputs(self, outputs, labels: Tensor):
+        return self.prompts_and_continuations(labels)
 
     def prompts_and_continuations(self, labels: Tensor):
         """Each row's prompt (its attended tokens before the first label; left-padded, as the search takes them)

@@ -238,14 +238,14 @@ class SoftBeamSearchCriterion(FairseqCriterion):
         # the cap is given relative to one gold token's gradient in the beam term, (1 - p); p = 1 runs no search
         unit = 1.0 - o.teacher_forcing_ratio if o.teacher_forcing_ratio < 1.0 else 1.0
         self.search = search_api.BeamSearchConfig(beam=o.train_beam, mode=str(o.topk_mode), epsilon=o.topk_epsilon,
-                                       cost=str(o.topk_cost), tol=o.topk_tol, max_iter=o.topk_max_iter,
-                                       candidate_pool=o.topk_candidate_pool, selection_grad=str(o.topk_grad),
-                                       selection_grad_cap=o.topk_grad_cap * unit,
-                                       epsilon_relative=o.topk_epsilon_relative,
-                                       fixed_iterations=bool(o.topk_fixed_iterations),
-                                       regularizer=str(o.topk_regularizer),
-                                       backend=str(o.topk_backend),
-                                       compile="" if str(o.topk_compile) == "none" else str(o.topk_compile))
+                                                  cost=str(o.topk_cost), tol=o.topk_tol, max_iter=o.topk_max_iter,
+                                                  candidate_pool=o.topk_candidate_pool, selection_grad=str(o.topk_grad),
+                                                  selection_grad_cap=o.topk_grad_cap * unit,
+                                                  epsilon_relative=o.topk_epsilon_relative,
+                                                  fixed_iterations=bool(o.topk_fixed_iterations),
+                                                  regularizer=str(o.topk_regularizer),
+                                                  backend=str(o.topk_backend),
+                                                  compile="" if str(o.topk_compile) == "none" else str(o.topk_compile))
         self.p = o.teacher_forcing_ratio
         self.label_smoothing = o.label_smoothing
         #: set to a list to collect every selection-gradient norm (scripts/diagnostics/diagnose_beam_gradients.py)

@@ -49,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--teacher-forcing-ratio", type=float, default=0.8, help="p (the paper: 0.8)")
     p.add_argument("--selection-grad", choices=["capped", "full", "none"], default="capped",
                    help="the gradient through the soft selection: capped (the criterion's default), full (the paper's)")
-    p.add_argument("--grad-cap", type=float, default=0.3, help="capped: per sentence and step, in label-token gradients")
+    p.add_argument("--grad-cap", type=float, default=0.3,
+                   help="capped: per sentence and step, in label-token gradients")
     p.add_argument("--test-sentences", type=int, default=0, help="score the first N test sentences (0: all)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
@@ -89,8 +90,8 @@ def collate(rows: List[dict]) -> dict:
     for b, r in enumerate(rows):
         ids[b, :len(r["input_ids"])] = torch.tensor(r["input_ids"])
         labels[b, :len(r["labels"])] = torch.tensor(r["labels"])
-    decoder_inputs = torch.cat([torch.full((batch, 1), EOS), labels[:, :-1]], 1).masked_fill(
-        torch.cat([torch.zeros(batch, 1, dtype=torch.bool), labels[:, :-1] == -100], 1), PAD)
+    shifted = torch.cat([torch.full((batch, 1), EOS), labels[:, :-1]], 1)
+    decoder_inputs = shifted.masked_fill(shifted == -100, PAD)
     return {"input_ids": ids, "attention_mask": ids.ne(PAD).long(), "decoder_input_ids": decoder_inputs,
             "labels": labels}
 
@@ -123,12 +124,13 @@ def translate_and_score(model, rows: List[dict], symbols: List[str], reference: 
     from fairseq_softtopk.experiments.scoring import detokenize, score
 
     model.eval()
+    config = generation_config(model)
     hypotheses = []
     with torch.no_grad():
         for start in tqdm(range(0, len(rows), batch_size), desc="translate", unit="batch"):
             batch = collate(rows[start:start + batch_size])
             out = model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                 generation_config=generation_config(model),
+                                 generation_config=config,
                                  max_new_tokens=int(1.2 * batch["input_ids"].shape[1]) + 10)
             for ids in out[:, 1:].tolist():
                 tokens = [symbols[i] for i in ids if i not in (PAD, EOS, 0)]
