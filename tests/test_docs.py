@@ -101,7 +101,8 @@ def test_readme_demo_row_is_the_published_main_job_run(repo_root):
                if line.startswith("| the demo language pair"))
     for arm in ("pretrained", "tf", "hard", "soft"):
         s = results["summary"][arm]["test"]
-        assert f"{arm} {s['bleu_mean']:.2f} ± {s['bleu_sd']:.2f}" in row
+        shown = f"{arm} {s['bleu_mean']:.2f}" + (f" ± {s['bleu_sd']:.2f}" if s["n_seeds"] > 1 else "")
+        assert re.search(re.escape(shown) + r"(?![\d ±])", row), shown
     for label, by_seed in (("hard − tf", results["bootstrap"]["hard"]),
                            ("soft − hard", results["bootstrap_vs"]["hard"]["soft"])):
         deltas = [d["test"]["bleu"]["delta"] for d in by_seed.values()]
@@ -116,3 +117,28 @@ def test_the_readme_hugging_face_example_prints_what_it_says(repo_root, capsys):
     shown = re.search(r"# (\(.*?\) [\d.]+)", block.strip().splitlines()[-1]).group(1)
     exec(compile(block, "README.md", "exec"), {})
     assert capsys.readouterr().out.strip() == shown
+
+
+def test_the_readme_first_python_lines_print_what_they_show(repo_root):
+    """The first screen's interpreter session (``>>>`` lines) prints, line for line, the output shown under it."""
+    import contextlib
+    import io
+
+    text = (repo_root / "README.md").read_text()
+    session = next(b for b in re.findall(r"```python\n(.*?)```", text, re.S) if b.startswith(">>> "))
+    scope, expected, produced = {}, [], []
+    for line in session.strip().splitlines():
+        if line.startswith(">>> "):
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                try:
+                    value = eval(compile(line[4:], "README.md", "eval"), scope)
+                except SyntaxError:
+                    value = None
+                    exec(compile(line[4:], "README.md", "exec"), scope)
+                if value is not None:
+                    print(repr(value))
+            produced += out.getvalue().splitlines()
+        else:
+            expected.append(line)
+    assert expected and produced == expected

@@ -17,7 +17,7 @@ from fairseq_softtopk.experiments.work_dir_marker import MARKER, clear_for_fresh
 def test_main_job_is_quiet_and_ends_with_the_table(tmp_path, repo_root):
     work = tmp_path / "main_job"
     cmd = [sys.executable, "-m", "fairseq_softtopk.cli.main_job", "--work-dir", str(work),
-           "--sizes", "200", "20", "30", "--seeds", "1", "2",
+           "--sizes", "200", "20", "30", "--seeds", "1", "2", "--pretrain",
            "--set", "pretrain.train.max-epoch=1", "--set", "train.max-update=2",
            "--set", "train.validate-interval-updates=2", "--set", "train.save-interval-updates=2"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=clean_env(), cwd=repo_root)
@@ -36,15 +36,12 @@ def test_main_job_is_quiet_and_ends_with_the_table(tmp_path, repo_root):
     assert out.rstrip().splitlines()[-1].startswith("main job: ")
     results = json.loads((work / "results.json").read_text())
     assert sorted(results["scores"]["soft"]) == ["1", "2"]
-    # each seed pretrained its own model (with its seed), and its arms started from it
-    assert results["pretrain_per_seed"] and sorted(results["scores"]["pretrained"]) == ["1", "2"]
+    # --pretrain: one teacher-forcing model for every seed, trained here; every arm started from it
+    assert not results["pretrain_per_seed"] and sorted(results["scores"]["pretrained"]) == ["0"]
     for seed in (1, 2):
-        pretrain_args = json.loads((work / f"seed{seed}" / "pretrain" / "run.json").read_text())["args"]
-        assert pretrain_args[pretrain_args.index("--seed") + 1] == str(seed)
         soft_args = json.loads((work / f"seed{seed}" / "soft" / "run.json").read_text())["args"]
-        assert soft_args[soft_args.index("--finetune-from-model") + 1] == str(
-            work / f"seed{seed}" / "pretrain" / "checkpoint_last.pt")
-    assert not (work / "pretrain").exists()
+        assert soft_args[soft_args.index("--finetune-from-model") + 1] == str(work / "pretrain" / "checkpoint_last.pt")
+    assert (work / "pretrain" / "done.json").is_file() and not (work / "seed1" / "pretrain").exists()
     assert "Not compared with README's table" in out  # shrunken settings: no comparison
     # provenance: the command as typed and the commit of the code that ran
     assert results["command"].startswith("fairseq-softtopk-main-job --work-dir ")
@@ -126,3 +123,22 @@ def test_an_incomplete_bin_holding_other_files_is_not_deleted(tmp_path):
     with pytest.raises(ValueError, match=r"bin is not an incomplete binarisation .* train\.en-de\.en\.idx"):
         binarize_generated_corpus(tmp_path, splits=splits)
     assert (tmp_path / "bin" / "train.en-de.en.idx").read_text() == "mine"
+
+
+def test_sizes_without_pretrain_is_refused_before_anything_runs(tmp_path, capsys):
+    """A shrunken corpus has other dictionaries than the shipped model's: --sizes needs --pretrain."""
+    with pytest.raises(SystemExit) as exit_info:
+        main_job.main(["--work-dir", str(tmp_path / "work"), "--sizes", "20", "5", "5"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "--sizes makes another corpus" in err and "add --pretrain" in err
+    assert not (tmp_path / "work").exists()
+
+
+def test_another_corpus_is_refused_naming_the_dictionary_and_pretrain(tmp_path):
+    """The shipped model's dictionaries are checked by md5 before any fine-tuning starts from it."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for line in main_job.PRETRAINED_DICTIONARIES.read_text().splitlines():
+        (bin_dir / line.split()[1]).write_text("x 1\n")
+    with pytest.raises(ValueError, match=r"dict\.src\.txt \(md5 [0-9a-f]{32}\) is not the dictionary .*--pretrain"):
+        main_job.check_pretrained_dictionaries(bin_dir)

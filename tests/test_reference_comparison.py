@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from fairseq_softtopk.experiments.reference_comparison import compare, comparison_markdown
+from fairseq_softtopk.experiments.reference_comparison import SAME_CHECKPOINT_TOLERANCE, compare, comparison_markdown
 
 
 def results(bleu: dict, seeds=(1, 2, 3)) -> dict:
@@ -63,3 +63,26 @@ def test_a_single_seed_is_shown_and_not_judged():
     assert rows and all(row["agrees"] is None for row in rows)
     text, verdict = comparison_markdown(rows, "README's table")
     assert verdict is None and "Not judged" in text
+
+
+def with_pretrained(run: dict, bleu: float, sha256: str) -> dict:
+    """``run`` with the score of the one pretrained checkpoint every seed started from."""
+    run = {**run, "scores": {**run["scores"], "pretrained": {"0": {"test": {"bleu": bleu}}}}, "pretrained_sha256": sha256}
+    return run
+
+
+@pytest.mark.parametrize("shift, agrees", [(0.0, True), (0.9, True), (-1.1, False), (5.0, False)])
+def test_the_shared_pretrained_model_is_judged_with_the_fixed_tolerance(shift, agrees):
+    base = results({"tf": [50.0, 51.0, 52.5], "hard": [52.0, 53.5, 53.0], "soft": [52.5, 52.0, 54.0]})
+    rows = compare(with_pretrained(base, 48.0, "a" * 64), with_pretrained(base, 48.0 + shift, "a" * 64))
+    row = next(row for row in rows if row["name"] == "pretrained BLEU")
+    assert row["tolerance"] == SAME_CHECKPOINT_TOLERANCE and row["agrees"] is agrees
+    text, verdict = comparison_markdown(rows, "README's table")
+    assert verdict is agrees and ("pretrained BLEU" in text.splitlines()[-1]) is not agrees
+
+
+def test_another_pretrained_checkpoint_is_shown_and_not_judged():
+    base = results({"tf": [50.0, 51.0, 52.5], "hard": [52.0, 53.5, 53.0], "soft": [52.5, 52.0, 54.0]})
+    rows = compare(with_pretrained(base, 48.0, "a" * 64), with_pretrained(base, 58.0, "b" * 64))
+    row = next(row for row in rows if row["name"] == "pretrained BLEU")
+    assert row["tolerance"] is None and row["agrees"] is None

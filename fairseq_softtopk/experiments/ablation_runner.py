@@ -298,6 +298,35 @@ def evaluate_run(run_dir: Path, data_bin: Path, ref_dir: Optional[Path], eval_cf
     return subsets
 
 
+def evaluate_pretrained(checkpoint: Path, out_dir: Path, data_bin: Path, ref_dir: Optional[Path], eval_cfg: Mapping,
+                        pair: tuple) -> dict:
+    """Scores a given teacher-forcing checkpoint (``pretrained=``) as :func:`evaluate_run` scores a
+    run: the scores are cached in ``out_dir/eval.json`` under the checkpoint's SHA-256 (a changed
+    file is scored again). Returns ``{subset: scores}``."""
+    from .scoring import evaluate_checkpoint
+
+    settings = {key: eval_cfg.get(key) for key in EVAL_KEYS}
+    digest = checkpoint_digest(checkpoint)
+    cache = out_dir / EVAL
+    if cache.exists():
+        cached = json.loads(cache.read_text())
+        if cached.get("settings") == settings and cached.get("sha256") == digest:
+            return cached["subsets"]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    subsets = {}
+    for subset in eval_cfg.get("subsets") or ["valid", "test"]:
+        n = subset_size(data_bin, subset, *pair)
+        logger.info("evaluating %s on %s (%d sentences)", checkpoint, subset, n)
+        subsets[subset] = evaluate_checkpoint(
+            str(data_bin), str(checkpoint), reference_file(ref_dir, subset, pair[1], n), subset=subset,
+            beam=eval_cfg.get("beam", 5), batch_size=eval_cfg.get("batch_size"),
+            post_process=eval_cfg.get("post_process"), detok_lang=eval_cfg.get("detok_lang"),
+            hyp_out=str(out_dir / f"{subset}.hyp"), extra_args=flags_to_args(eval_cfg.get("generate") or {}),
+            keep_hypotheses=True)
+    _write_json_atomic(cache, {"settings": settings, "sha256": digest, "subsets": subsets})
+    return subsets
+
+
 def unavailable_arms(config: dict, arms: Sequence[str]) -> Dict[str, str]:
     """The arms of ``arms`` that cannot train here, each with the reason: those of ``--criterion
     beamgrad_risk`` where the optional package beamgrad does not import."""
@@ -347,7 +376,8 @@ def check_work_dir(work_dir: Path) -> None:
 
 def run_ablation(config: dict, data_bin, work_dir, ref_dir=None, seeds: Sequence[int] = (1,),
                  arms: Optional[Sequence[str]] = None, pretrained=None, bootstrap_samples: int = 1000,
-                 verbose: bool = True, jobs: int = 1, command: Optional[str] = None) -> dict:
+                 verbose: bool = True, jobs: int = 1, command: Optional[str] = None,
+                 score_pretrained: bool = False) -> dict:
     """Pretrains (if needed), trains and evaluates every arm and seed, writes the report. A requested
     arm that cannot train here (:func:`unavailable_arms`) is skipped before anything runs, with a
     warning, and the report names it with the reason.
@@ -364,6 +394,8 @@ def run_ablation(config: dict, data_bin, work_dir, ref_dir=None, seeds: Sequence
             against the binarised target).
         seeds: distinct seeds.
         pretrained: use this teacher-forcing checkpoint instead of training ``pretrain``.
+        score_pretrained: also score ``pretrained`` (the report's "pretrained" row; scores cached in
+            ``work_dir/pretrained``).
         verbose: print fairseq's logs (else one line per validation; the logs are kept in
             each run's ``train.log`` either way).
         jobs: fine-tuning runs trained (and evaluated) at the same time, each its own
@@ -410,10 +442,14 @@ def run_ablation(config: dict, data_bin, work_dir, ref_dir=None, seeds: Sequence
         try:
             runs = _schedule(config, work_dir, seeds, arms, jobs, per_seed, shared_pretrain, start_ckpt,
                              train_and_score)
+            if score_pretrained and pretrained is not None:
+                runs = {"pretrained": {"0": {"train": {}, "eval": evaluate_pretrained(
+                    Path(pretrained), work_dir / "pretrained", data_bin, ref_dir, eval_cfg, pair)}}, **runs}
             results = summarise(config, runs, arms, list(seeds), bootstrap_samples, skipped)
             results.update({"command": command, "commit": source_commit(),
                             "data_bin": str(data_bin), "work_dir": str(work_dir), "pretrain_per_seed": per_seed,
-                            "pretrained_checkpoint": str(start_ckpt) if start_ckpt else None})
+                            "pretrained_checkpoint": str(start_ckpt) if start_ckpt else None,
+                            "pretrained_sha256": checkpoint_digest(Path(pretrained)) if pretrained else None})
             results["curves_png"] = plot_curves(work_dir, arms, seeds, work_dir / "curves.png")
             _write_json_atomic(work_dir / "results.json", results)
             (work_dir / "results.md").write_text(results_markdown(results), encoding="utf-8")
