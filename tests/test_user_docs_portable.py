@@ -13,7 +13,9 @@ REPO = Path(__file__).resolve().parents[1]
 FORBIDDEN = (
     # an absolute path into a home, scratch or work directory (not ".../runs/tmp/x", not a URL)
     ("a machine path", re.compile(r"(?<![\w.~:/-])/(?:work|home|root|tmp|Users)/")),
-    ("a ../shared path", re.compile(r"\.\./shared\b")),
+    # the project's shared directory: "../shared", "../shared/models/...", or "shared/..." as the publisher
+    # leaves an absolute path into it
+    ("a ../shared path", re.compile(r"\.\./shared\b|(?<![\w./-])shared/")),
     # "issue 12", "issue #12", "issues 15 and 16", "Issue 14's"
     ("an issue number", re.compile(r"\bissues? #?\d+", re.IGNORECASE)),
     # "issue C", "issue C's": one capital letter as a label ("an issue I found" is prose, so not I)
@@ -39,7 +41,8 @@ def offences(text):
 
 
 @pytest.mark.parametrize("text, kinds", [
-    ("from `../shared/models/tf/checkpoint_best.pt`", ["a ../shared path"]),
+    ("from `../shared/models/tf/checkpoint_best.pt`, --local ../shared", ["a ../shared path"] * 2),
+    ("--pretrained shared/models/tf/checkpoint_best.pt", ["a ../shared path"]),
     ("the venv in /work/venv312 and ~/x, see /home/me/clone and (/tmp/run)", ["a machine path"] * 3),
     ("--save-dir /root/ckpt or /Users/me/data", ["a machine path"] * 2),
     ("Issue 14's ablation; issue #12; issues 15 and 16", ["an issue number"] * 3),
@@ -47,7 +50,7 @@ def offences(text):
     ("left for a GPU session's job; in two sessions", ["a session"] * 2),
     # legitimate text
     ("report it as a GitHub issue; the issue is the length; an issue I found", []),
-    ("runs/tmp/x, data/home/y, https://example.org/work/page, C:/Users/x", []),
+    ("runs/tmp/x, data/home/y, https://example.org/work/page, C:/Users/x, runs/shared/x, a shared model", []),
     ("Popen(start_new_session=True); the 2-core CPU", []),
 ])
 def test_the_patterns_catch_machine_paths_and_work_item_references_only(text, kinds):
