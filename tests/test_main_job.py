@@ -142,3 +142,28 @@ def test_another_corpus_is_refused_naming_the_dictionary_and_pretrain(tmp_path):
         (bin_dir / line.split()[1]).write_text("x 1\n")
     with pytest.raises(ValueError, match=r"dict\.src\.txt \(md5 [0-9a-f]{32}\) is not the dictionary .*--pretrain"):
         main_job.check_pretrained_dictionaries(bin_dir)
+
+
+@pytest.mark.slow
+def test_the_shipped_model_scores_as_published_and_every_arm_starts_from_it(tmp_path, repo_root):
+    """The default path: the demo corpus regenerated here has the shipped model's dictionaries, the model
+    is scored as README's table says (to the check's tolerance for one checkpoint on two machines), and
+    the arms fine-tune from it."""
+    from fairseq_softtopk.experiments.checkpoint_integrity import checkpoint_digest
+    from fairseq_softtopk.experiments.reference_comparison import SAME_CHECKPOINT_TOLERANCE
+
+    work = tmp_path / "main_job"
+    cmd = [sys.executable, "-m", "fairseq_softtopk.cli.main_job", "--work-dir", str(work), "--seeds", "1",
+           "--arms", "tf", "--set", "train.max-update=1", "--set", "train.validate-interval-updates=1",
+           "--set", "train.save-interval-updates=1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=clean_env(), cwd=repo_root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((work / "results.json").read_text())
+    published = json.loads((repo_root / "results" / "main_job_demo" / "results.json").read_text())
+    ours, theirs = (r["summary"]["pretrained"]["test"]["bleu_mean"] for r in (results, published))
+    assert abs(ours - theirs) <= SAME_CHECKPOINT_TOLERANCE, (ours, theirs)
+    assert results["pretrained_sha256"] == published["pretrained_sha256"] == \
+        checkpoint_digest(main_job.PRETRAINED)
+    tf_args = json.loads((work / "seed1" / "tf" / "run.json").read_text())["args"]
+    assert tf_args[tf_args.index("--finetune-from-model") + 1] == str(main_job.PRETRAINED)
+    assert not (work / "pretrain").exists() and (work / "pretrained" / "eval.json").is_file()

@@ -440,11 +440,19 @@ def run_ablation(config: dict, data_bin, work_dir, ref_dir=None, seeds: Sequence
     plan += [(f"seed{seed}/{arm}", work_dir / f"seed{seed}" / arm) for seed in seeds for arm in arms]
     with stop_on_signals():
         try:
+            scored = None
+            if score_pretrained and pretrained is not None:  # beside the fine-tuning runs, on a run's threads
+
+                def score() -> dict:
+                    with intra_op_threads(_threads_per_run(jobs)):
+                        return evaluate_pretrained(Path(pretrained), work_dir / "pretrained", data_bin, ref_dir,
+                                                   eval_cfg, pair)
+
+                scored = ThreadPoolExecutor(max_workers=1).submit(score)
             runs = _schedule(config, work_dir, seeds, arms, jobs, per_seed, shared_pretrain, start_ckpt,
                              train_and_score)
-            if score_pretrained and pretrained is not None:
-                runs = {"pretrained": {"0": {"train": {}, "eval": evaluate_pretrained(
-                    Path(pretrained), work_dir / "pretrained", data_bin, ref_dir, eval_cfg, pair)}}, **runs}
+            if scored is not None:
+                runs = {"pretrained": {"0": {"train": {}, "eval": scored.result()}}, **runs}
             results = summarise(config, runs, arms, list(seeds), bootstrap_samples, skipped)
             results.update({"command": command, "commit": source_commit(),
                             "data_bin": str(data_bin), "work_dir": str(work_dir), "pretrain_per_seed": per_seed,
