@@ -5,11 +5,16 @@ gradient; the hard search (the exact top-k, the ablation) beside it.
     pip install -e '.[hf]' && python examples/huggingface_search.py   # a few seconds on a CPU
 """
 
+import sys
+from pathlib import Path
+
 import torch
 import transformers
 
-from fairseq_softtopk.adapters.huggingface import Seq2SeqSearchDecoder
-from fairseq_softtopk.search import BeamSearchConfig, beam_search, gold_token_loss
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's package, installed or not
+
+from fairseq_softtopk.adapters.huggingface import Seq2SeqSearchDecoder  # noqa: E402
+from fairseq_softtopk.search import BeamSearchConfig, beam_search, gold_token_loss  # noqa: E402
 
 PAD, EOS = 0, 2
 

@@ -3,9 +3,14 @@
     python examples/operators.py        # under a second on a CPU, after the imports
 """
 
+import sys
+from pathlib import Path
+
 import torch
 
-from fairseq_softtopk.ops import soft_topk, sorted_soft_topk
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's package, installed or not
+
+from fairseq_softtopk.ops import soft_topk, sorted_soft_topk  # noqa: E402
 
 # One row of five scores; we select the k = 2 largest (entries 1 and 3).
 scores = torch.tensor([[0.1, 2.0, 0.5, 1.5, -1.0]], requires_grad=True)

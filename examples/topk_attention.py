@@ -3,12 +3,17 @@
     python examples/topk_attention.py   # under a second on a CPU, after the imports
 """
 
+import sys
+from pathlib import Path
+
 import math
 
 import torch
 
-from fairseq_softtopk.modules import normalize_attention
-from fairseq_softtopk.ops import soft_topk
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's package, installed or not
+
+from fairseq_softtopk.modules import normalize_attention  # noqa: E402
+from fairseq_softtopk.ops import soft_topk  # noqa: E402
 
 # One query attending over eight keys (dimension 4): scaled dot-product scores, as in a Transformer.
 query = torch.tensor([[1.0, 0.5, -0.5, 2.0]])                 # (1, 4)
@@ -32,11 +37,12 @@ def show(label, row, count=True):
     print(f"{label:<14}{values}" + (f"   keys > 1%: {int((row > 0.01).sum())}" if count else ""))
 
 
+print(f"one query, {keys.shape[0]} keys; k = {k}, epsilon = {epsilon}")
 show("scores", scores, count=False)
 show("soft top-k A", A, count=False)
 show("softmax", plain)
 show("soft_topk", soft)
 show("hard_topk", hard)
-print(f"soft_topk = softmax(scores + log A): max difference {(soft - by_hand).abs().max().item():.1e}")
+print(f"soft_topk equals softmax(scores + log A): {torch.allclose(soft, by_hand, atol=1e-6)}")
 print(f"weight outside the top {k}: softmax {1 - plain.topk(k).values.sum().item():.3f}, "
       f"soft_topk {1 - soft.topk(k).values.sum().item():.3f}, hard_topk {1 - hard.topk(k).values.sum().item():.3f}")
