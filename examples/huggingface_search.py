@@ -21,14 +21,14 @@ PAD, EOS = 0, 2
 
 def tiny_marian():
     """A seeded, randomly initialised Marian model (vocabulary 100, 2 + 2 layers of 32) in eval mode (no dropout,
-    so that the numbers are reproducible), two source sentences ``(2, 7)`` and their labels ``(2, 5)``: EOS last,
-    -100 after it (the padding of Hugging Face labels)."""
+    so that the numbers are reproducible), two source sentences ``(2, 7)`` and their labels ``(2, 5)``, EOS last
+    (labels of different lengths are padded with -100, as Hugging Face pads them)."""
     torch.manual_seed(1)
     config = transformers.MarianConfig(vocab_size=100, d_model=32, encoder_layers=2, decoder_layers=2,
                                        pad_token_id=PAD, eos_token_id=EOS, decoder_start_token_id=PAD, init_std=0.15)
     model = transformers.MarianMTModel(config).eval()
     src = torch.randint(3, 100, (2, 7))
-    labels = torch.tensor([[11, 42, 7, 93, EOS], [25, 60, EOS, -100, -100]])
+    labels = torch.tensor([[11, 42, 7, 93, EOS], [25, 60, 18, 5, EOS]])
     return model, src, labels
 
 
