@@ -76,9 +76,9 @@ def finetune(data_dir: Path, save_dir: Path, updates: int, max_tokens: int):
     save_dir.mkdir(parents=True, exist_ok=True)
     log = run_logged(fairseq_command("train", args), save_dir / "train.log", echo=False)
     # fairseq's summary of the updates run (its epoch-end line): the losses in bits per target token
-    summary = re.search(r"\| train \| epoch .*?\| loss ([\d.]+) \| tf_loss ([\d.]+) \| beam_loss ([\d.]+) ", log)
+    summary = re.findall(r"\| train \| epoch .*?\| loss ([\d.]+) \| tf_loss ([\d.]+) \| beam_loss ([\d.]+) ", log)[-1]
     seconds = float(re.search(r"done training in ([\d.]+) seconds", log).group(1))
-    return tuple(map(float, summary.groups())), seconds
+    return tuple(map(float, summary)), seconds
 
 
 def main(argv=None):
@@ -88,7 +88,9 @@ def main(argv=None):
     parser.add_argument("--updates", type=int, default=20, help="fine-tuning updates (default: 20)")
     parser.add_argument("--max-tokens", type=int, default=1000, help="target tokens a batch (default: 1000)")
     args = parser.parse_args(argv)
-    problem = data_problem(args.data_dir) or (args.updates < 1 and f"--updates must be >= 1, got {args.updates}")
+    problem = ((args.updates < 1 and f"--updates must be >= 1, got {args.updates}")
+               or (args.max_tokens < 1 and f"--max-tokens must be >= 1, got {args.max_tokens}")
+               or data_problem(args.data_dir))
     if (args.work_dir / "checkpoint_last.pt").exists():  # fairseq-train would resume it instead of starting anew
         problem = f"--work-dir {args.work_dir} already holds a fine-tuned checkpoint: pass a new directory"
     if problem:
