@@ -32,7 +32,8 @@ it; a Transformer (the plugin's ``softtopk_transformer*``, fairseq's ``transform
 teacher-forcing forward, and its decoder is then driven step by step through fairseq's
 incremental state, the self-attention caches mixed over beams
 (:mod:`fairseq_softtopk.modules.incremental_decoder_unroll`). Any other model gets an error naming
-what it lacks.
+what it lacks (:mod:`.model_unroll`). The teacher-forcing term is :mod:`.loss_terms`'s, the selection
+gradient's statistics :mod:`.selection_gradient_stats`'s.
 """
 
 import dataclasses
