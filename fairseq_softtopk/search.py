@@ -16,6 +16,9 @@ understands; if it is a NamedTuple of ``(batch * beam, ...)`` tensors the search
 decoder mixes it itself with ``mix_state``). Adapters exist for the plugin's fairseq models and fairseq's
 Transformer decoders (:mod:`fairseq_softtopk.modules.incremental_decoder_unroll`).
 
+:func:`observe_selections` (a context manager) hands every step's selection, a :class:`StepSelection`, to a
+callback: for diagnostics, at no cost when unused.
+
 Example (a decoder ``dec`` and an encoder output ``enc`` for ``batch`` sentences; ``target`` padded with
 ``pad``, EOS included)::
 
@@ -35,10 +38,11 @@ from .modules.beam_search import BeamSearchOutput, mix_rows, unroll_beam_search
 from .modules.beam_search_config import BeamSearchConfig, GradientObserver
 from .modules.beam_search_to_eos import FinishedBeams, unroll_beam_search_to_eos
 from .modules.search_losses import GoldTokenLoss, gold_token_loss, risk_loss
+from .modules.selection_observer import StepSelection, observe_selections
 
-__all__ = ["BeamSearchConfig", "BeamSearchOutput", "FinishedBeams", "GoldTokenLoss", "SearchDecoder",
-           "beam_search", "beam_search_to_eos", "check_decoder", "gold_token_loss", "mix_rows", "repeat_rows",
-           "risk_loss"]
+__all__ = ["BeamSearchConfig", "BeamSearchOutput", "FinishedBeams", "GoldTokenLoss", "SearchDecoder", "StepSelection",
+           "beam_search", "beam_search_to_eos", "check_decoder", "gold_token_loss", "mix_rows", "observe_selections",
+           "repeat_rows", "risk_loss"]
 
 
 @runtime_checkable

@@ -15,7 +15,7 @@ import torch
 from fairseq_softtopk.cli import ablation as ablation_cli
 from fairseq_softtopk.cli import bleu
 from fairseq_softtopk.data.toy_language_pair import write_toy_corpus
-from fairseq_softtopk.experiments import ablation_report, ablation_runner, scoring
+from fairseq_softtopk.experiments import ablation_report, ablation_runner, ablation_training, scoring
 from fairseq_softtopk.experiments.ablation_config import (apply_override, config_train_args, flags_to_args, load_config,
                                                           stage_flags)
 from fairseq_softtopk.experiments.ablation_plot import read_valid_curve
@@ -206,7 +206,7 @@ def test_a_work_directory_with_other_flags_names_each_flag_with_both_values(tmp_
     (save_dir / "run.json").write_text(json.dumps({"args": earlier}))
     changed = {**flags, "lr": 0.1, "no-epoch-checkpoints": False, "clip-norm": 1.0}
     with pytest.raises(ValueError) as error:
-        ablation_runner.train_run(tmp_path / "other_data", changed, save_dir)
+        ablation_training.train_run(tmp_path / "other_data", changed, save_dir)
     message = str(error.value)
     assert "--lr: 0.005 -> 0.1" in message
     assert "--no-epoch-checkpoints: (set) -> (not set)" in message
@@ -606,9 +606,9 @@ def test_a_run_started_with_an_old_option_name_is_the_same_run():
     """run.json of a run begun before an option was renamed names the old flag; the same setting
     under the new name is not a change (and a changed value still is)."""
     earlier = ["BIN", "--topk-mode", "soft", "--selection-grad", "full", "--save-dir", "a"]
-    assert ablation_runner.differing_flags(earlier, ["BIN", "--topk-mode", "soft", "--topk-grad", "full",
+    assert ablation_training.differing_flags(earlier, ["BIN", "--topk-mode", "soft", "--topk-grad", "full",
                                                      "--save-dir", "b"]) == []
-    assert ablation_runner.differing_flags(earlier, ["BIN", "--topk-mode", "soft", "--topk-grad", "none",
+    assert ablation_training.differing_flags(earlier, ["BIN", "--topk-mode", "soft", "--topk-grad", "none",
                                                      "--save-dir", "a"]) == ["--topk-grad: full -> none"]
 
 

@@ -96,7 +96,7 @@ def test_a_checkpoint_with_code_is_refused_in_plain_words(toy_data_bin, tmp_path
     """A checkpoint that pickles a call of posix.system: fairseq-generate (with the plugin), the scoring and
     the ablation runner say that the file contains code outside the allowlist and was not loaded (torch's
     refusal came after a config dump, next to its advice to retry with weights_only=False); nothing runs."""
-    from fairseq_softtopk.experiments import ablation_runner, scoring
+    from fairseq_softtopk.experiments import ablation_training, scoring
 
     raw, data_bin = toy_data_bin
     marker, evil = tmp_path / "code_ran", tmp_path / "evil.pt"
@@ -123,7 +123,7 @@ torch.save({{"args": argparse.Namespace(arch="lstm"), "model": {{}}, "extra": Ca
     flags = {"arch": "softtopk_lstm_tiny", "optimizer": "adam", "lr": 0.01, "max-tokens": 1000, "max-update": 2,
              "num-workers": 0, "disable-validation": True, "no-progress-bar": True}
     with pytest.raises(RuntimeError) as error:
-        ablation_runner.train_run(data_bin, flags, tmp_path / "finetune", finetune_from=evil)
+        ablation_training.train_run(data_bin, flags, tmp_path / "finetune", finetune_from=evil)
     assert "refused a checkpoint: " in str(error.value) and f"{evil} was not loaded" in str(error.value)
     assert "\n" not in str(error.value)
     assert not marker.exists()

@@ -19,7 +19,7 @@ from builders import build_criterion, build_model, build_stock_transformer, buil
 from conftest import word_dictionary
 
 from fairseq_softtopk import search as search_api
-from fairseq_softtopk.criterions import soft_beam_search
+from fairseq_softtopk.criterions.selection_gradient_stats import SELGRAD_KEYS
 
 #: powers of two as fairseq's scalers use them: the initial fp16 scale, the amp maximum, beyond
 EXPONENTS = (7, 15, 24)
@@ -98,7 +98,7 @@ def test_transformer_beam_search_gradients_scale_exactly_with_the_loss(dictionar
 def test_the_logged_selection_gradients_do_not_depend_on_the_loss_scale(dictionary, rng):
     model, criterion, sample = _sharp_case(dictionary, rng)
     logs = [scaled_train_step(model, criterion, sample, scale)[0] for scale in (1.0, 2.0 ** 15)]
-    for key in soft_beam_search.SELGRAD_KEYS:
+    for key in SELGRAD_KEYS:
         assert float(logs[0][key]) == float(logs[1][key]), key
 
 

@@ -13,7 +13,7 @@ from torch import nn
 
 from fairseq_softtopk.modules.sequence_risk import sentence_bleu, strip_sequence
 from fairseq_softtopk.search import (BeamSearchConfig, SearchDecoder, beam_search, beam_search_to_eos,
-                                     check_decoder, gold_token_loss, repeat_rows, risk_loss)
+                                     check_decoder, gold_token_loss, observe_selections, repeat_rows, risk_loss)
 
 V, DIM, HIDDEN, BOS, EOS = 9, 4, 6, 1, 2
 
@@ -151,6 +151,48 @@ def test_search_to_eos_and_its_risk_loss():
                               for h in finished.tokens[b].tolist()], dtype=torch.float64)
         weights = torch.softmax(finished.scores[b] / 0.5, -1)
         assert math.isclose(float(risk[b]), float((weights * costs).sum()), rel_tol=1e-12)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("mode", ["hard", "soft"])
+def test_observe_selections_sees_each_step_of_the_search_as_it_selects(mode):
+    """The observer is called once per step, in order, with the selection the search made: the first step's
+    scores are the decoder's log-probabilities written out here, the followed candidates backtracked give the
+    search's final beams and scores, the weights its sharpness; hard mode follows the k best scores. Closed
+    after the block; a search to EOS is observed too (every step but its last, which only finishes)."""
+    decoder, k = GRUDecoder(), 3
+    encoder_out, target = _batch([5, 3, 4])
+    batch, T = target.shape
+    seen = []
+    with observe_selections(seen.append):
+        out = beam_search(decoder, encoder_out, target, pad=-100, bos=BOS,
+                          config=BeamSearchConfig(beam=k, mode=mode, epsilon=0.05))
+    assert [s.step for s in seen] == list(range(T))
+    first = torch.log_softmax(decoder.out(decoder.cell(decoder.emb.weight[BOS].expand(batch, DIM),
+                                                       torch.tanh(encoder_out["hidden"]))), -1)
+    torch.testing.assert_close(seen[0].scores[:, :V], first)
+    assert torch.isinf(seen[0].scores[:, V:]).all()  # only beam 0 is live at the first step
+    beam, tokens = torch.arange(k).expand(batch, k), []
+    for selection in reversed(seen):
+        followed = selection.followed.gather(1, beam)
+        tokens.append(followed % V)
+        beam = followed // V
+    assert torch.equal(torch.stack(tokens[::-1], -1), out.tokens)
+    torch.testing.assert_close(seen[-1].scores.gather(1, seen[-1].followed), out.final_scores)
+    torch.testing.assert_close(torch.stack([s.weights.amax(1) for s in seen], 1), out.sharpness)
+    assert [s.live.tolist() for s in seen] == [[t < n - 1 for n in (5, 3, 4)] for t in range(T)]
+    if mode == "hard":
+        for selection in seen:
+            assert torch.equal(selection.followed, selection.scores.topk(k).indices)
+    beam_search(decoder, encoder_out, target, pad=-100, bos=BOS, config=BeamSearchConfig(beam=k, mode=mode))
+    assert len(seen) == T  # the observer is gone after the block
+    with observe_selections(seen.append):
+        finished = beam_search_to_eos(decoder, encoder_out, batch, pad=0, bos=BOS, eos=EOS, max_len=6,
+                                      config=BeamSearchConfig(beam=k, mode=mode))
+    assert [s.step for s in seen[T:]] == list(range(finished.steps - 1))
+    with pytest.raises(TypeError, match="observe_selections needs a callable.*got list"):
+        with observe_selections([]):
+            pass
 
 
 def test_a_decoder_without_the_protocol_is_named():

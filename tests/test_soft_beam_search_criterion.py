@@ -10,7 +10,7 @@ from fairseq.tasks import FairseqTask
 from builders import build_criterion, build_model, make_sample
 from conftest import compiles_fixed_solve, recorded_solves, script_module, word_dictionary
 
-from fairseq_softtopk.criterions.soft_beam_search import annealed_epsilon
+from fairseq_softtopk.modules.beam_search_config import annealed_epsilon
 from fairseq_softtopk.modules import beam_selection
 from fairseq_softtopk.modules.beam_search import BeamSearchConfig, unroll_beam_search
 from fairseq_softtopk.ops import cap_row_grad_norm
@@ -323,7 +323,7 @@ def test_a_model_that_cannot_unroll_the_search_is_named_and_teacher_forcing_stil
     caches): the beam term names what is missing and the models that have it (instead of a TypeError from deep
     inside forward); p = 1 is plain teacher forcing for any model."""
     from builders import build_fairseq_lstm, build_transformer
-    from fairseq_softtopk.criterions.soft_beam_search import unroll_interface_missing, unroll_kind
+    from fairseq_softtopk.criterions.model_unroll import unroll_interface_missing, unroll_kind
 
     fairseq_lstm = build_fairseq_lstm(dictionary)
     sample = make_sample(dictionary, rng, [4, 2])

@@ -21,7 +21,7 @@ import pytest
 
 from conftest import REPO, clean_env
 from fairseq_softtopk.cli import ablation as ablation_cli
-from fairseq_softtopk.experiments import ablation_runner, child_processes, run_lock
+from fairseq_softtopk.experiments import ablation_training, child_processes, run_lock
 from fairseq_softtopk.experiments.checkpoint_integrity import CheckpointChanged, checkpoint_digest, verify_run_checkpoint
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; PR_SET_PDEATHSIG is Linux's")
@@ -312,7 +312,7 @@ def test_a_checkpoint_last_cut_short_is_named_before_fairseq_train_starts(tmp_pa
     flags = {"arch": "softtopk_lstm_tiny", "max-update": 8}
     with pytest.raises(RuntimeError, match=rf"{run / 'checkpoint_last.pt'} is cut short .* copy the newest intact "
                                            rf"checkpoint, {run / 'checkpoint_1_8.pt'}"):
-        ablation_runner.train_run(tmp_path / "bin", flags, run)
+        ablation_training.train_run(tmp_path / "bin", flags, run)
     assert "train.log" not in os.listdir(run)  # fairseq-train did not start
 
 
@@ -382,7 +382,7 @@ def test_a_run_stopped_after_fairseq_train_ended_is_recorded_not_trained_again(t
                                    "2026-01-01 00:00:00 | INFO | fairseq_cli.train | done training in 3.3 seconds\n\n")
     log = (run / "train.log").read_text()
     with caplog.at_level("INFO", logger="ablation"):
-        done = ablation_runner.train_run(tmp_path / "no_bin", flags, run, verbose=False)
+        done = ablation_training.train_run(tmp_path / "no_bin", flags, run, verbose=False)
     assert "fairseq-train had finished; recording it" in caplog.text and "training " not in caplog.text
     assert (run / "train.log").read_text() == log  # no fairseq-train ran
     assert done["checkpoint_sha256"] == hashlib.sha256(b"the last checkpoint").hexdigest()

@@ -25,8 +25,9 @@ from ..modules.incremental_decoder_unroll import IncrementalDecoderUnroll
 from ..modules.sequence_risk import sentence_bleu_costs
 from ..option_checks import check_bf16, check_number, requested_bf16
 from ._soft_beam_search_config import check_max_len
-from .soft_beam_search import (SoftBeamSearchCriterion, forward_with_beam_search, teacher_forcing_loss,
-                               training_search_max_len, unroll_kind, weighted_risk)
+from .loss_terms import teacher_forcing_loss, weighted_risk
+from .model_unroll import forward_with_beam_search, training_search_max_len, unroll_kind
+from .soft_beam_search import SoftBeamSearchCriterion
 
 INSTALL = "pip install --no-build-isolation beamgrad==2.3.0"
 

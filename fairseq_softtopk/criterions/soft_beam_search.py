@@ -32,186 +32,25 @@ it; a Transformer (the plugin's ``softtopk_transformer*``, fairseq's ``transform
 teacher-forcing forward, and its decoder is then driven step by step through fairseq's
 incremental state, the self-attention caches mixed over beams
 (:mod:`fairseq_softtopk.modules.incremental_decoder_unroll`). Any other model gets an error naming
-what it lacks.
+what it lacks (:mod:`.model_unroll`). The teacher-forcing term is :mod:`.loss_terms`'s, the selection
+gradient's statistics :mod:`.selection_gradient_stats`'s.
 """
 
 import dataclasses
 import math
 from types import SimpleNamespace
-from typing import Callable, Dict, List, NamedTuple, Optional
+from typing import List, Optional
 
-import torch
 from fairseq import metrics, utils
 from fairseq.criterions import FairseqCriterion, register_criterion
 
-from ..modules.beam_search_to_eos import search_max_len
-from ..modules.incremental_decoder_unroll import IncrementalDecoderUnroll, incremental_unroll_missing
-from ..modules.search_losses import gold_token_loss, risk_loss, smoothed_nll
+from ..modules.beam_search_config import annealed_epsilon
+from ..modules.search_losses import gold_token_loss, risk_loss
 from .. import search as search_api
 from ._soft_beam_search_config import SoftBeamSearchConfig, check_soft_beam_search_options, resolve_renamed
-
-#: logged per sentence and step from the backward pass (see SelectionGradientStats)
-SELGRAD_KEYS = ("selgrad_count", "selgrad_log10_sum", "selgrad_capped", "selgrad_over100")
-
-
-class SelectionGradientStats:
-    """Sums, filled during the backward pass, over (sentence, step) pairs whose selection matters.
-
-    The tensors are put into the logging output in the forward pass; fairseq reduces the
-    logging outputs only after the backward pass, so they hold the backward's numbers then.
-
-    Args:
-        cap: the cap on the norms (``inf`` when not capped).
-        unit: the size of one gold token's gradient in the beam term, ``1 - p``.
-        record: if a list, every norm (divided by ``unit``) is also appended to it (diagnostics).
-    """
-
-    def __init__(self, cap: float, unit: float, device: torch.device, record: Optional[List[float]] = None):
-        self.cap, self.unit, self.record = cap, unit, record
-        self.sums = torch.zeros(len(SELGRAD_KEYS), dtype=torch.float64, device=device)
-
-    def __call__(self, norms: torch.Tensor, live: torch.Tensor) -> None:
-        norms = norms.detach().double()
-        if self.record is not None:  # diagnostics only: reads the norms on the host
-            self.record += (norms[live] / self.unit).tolist()
-        with torch.no_grad():  # masked sums, not boolean indexing: no host synchronisation in the backward pass
-            live = live.double()
-            self.sums += torch.stack([live.sum(), (norms.clamp_min(1e-12).log10() * live).sum(),
-                                      ((norms > self.cap) * live).sum(), ((norms > 100 * self.unit) * live).sum()])
-
-    def logging_output(self) -> dict:
-        return {key: self.sums[i] for i, key in enumerate(SELGRAD_KEYS)}
-
-
-#: what the unrolled search needs of a model's decoder to run inside the model (softtopk_lstm has it)
-UNROLL_INTERFACE = ("initial_state", "embed", "embedding_matrix", "step")
-
-#: the architectures that beam-search training supports (README, docs/beam_search_training.md)
-SUPPORTED_ARCHITECTURES = ("the plugin's LSTM (softtopk_lstm*) and fairseq incremental decoders built of "
-                           "MultiheadAttention: the plugin's Transformer (softtopk_transformer*) and fairseq's "
-                           "transformer family")
-
-
-def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
-    """The model inside its wrappers (DistributedDataParallel, fairseq's ModuleProxyWrapper around it, ...)."""
-    while isinstance(getattr(model, "module", None), torch.nn.Module):
-        model = model.module
-    return model
-
-
-def unroll_interface_missing(model) -> List[str]:
-    """What ``model`` (or the module its DistributedDataParallel wrappers hold) lacks for running the
-    unrolled beam search inside its forward: ``forward(..., beam_search=)`` and the decoder's step
-    interface; [] if nothing."""
-    import inspect
-
-    inner = unwrapped(model)
-    missing = []
-    if "beam_search" not in inspect.signature(inner.forward).parameters:
-        missing.append("forward(..., beam_search=)")
-    decoder = getattr(inner, "decoder", None)
-    missing += [f"decoder.{name}" for name in UNROLL_INTERFACE if not callable(getattr(decoder, name, None))]
-    return missing
-
-
-#: unroll_kind's answers, per model class (the model inside its wrappers)
-_UNROLL_KINDS: Dict[type, str] = {}
-
-
-def unroll_kind(model) -> str:
-    """How the beam search is unrolled for ``model``: ``"model"`` (inside its forward, the plugin's LSTM)
-    or ``"incremental"`` (the decoder driven step by step through fairseq's incremental state, a
-    Transformer: :class:`~fairseq_softtopk.modules.incremental_decoder_unroll.IncrementalDecoderUnroll`).
-    Found once per model class (the model inside its wrappers).
-
-    Raises:
-        ValueError: naming what the model lacks for either.
-    """
-    cls = type(unwrapped(model))
-    if cls not in _UNROLL_KINDS:
-        _UNROLL_KINDS[cls] = _find_unroll_kind(model)
-    return _UNROLL_KINDS[cls]
-
-
-def _find_unroll_kind(model) -> str:
-    missing = unroll_interface_missing(model)
-    if not missing:
-        return "model"
-    inner = unwrapped(model)
-    incremental_missing = incremental_unroll_missing(getattr(inner, "decoder", None))
-    if not incremental_missing:
-        if not isinstance(getattr(inner, "encoder", None), torch.nn.Module):
-            incremental_missing = ["an encoder module"]
-        else:
-            return "incremental"
-    raise ValueError(
-        f"--criterion soft_beam_search with --teacher-forcing-ratio < 1 trains through a beam search unrolled "
-        f"step by step, which {type(inner).__name__} cannot do: it lacks {', '.join(missing)} (to run the search "
-        f"inside its forward) and {'; '.join(incremental_missing)} (to drive its decoder through fairseq's "
-        f"incremental state). Beam-search training supports {SUPPORTED_ARCHITECTURES}. With "
-        f"--teacher-forcing-ratio 1.0 the criterion is plain teacher forcing and takes any model.")
-
-
-def training_search_max_len(model, net_input: dict, max_len_a: float, max_len_b: int) -> int:
-    """The last step of a training search that stops at EOS, as fairseq-generate's for this batch
-    (:func:`~fairseq_softtopk.modules.beam_search_to_eos.search_max_len`)."""
-    max_positions = getattr(unwrapped(model), "max_decoder_positions", lambda: None)()
-    return search_max_len(net_input["src_tokens"].size(1), max_len_a, max_len_b, max_positions)
-
-
-class TeacherForcingLoss(NamedTuple):
-    loss: torch.Tensor  # the label-smoothed NLL of the target's tokens, summed
-    nll: torch.Tensor  # their NLL, summed
-    mask: torch.Tensor  # (batch, T): the target's tokens (not padding)
-    vocab: int  # the size of the output distribution
-
-
-def teacher_forcing_loss(model, net_output, target: torch.Tensor, pad: int,
-                         label_smoothing: float) -> TeacherForcingLoss:
-    """The teacher-forcing term of both criteria, from the model's teacher-forced output."""
-    lprobs = model.get_normalized_probs(net_output, log_probs=True)
-    mask = target.ne(pad)
-    gold = lprobs.gather(-1, target.unsqueeze(-1)).squeeze(-1)
-    loss, nll = smoothed_nll(gold, lprobs.sum(-1), mask, label_smoothing, lprobs.shape[-1])
-    return TeacherForcingLoss(loss, nll, mask, lprobs.shape[-1])
-
-
-def weighted_risk(risk: torch.Tensor, mask: torch.Tensor, sentence_avg: bool) -> torch.Tensor:
-    """The ``(batch,)`` risks summed per target token, as the teacher-forcing term (per sentence with
-    ``--sentence-avg``)."""
-    return (risk if sentence_avg else risk * mask.sum(-1)).sum()
-
-
-def forward_with_beam_search(model, net_input: dict, beam_search: Callable, bos: int, kind: str):
-    """``(net_output, search output)``: the teacher-forcing forward and ``beam_search(encoder, decoder,
-    encoder_out)``, the decoder as the search drives it (:func:`unroll_kind` ``kind``)."""
-    if kind == "model":  # inside the model's forward, which DDP wraps
-        return model(**net_input, beam_search=beam_search)
-    # a Transformer: the teacher-forcing forward (through the wrappers, so DDP prepares its backward),
-    # whose encoder output the search reuses, then the decoder driven step by step. Its parameters get
-    # one gradient per backward pass as usual, so DDP's reducer sees nothing new.
-    inner = unwrapped(model)
-    captured = []
-    handle = inner.encoder.register_forward_hook(lambda module, args, output: captured.append(output))
-    try:
-        net_output = model(**net_input)
-    finally:
-        handle.remove()
-    if len(captured) != 1:
-        raise RuntimeError(f"{type(inner).__name__}'s forward ran its encoder {len(captured)} times (expected once)")
-    return net_output, beam_search(inner.encoder, IncrementalDecoderUnroll(inner.decoder, bos), captured[0])
-
-
-def annealed_epsilon(start: float, end: float, update: int, anneal_updates: int) -> float:
-    """Epsilon at ``update`` of a geometric schedule from ``start`` (update 0) to ``end``.
-
-    Geometric because epsilon acts on a log scale (the split of two candidates a gap ``d``
-    apart depends on ``d / epsilon``): each update scales epsilon by the same factor.
-    After ``anneal_updates`` updates it stays at ``end``.
-    """
-    if anneal_updates <= 0 or update >= anneal_updates:
-        return end
-    return start * (end / start) ** (max(update, 0) / anneal_updates)
+from .loss_terms import teacher_forcing_loss, weighted_risk
+from .model_unroll import forward_with_beam_search, training_search_max_len, unroll_kind
+from .selection_gradient_stats import SelectionGradientStats
 
 
 @register_criterion("soft_beam_search", dataclass=SoftBeamSearchConfig)

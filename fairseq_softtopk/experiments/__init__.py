@@ -6,8 +6,9 @@ resuming it safely (child processes that stop on a signal and die with the runne
 :mod:`.child_processes`; one process per run directory: :mod:`.run_lock`; checksums of finished
 checkpoints: :mod:`.checkpoint_integrity`; what a stop left: :mod:`.run_status`; what the main job
 created, for ``--fresh``: :mod:`.work_dir_marker`), what the training
-benchmarks share (:mod:`.bench_harness`) and the attention of a checkpoint's model on a sentence
-pair (:mod:`.attention_maps`). The commands in :mod:`fairseq_softtopk.cli` and the scripts under
+benchmarks share (:mod:`.bench_harness`; the training benchmark's measuring passes and tables:
+:mod:`.bench_passes`, :mod:`.bench_train_tables`) and the attention of a checkpoint's model on a
+sentence pair (:mod:`.attention_maps`). The commands in :mod:`fairseq_softtopk.cli` and the scripts under
 ``scripts/`` use them; ``import fairseq_softtopk`` (fairseq's ``--user-dir``) does not import this
 subpackage, which stays out of training.
 """

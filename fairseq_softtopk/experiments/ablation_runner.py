@@ -1,30 +1,26 @@
 """The beam-search training ablation runner behind ``fairseq-softtopk-ablation``
-(:mod:`fairseq_softtopk.cli.ablation`, whose docstring describes a run): the data checks, training
-(or resuming, or skipping) every stage, arm and seed with fairseq-train, scoring each run
-(:mod:`.scoring`) and writing the report (:mod:`.ablation_report`, :mod:`.ablation_plot`)."""
+(:mod:`fairseq_softtopk.cli.ablation`, whose docstring describes a run): the data checks, the arms and seeds
+to run, scheduling every stage, arm and seed (each run trained by :mod:`.ablation_training` and scored by
+:mod:`.ablation_evaluation`) and writing the report (:mod:`.ablation_report`, :mod:`.ablation_plot`)."""
 
-import json
 import logging
 import os
-import re
-import resource
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from .ablation_config import EVAL_KEYS, check_train_flags, flags_to_args, stage_flags
+from .ablation_config import check_train_flags, stage_flags
+from .ablation_evaluation import evaluate_pretrained, evaluate_run
 from .ablation_plot import plot_curves
 from .ablation_report import results_markdown, summarise
-from .checkpoint_integrity import KEY as DIGEST_KEY, LAST, check_resumable, checkpoint_digest, verify_run_checkpoint
+from .ablation_training import read_train_stats, train_run, write_json_atomic
+from .checkpoint_integrity import LAST, checkpoint_digest
 from .child_processes import RunStopped, check_not_stopping, stop_on_signals
-from .fairseq_commands import PACKAGE_DIR, fairseq_command, intra_op_threads, run_logged
+from .fairseq_commands import PACKAGE_DIR, intra_op_threads
 from .run_lock import run_lock
 from .run_status import describe_runs
 
 logger = logging.getLogger("ablation")
-
-DONE, RUN, EVAL = "done.json", "run.json", "eval.json"
 
 
 # ----------------------------------------------------------------------------- data
@@ -49,47 +45,7 @@ def check_data_bin(data_bin: Path) -> None:
         raise FileNotFoundError(f"{data_bin} holds no fairseq-preprocess output (dict.*.txt, train.*.idx)")
 
 
-def subset_size(data_bin: Path, subset: str, src: str, tgt: str) -> int:
-    """Sentences of the binarised ``subset`` (:func:`.scoring.binarised_subset_size`), which must exist."""
-    from .scoring import binarised_subset_size
-
-    size = binarised_subset_size(str(data_bin), subset, src, tgt)
-    if size is None:
-        raise FileNotFoundError(f"{data_bin} has no binarised '{subset}' subset "
-                                f"({Path(data_bin) / f'{subset}.{src}-{tgt}.{tgt}'}.idx)")
-    return size
-
-
-def reference_file(ref_dir: Optional[Path], subset: str, tgt: str, n_sentences: int) -> Optional[str]:
-    """The raw reference of ``subset`` if it is line-aligned with the binarised subset, else None
-    (the evaluation then scores against the binarised target)."""
-    if ref_dir is None:
-        return None
-    path = ref_dir / f"{subset}.{tgt}"
-    if not path.is_file():
-        logger.warning("no raw reference %s: scoring %s against the binarised target", path, subset)
-        return None
-    with open(path, encoding="utf-8") as f:
-        n_lines = sum(1 for _ in f)
-    if n_lines != n_sentences:
-        logger.warning("%s has %d lines but the binarised %s subset %d sentences (cleaned?): scoring against "
-                       "the binarised target instead", path, n_lines, subset, n_sentences)
-        return None
-    return str(path)
-
-
 # ----------------------------------------------------------------------------- running
-
-def _write_json_atomic(path: Path, data) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2), encoding="utf-8")
-    os.replace(tmp, path)
-
-
-def _children_cpu_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
 
 def _cores() -> int:
     """CPU cores this process may use."""
@@ -117,214 +73,6 @@ def source_commit() -> Optional[str]:
     except (OSError, subprocess.CalledProcessError):
         return None
     return commit + ("+dirty" if dirty else "")
-
-
-def _has_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def _run_flags(args: Sequence[str]) -> List[str]:
-    """fairseq-train arguments without the paths (data, save dir, pretrained checkpoint), so that a
-    run directory moved or copied elsewhere (results/ in git) is recognised as the same run; a
-    renamed option's old name (:mod:`fairseq_softtopk.renamed_options`) is read as its new one, so
-    that a run started before the rename is the same run."""
-    from fairseq_softtopk.renamed_options import RENAMED_OPTIONS, flag
-
-    renamed = {flag(old): flag(new) for old, new in RENAMED_OPTIONS.items()}
-    paths = {"--save-dir", "--finetune-from-model"}
-    return [renamed.get(arg, arg) for i, arg in enumerate(args[1:], 1) if args[i - 1] not in paths]
-
-
-def _flag_values(args: Sequence[str]) -> Dict[str, str]:
-    """``--flag value...`` arguments as ``{"--flag": "value ..."}`` (``"(set)"`` for a flag without values)."""
-    values: Dict[str, List[str]] = {}
-    flag = None
-    for arg in args:
-        if arg.startswith("--"):
-            flag = arg
-            values[flag] = []
-        elif flag is not None:
-            values[flag].append(arg)
-    return {name: " ".join(vals) if vals else "(set)" for name, vals in values.items()}
-
-
-def differing_flags(earlier: Sequence[str], now: Sequence[str]) -> List[str]:
-    """``"--flag: old -> new"`` for every fairseq-train flag whose value differs (``(not set)`` where absent)."""
-    old, new = _flag_values(_run_flags(earlier)), _flag_values(_run_flags(now))
-    return [f"{name}: {old.get(name, '(not set)')} -> {new.get(name, '(not set)')}"
-            for name in sorted(set(old) | set(new)) if old.get(name) != new.get(name)]
-
-
-_TRAIN_INNER = re.compile(r"\| train_inner \| .*\bgnorm=([^,]+), clip=([^,]+)")
-
-
-def read_train_stats(log_path: Path) -> dict:
-    """Median gradient norm (before clipping) and mean share of clipped updates over the
-    ``train_inner`` lines of a fairseq-train log (empty values when it logged none)."""
-    import statistics
-
-    gnorms, clips = [], []
-    if Path(log_path).exists():
-        for line in Path(log_path).read_text(encoding="utf-8", errors="replace").splitlines():
-            match = _TRAIN_INNER.search(line)
-            if match:
-                gnorms.append(float(match.group(1)))
-                clips.append(float(match.group(2)))
-    return {"gnorm_median": round(statistics.median(gnorms), 4) if gnorms else None,
-            "clipped_percent": round(statistics.fmean(clips), 1) if clips else None}
-
-
-
-def _fairseq_finished(log_path: Path) -> bool:
-    """Whether the last fairseq-train of ``log_path`` ended normally (its last line: ``done training``)."""
-    if not log_path.is_file():
-        return False
-    lines = [line for line in log_path.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
-    return bool(lines) and "| done training in " in lines[-1]
-
-
-def train_run(data_bin: Path, flags: Mapping[str, object], save_dir: Path,
-              finetune_from: Optional[Path] = None, verbose: bool = True, alone: bool = True) -> dict:
-    """Trains (or resumes, or skips when ``done.json`` exists) one run into ``save_dir``.
-
-    fairseq's output goes to ``save_dir/train.log`` (appended: a resumed run keeps every part);
-    ``verbose`` also prints it, otherwise one line per validation is printed. ``alone``: no other
-    run trains meanwhile, so this process's children's CPU time is this run's (else
-    ``cpu_seconds`` is None). The run holds ``save_dir/run.lock`` (:mod:`.run_lock`) meanwhile.
-
-    ``run.json`` records the fairseq-train arguments when the run starts; a later call with
-    different arguments raises ``ValueError`` instead of mixing two settings in one directory.
-    A ``finetune_from`` that is a finished run's ``checkpoint_last.pt`` is checked against the
-    digest in that run's ``done.json`` first (:mod:`.checkpoint_integrity`).
-    Returns the contents of ``done.json`` (arguments, wall and CPU seconds of this call, and the
-    SHA-256 of ``checkpoint_last.pt``).
-
-    Raises:
-        RunDirectoryInUse: another live process trains in ``save_dir``.
-        CheckpointChanged: ``finetune_from`` differs from the file its run finished with.
-        RunStopped: a stop was requested (the run resumes on the next call).
-    """
-    flags = {"required-batch-size-multiple": 1, "log-format": "simple", **flags}
-    args = [str(data_bin), *flags_to_args(flags), "--save-dir", str(save_dir)]
-    if finetune_from is not None:
-        args += ["--finetune-from-model", str(finetune_from)]
-    save_dir.mkdir(parents=True, exist_ok=True)
-    with run_lock(save_dir) as record_child:
-        if (save_dir / RUN).exists():
-            earlier = json.loads((save_dir / RUN).read_text())["args"]
-            if _run_flags(earlier) != _run_flags(args):
-                changed = differing_flags(earlier, args) or ["the same flags in another order"]
-                raise ValueError(f"{save_dir} holds a run with other fairseq-train arguments (differing, earlier -> "
-                                 f"now: {'; '.join(changed)}); use another --work-dir or remove {save_dir}")
-        else:
-            _write_json_atomic(save_dir / RUN, {"args": args})
-        if (save_dir / DONE).exists():
-            logger.info("%s: finished earlier, skipping training", save_dir)
-            return json.loads((save_dir / DONE).read_text())
-        if finetune_from is not None and finetune_from.name == LAST and (finetune_from.parent / DONE).exists():
-            verify_run_checkpoint(finetune_from.parent)
-        start, cpu = time.time(), _children_cpu_seconds()
-        if (save_dir / LAST).exists() and _fairseq_finished(save_dir / "train.log"):
-            # stopped after fairseq-train ended but before done.json: resuming would train one update too many
-            logger.info("%s: fairseq-train had finished; recording it", save_dir)
-            start = cpu = None
-        else:
-            _train(args, save_dir, verbose, record_child)
-        done = {"args": args, "wall_seconds": round(time.time() - start, 1) if start else None,
-                "cpu_seconds": round(_children_cpu_seconds() - cpu, 1) if alone and cpu is not None else None,
-                "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
-        if not (save_dir / LAST).exists():
-            raise RuntimeError(f"fairseq-train finished without writing {save_dir / LAST}")
-        done[DIGEST_KEY] = checkpoint_digest(save_dir / LAST)
-        _write_json_atomic(save_dir / DONE, done)
-        return done
-
-
-def _train(args: Sequence[str], save_dir: Path, verbose: bool, record_child) -> None:
-    """Runs fairseq-train ``args`` (resuming from ``save_dir/checkpoint_last.pt`` if there)."""
-    if (save_dir / LAST).exists():
-        check_resumable(save_dir)
-        logger.info("%s: resuming from checkpoint_last.pt", save_dir)
-    logger.info("training %s", save_dir)
-    device = [] if _has_cuda() else ["--cpu"]  # not in run.json: a run may resume on another device
-    try:
-        run_logged(fairseq_command("train", [*args, *device]), log_path=save_dir / "train.log", echo=verbose,
-                   progress=f"{save_dir.parent.name}/{save_dir.name}", on_start=record_child)
-    except RuntimeError as error:
-        from .scoring import refused_checkpoint
-
-        refused = refused_checkpoint(str(error))
-        if refused:  # alone: the rest of the output is fairseq's config, not the cause
-            raise RuntimeError(f"fairseq-train ({save_dir}) refused a checkpoint: {refused}") from None
-        raise
-
-
-def evaluate_run(run_dir: Path, data_bin: Path, ref_dir: Optional[Path], eval_cfg: Mapping, pair: tuple) -> dict:
-    """Scores ``run_dir/checkpoint_last.pt`` on every eval subset; cached in ``eval.json`` (a cached
-    score needs no checkpoint). Before scoring, the checkpoint is checked against the digest in
-    ``done.json`` (``CheckpointChanged`` where it differs; :mod:`.checkpoint_integrity`)."""
-    from .scoring import evaluate_checkpoint
-
-    settings = {key: eval_cfg.get(key) for key in EVAL_KEYS}
-    cache = run_dir / EVAL
-    # the training run it scores, by done.json's finishing time: a copy of the run directory
-    # without checkpoints (results/ in git) keeps its scores
-    trained = json.loads((run_dir / DONE).read_text()).get("finished")
-    if cache.exists():
-        cached = json.loads(cache.read_text())
-        same_run = cached.get("trained") == trained if "trained" in cached else \
-            cached.get("done_mtime") == (run_dir / DONE).stat().st_mtime  # caches written before "trained"
-        if cached.get("settings") == settings and same_run:
-            if "trained" not in cached:
-                _write_json_atomic(cache, {"settings": settings, "trained": trained, "subsets": cached["subsets"]})
-            return cached["subsets"]
-    verify_run_checkpoint(run_dir)  # the file scored is the one its run finished with
-    subsets = {}
-    for subset in eval_cfg.get("subsets") or ["valid", "test"]:
-        n = subset_size(data_bin, subset, *pair)
-        logger.info("evaluating %s on %s (%d sentences)", run_dir, subset, n)
-        subsets[subset] = evaluate_checkpoint(
-            str(data_bin), str(run_dir / "checkpoint_last.pt"), reference_file(ref_dir, subset, pair[1], n),
-            subset=subset, beam=eval_cfg.get("beam", 5), batch_size=eval_cfg.get("batch_size"),
-            post_process=eval_cfg.get("post_process"), detok_lang=eval_cfg.get("detok_lang"),
-            hyp_out=str(run_dir / f"{subset}.hyp"), extra_args=flags_to_args(eval_cfg.get("generate") or {}),
-            keep_hypotheses=True)
-        if subsets[subset]["n_sentences"] != n:  # the T- lines can miss dropped inputs too
-            raise RuntimeError(f"{run_dir}: {subsets[subset]['n_sentences']} of the {n} {subset} sentences "
-                               f"were translated")
-    _write_json_atomic(cache, {"settings": settings, "trained": trained, "subsets": subsets})
-    return subsets
-
-
-def evaluate_pretrained(checkpoint: Path, out_dir: Path, data_bin: Path, ref_dir: Optional[Path], eval_cfg: Mapping,
-                        pair: tuple) -> dict:
-    """Scores a given teacher-forcing checkpoint (``pretrained=``) as :func:`evaluate_run` scores a
-    run: the scores are cached in ``out_dir/eval.json`` under the checkpoint's SHA-256 (a changed
-    file is scored again). Returns ``{subset: scores}``."""
-    from .scoring import evaluate_checkpoint
-
-    settings = {key: eval_cfg.get(key) for key in EVAL_KEYS}
-    digest = checkpoint_digest(checkpoint)
-    cache = out_dir / EVAL
-    if cache.exists():
-        cached = json.loads(cache.read_text())
-        if cached.get("settings") == settings and cached.get("sha256") == digest:
-            return cached["subsets"]
-    out_dir.mkdir(parents=True, exist_ok=True)
-    subsets = {}
-    for subset in eval_cfg.get("subsets") or ["valid", "test"]:
-        n = subset_size(data_bin, subset, *pair)
-        logger.info("evaluating %s on %s (%d sentences)", checkpoint, subset, n)
-        subsets[subset] = evaluate_checkpoint(
-            str(data_bin), str(checkpoint), reference_file(ref_dir, subset, pair[1], n), subset=subset,
-            beam=eval_cfg.get("beam", 5), batch_size=eval_cfg.get("batch_size"),
-            post_process=eval_cfg.get("post_process"), detok_lang=eval_cfg.get("detok_lang"),
-            hyp_out=str(out_dir / f"{subset}.hyp"), extra_args=flags_to_args(eval_cfg.get("generate") or {}),
-            keep_hypotheses=True)
-    _write_json_atomic(cache, {"settings": settings, "sha256": digest, "subsets": subsets})
-    return subsets
 
 
 def unavailable_arms(config: dict, arms: Sequence[str]) -> Dict[str, str]:
@@ -459,7 +207,7 @@ def run_ablation(config: dict, data_bin, work_dir, ref_dir=None, seeds: Sequence
                             "pretrained_checkpoint": str(start_ckpt) if start_ckpt else None,
                             "pretrained_sha256": checkpoint_digest(Path(pretrained)) if pretrained else None})
             results["curves_png"] = plot_curves(work_dir, arms, seeds, work_dir / "curves.png")
-            _write_json_atomic(work_dir / "results.json", results)
+            write_json_atomic(work_dir / "results.json", results)
             (work_dir / "results.md").write_text(results_markdown(results), encoding="utf-8")
         except RunStopped as stop:
             raise RunStopped(stop.signum, describe_runs(plan)) from None

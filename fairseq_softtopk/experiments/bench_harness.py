@@ -4,9 +4,18 @@ Building a fairseq task, model and criterion from command-line flags, drawing th
 training batches for every configuration, timing updates, reading the package's named
 ``torch.profiler`` ranges (``softtopk::...``, placed once in the code) from a profile, and on CUDA
 counting kernel launches and host synchronisations; the rows of the Triton kernels are timed on CUDA only.
+Also: a process's memory (peak RSS), self CPU time by region of a profile, and the header of a benchmark's
+output (command, commit, torch, threads, machine).
 """
 
+import itertools
+import os
+import platform
+import shlex
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence
 
 import torch
@@ -152,3 +161,74 @@ def count_cuda_syncs(run: Callable[[], None]) -> int:
             torch.cuda.set_sync_debug_mode(previous)
     torch.cuda.synchronize()  # the queued work done, outside the count
     return sum("called a synchronizing CUDA operation" in str(w.message) for w in caught)
+
+
+def fixed_batches(task, max_tokens: int, count: int, seed: int, device: str) -> List[dict]:
+    """The first ``count`` training batches of a seeded shuffle (epoch after epoch), on ``device``."""
+    return list(itertools.islice(training_batches(task, max_tokens, seed, device), count))
+
+
+def rss_mib(field: str) -> Optional[float]:
+    """``VmRSS`` / ``VmHWM`` of this process in MiB (Linux), else None."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def reset_peak_rss() -> bool:
+    """Resets the kernel's peak RSS of this process (Linux >= 4.0); False where that is not possible."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def _region(event) -> str:
+    """Where a profiled op ran: the innermost ``softtopk::`` range, the optimizer, other backward or forward."""
+    backward = False
+    while event is not None:
+        if event.name.startswith("softtopk::"):
+            return event.name[len("softtopk::"):]
+        if event.name.startswith("Optimizer."):
+            return "optimizer"
+        backward = backward or event.name.startswith("autograd::engine::evaluate_function")
+        event = event.cpu_parent
+    return "other backward" if backward else "other forward"
+
+
+def region_table(events, rows: int) -> str:
+    """Self CPU time per region (see :func:`_region`) and its ``rows`` costliest ops."""
+    by_region: Dict[str, Dict[str, float]] = {}
+    for event in events:
+        ops = by_region.setdefault(_region(event), {})
+        ops[event.name] = ops.get(event.name, 0.0) + event.self_cpu_time_total / 1e3  # us -> ms
+    total = sum(sum(ops.values()) for ops in by_region.values()) or 1.0
+    lines = []
+    for region, ops in sorted(by_region.items(), key=lambda item: -sum(item[1].values())):
+        spent = sum(ops.values())
+        top = sorted(ops.items(), key=lambda item: -item[1])[:rows]
+        lines.append(f"{region}: {spent:.0f} ms self CPU ({100 * spent / total:.1f}%); top ops: "
+                     + ", ".join(f"{name} {ms:.0f}" for name, ms in top))
+    return "\n".join(lines)
+
+
+def header(argv: Sequence[str], threads: int, device: str) -> str:
+    """The exact command line and the torch / thread / machine information."""
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    gpu = f" gpu={torch.cuda.get_device_name()}" if device.startswith("cuda") else ""
+    git = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
+                         cwd=PACKAGE_DIR)
+    text = (f"command: {shlex.join([sys.executable, sys.argv[0], *argv])}\n"
+            f"commit: {git.stdout.strip() or 'unknown'} (working tree as run)\n"
+            f"torch={torch.__version__} threads={threads} (interop {torch.get_num_interop_threads()}) "
+            f"cpus={os.cpu_count()} device={device}{gpu} python={platform.python_version()} "
+            f"load avg={' '.join(f'{x:.2f}' for x in load) if load else 'n/a'}")
+    if load and device == "cpu" and load[0] + threads > (os.cpu_count() or 1):
+        text += ("\nwarning: other processes use the CPUs: timings are noisy, and OpenMP threads that wait "
+                 "for a busy core can slow everything down many times over (try --threads 1 and --repeats 3)")
+    return text

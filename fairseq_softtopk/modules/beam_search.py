@@ -44,6 +44,7 @@ from torch import Tensor
 
 from .beam_search_config import SELECTION_GRADS, BeamSearchConfig, GradientObserver
 from .beam_selection import near_ties, relative_scale, select_beams
+from . import selection_observer
 
 __all__ = ["SELECTION_GRADS", "BeamSearchConfig", "BeamSearchOutput", "GradientObserver", "mix_embeddings",
            "mix_rows", "mix_state", "unroll_beam_search"]
@@ -187,7 +188,8 @@ def unroll_beam_search(decoder, encoder_out, reorder_encoder_out: Callable, targ
                 cum[:, 0] = 0.0
             scores = (cum.unsqueeze(-1) + lprobs).view(batch, k * V)  # candidate (i, j) -> i*V + j
             # a sentence's last selection reaches no loss term: not live
-            step = next_beams(scores, new_state, decoder, embeddings, config, t < lengths - 1, grad_observer, counts)
+            step = next_beams(scores, new_state, decoder, embeddings, config, t < lengths - 1, grad_observer, counts,
+                              t)
             cum = scores.gather(1, step.best_cand)
             records.append(StepRecord(step.best_cand // V, step.best_cand % V, cum, gold_lprobs, smooth_lprobs,
                                       step.sharpness, step.near_tie))
@@ -237,7 +239,7 @@ class NextBeams(NamedTuple):
 
 
 def next_beams(scores: Tensor, new_state, decoder, embeddings: Tensor, config: BeamSearchConfig, live: Tensor,
-               grad_observer: Optional[GradientObserver], counts: SearchCounts) -> NextBeams:
+               grad_observer: Optional[GradientObserver], counts: SearchCounts, t: int = 0) -> NextBeams:
     """Selects the next beams among the candidates' ``(batch, beam * V)`` scores (soft or hard) and mixes their
     inputs and states: the step shared by :func:`unroll_beam_search` and the search that stops at EOS.
 
@@ -245,6 +247,7 @@ def next_beams(scores: Tensor, new_state, decoder, embeddings: Tensor, config: B
         new_state: the states after the step, one per old beam; ``decoder`` mixes them itself if it has
             ``mix_state`` (hard mode: by index), else :func:`mix_state` does.
         live: ``(batch,)`` the sentences whose selection here can reach the loss (for ``grad_observer``).
+        t: the decoding step (for the observers of :func:`~.selection_observer.observe_selections`).
     """
     batch, n = scores.shape
     k = config.beam
@@ -258,6 +261,9 @@ def next_beams(scores: Tensor, new_state, decoder, embeddings: Tensor, config: B
     counts.add(converged, n_iter, probe)
     counts.add_mixed(A, live)
     best_cand = cand.gather(1, followed_candidates(A, sel_scores.detach().gather(1, cand), config))
+    if selection_observer.OBSERVERS:  # a diagnostic is watching (observe_selections); else no cost
+        selection_observer.notify(selection_observer.StepSelection(t, sel_scores.detach(), cand.detach(), A.detach(),
+                                                                   best_cand.detach(), live))
     # next inputs: mixed embeddings of the candidates' tokens; states: mixed predecessors
     with torch.profiler.record_function("softtopk::mix_beams"):
         inputs = mix_embeddings(embeddings, cand % V, A)

@@ -67,3 +67,15 @@ class BeamSearchConfig:
     def grad_cap(self) -> float:
         """The cap on the selection gradient per sentence and step (``inf`` unless ``"capped"``)."""
         return self.selection_grad_cap if self.selection_grad == "capped" else math.inf
+
+
+def annealed_epsilon(start: float, end: float, update: int, anneal_updates: int) -> float:
+    """Epsilon at ``update`` of a geometric schedule from ``start`` (update 0) to ``end``.
+
+    Geometric because epsilon acts on a log scale (the split of two candidates a gap ``d``
+    apart depends on ``d / epsilon``): each update scales epsilon by the same factor.
+    After ``anneal_updates`` updates it stays at ``end``.
+    """
+    if anneal_updates <= 0 or update >= anneal_updates:
+        return end
+    return start * (end / start) ** (max(update, 0) / anneal_updates)

@@ -143,7 +143,7 @@ def unroll_beam_search_to_eos(decoder, encoder_out, reorder_encoder_out, batch: 
             live = n_finished < k
             # the next beams: the best k other candidates (soft or hard), as in the gold unroll
             scores = scores.view(batch, k, V).index_fill(-1, eos_index, -float("inf")).view(batch, k * V)
-            step = next_beams(scores, new_state, decoder, embeddings, config, live, grad_observer, counts)
+            step = next_beams(scores, new_state, decoder, embeddings, config, live, grad_observer, counts, t)
             cum = scores.gather(1, step.best_cand)
             sharpness_sum = sharpness_sum + (step.sharpness * live.unsqueeze(1)).sum()
             sharpness_count = sharpness_count + live.sum() * k

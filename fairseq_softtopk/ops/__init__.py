@@ -20,7 +20,8 @@ exact zeros, an exact threshold (unsorted) or Newton to a tolerance (sorted), im
 the torch path with a :class:`KernelFallbackWarning`.
 """
 
-from ._common import COSTS, SoftTopKConvergenceWarning, SolverInfo
+from ._common import COSTS
+from ._solver_info import SoftTopKConvergenceWarning, SolverInfo
 from .candidate_window import candidate_window
 from .gradient_cap import RowGradientCapFunction, cap_row_grad_norm
 from .kernels import BACKENDS, KernelFallbackWarning

@@ -27,7 +27,8 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ._common import PreparedScores, SolverInfo
+from ._common import PreparedScores
+from ._solver_info import SolverInfo
 from .semi_dual import anchors
 from .semi_dual_warm_start import hard_start
 from .simplex_projection import project_to_simplex

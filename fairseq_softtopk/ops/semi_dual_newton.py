@@ -38,7 +38,8 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
-from ._common import PreparedScores, SolverInfo
+from ._common import PreparedScores
+from ._solver_info import SolverInfo
 from .candidate_window import candidate_window
 from .semi_dual import SemiDual, SemiDualPoint, SemiDualProblem, anchors, merge_rows, rescaling_step, take_rows
 from .semi_dual_hessian import solve_ridged

@@ -18,8 +18,9 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ._common import (PreparedScores, SolverInfo, check_inputs, hard_topk_indices, log_floor, oriented_rows,
-                      prepare_scores, restore_shape, threshold_vjp, warn_if_unconverged)
+from ._common import (PreparedScores, check_inputs, hard_topk_indices, log_floor, oriented_rows, prepare_scores,
+                      restore_shape, threshold_vjp)
+from ._solver_info import SolverInfo, warn_if_unconverged
 from .kernels import soft_topk_op
 from .kernels.backend import check_backend
 

@@ -23,8 +23,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._common import (SolverInfo, check_inputs, hard_topk_indices, oriented_rows, prepare_scores, restore_shape,
-                      warn_if_unconverged)
+from ._common import check_inputs, hard_topk_indices, oriented_rows, prepare_scores, restore_shape
+from ._solver_info import SolverInfo, warn_if_unconverged
 from .kernels import sorted_soft_topk_op
 from .kernels.backend import check_backend
 from .semi_dual import anchors

@@ -17,7 +17,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._common import SolverInfo, check_inputs, oriented_rows, restore_shape, warn_if_unconverged, working_dtype
+from ._common import check_inputs, oriented_rows, restore_shape, working_dtype
+from ._solver_info import SolverInfo, warn_if_unconverged
 from .quadratic_semi_dual import quadratic_newton_solve, solve_support_hessian
 from .kernels import sorted_sparse_soft_topk_op
 from .kernels.backend import check_backend, torch_path_only

@@ -92,12 +92,9 @@ Example::
 """
 
 import argparse
-import itertools
 import json
 import logging
 import os
-import platform
-import re
 import shlex
 import subprocess
 import sys
@@ -108,12 +105,14 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's package (a pinned worktree's too)
-from fairseq_softtopk.dispatch_count import DispatchCounter  # noqa: E402
-from fairseq_softtopk.experiments.bench_harness import (build_training_parts, count_cuda_syncs,  # noqa: E402
-                                                        cuda_launches, kernel_skip_reason, range_seconds,
-                                                        timed_updates, training_batches)
+from fairseq_softtopk.experiments.bench_harness import (build_training_parts, fixed_batches, header,  # noqa: E402
+                                                        kernel_skip_reason, region_table, reset_peak_rss, rss_mib,
+                                                        timed_updates)
+from fairseq_softtopk.experiments.bench_passes import (compile_and_count_kernels, count_dispatches,  # noqa: E402
+                                                       profiled_shares)
+from fairseq_softtopk.experiments.bench_train_tables import (format_count_table, format_table,  # noqa: E402
+                                                             summarize)
 from fairseq_softtopk.experiments.fairseq_commands import binarize_generated_corpus  # noqa: E402
-from fairseq_softtopk.ops.kernels import fallback_counts, reset_fallback_counts  # noqa: E402
 
 #: beam_soft_fixed: the sync-free search (--topk-fixed-iterations) on the pool of beam_soft_pool;
 #: beam_soft_compiled: that search with its solve under torch.compile (--topk-compile default)
@@ -122,25 +121,12 @@ CONFIGS = ("teacher_forcing", "beam_hard", "beam_soft", "beam_soft_pool", "beam_
 #: what runs without --configs: not the compiled config (compiling on a CPU takes minutes), nor the risk configs
 #: (the sequence-level loss: a search to EOS, --beam-loss risk; risk_beamgrad needs the optional beamgrad)
 DEFAULT_CONFIGS = CONFIGS[:5]
-#: a kernel call in the code inductor writes: C++ (CPU) or Triton (CUDA) kernels, library calls, ATen fallbacks
-_KERNEL_CALL = re.compile(r"^\s+(?:\w+ = )?(?:cpp_fused_\w+|triton_\w+\.run|extern_kernels\.\w+|aten\.\w+(?:\.\w+)?|"
-                          r"torch\.ops\.\w+\.\w+(?:\.\w+)?)\(", re.M)
-#: table column -> the package's named profiler range it reads
-RANGE_KEYS = {"topk_fwd": ("softtopk::sorted_soft_topk", "softtopk::sorted_sparse_soft_topk"),
-              "topk_bwd": ("softtopk::sorted_soft_topk_backward", "softtopk::sorted_sparse_soft_topk_backward"),
-              "select": ("softtopk::select_beams",), "mix": ("softtopk::mix_beams",)}
-#: innermost named range -> part of a decoding step in the launch table (others: their own name)
-COUNT_PARTS = {"beam_step": "step", "select_beams": "select", "sorted_soft_topk": "solve", "mix_beams": "mix",
-               "sorted_sparse_soft_topk": "solve", "sorted_sparse_soft_topk_backward": "solve bwd",
-               "sorted_soft_topk_backward": "solve bwd", "backward": "other bwd", "other": "per batch"}
 #: the configurations that run the soft top-k operators: --triton adds a CONFIG:triton row for each
 KERNEL_CONFIGS = ("beam_soft", "beam_soft_pool", "beam_soft_fixed", "beam_soft_compiled", "risk_soft", "beam_sparse")
 #: the suffix of a configuration run with --topk-backend triton (the Triton kernels)
 TRITON = ":triton"
 #: why a kernel row is not timed on a device ("": it is); a module attribute, so that tests can lift the skip
 triton_skip_reason = kernel_skip_reason
-BASELINE = "beam_hard"
-TARGET_RATIO = 1.25  # issue 4: soft <= 1.25x the time of hard at k=5 on the Multi30k-sized model
 _RESULT_TAG = "BENCH_RESULT "
 #: The toy corpus used without --data: 3000 training pairs (as bench_attention.py).
 TOY_SPLITS = {"train": (3000, 11), "valid": (100, 12)}
@@ -200,117 +186,11 @@ def build_parts(opts: argparse.Namespace, config: str):
     return task, model, criterion
 
 
-def fixed_batches(task, max_tokens: int, count: int, seed: int, device: str) -> List[dict]:
-    """The first ``count`` training batches of a seeded shuffle (epoch after epoch), on ``device``."""
-    return list(itertools.islice(training_batches(task, max_tokens, seed, device), count))
-
-
-def _rss_mib(field: str) -> Optional[float]:
-    """``VmRSS`` / ``VmHWM`` of this process in MiB (Linux), else None."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return None
-
-
-def _reset_peak_rss() -> bool:
-    """Resets the kernel's peak RSS of this process (Linux >= 4.0); False where that is not possible."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
-
-
 def update_record(record: dict) -> Dict[str, float]:
     """One timed update of :func:`bench_harness.timed_updates` as this benchmark keeps it."""
     logging = record["logging"]
     return {"seconds": record["seconds"], "tokens": record["tokens"],
             "newton_iters": logging.get("topk_newton_iters", 0.0), "solves": logging.get("topk_solves", 0.0)}
-
-
-def profiled_shares(model, criterion, batches: List[dict], warmup: int, device: str) -> Dict[str, float]:
-    """Seconds of the timed updates of ``batches`` under ``torch.profiler`` and inside each named range
-    (and, on CUDA, the kernel launches the runtime recorded per decoding step)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    timed_updates(model, criterion, batches[:warmup], 0, device, optimizer=optimizer)
-    cuda = device.startswith("cuda")
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
-        records = timed_updates(model, criterion, batches[warmup:], 0, device, optimizer=optimizer)
-    ranges = range_seconds(prof.events(), [name for names in RANGE_KEYS.values() for name in names])
-    shares = {"profiled_seconds": sum(r["seconds"] for r in records),
-              **{key: sum(ranges[name] for name in names) for key, names in RANGE_KEYS.items()}}
-    if cuda:
-        steps = sum(sample["target"].shape[1] for sample in batches[warmup:])
-        shares["cuda_launches_per_step"] = cuda_launches(prof.events()) / steps
-    return shares
-
-
-def count_dispatches(model, criterion, batches: List[dict]) -> dict:
-    """Launches and syncs of the forward and backward passes over ``batches`` (module docstring), per
-    decoding step (``target.shape[1]`` per batch): ``{"launches": {part: n}, "syncs_step", "syncs_batch",
-    "cuda_syncs_step", "fallbacks": {reason: n}}``; ``cuda_syncs_step`` (None off CUDA): every host sync CUDA
-    reports in a second run of the passes (:func:`~fairseq_softtopk.experiments.bench_harness.count_cuda_syncs`);
-    ``fallbacks``: the operator calls that asked for the Triton kernels and ran on the torch path, by reason."""
-    model.train()
-
-    def forward_backward():
-        for sample in batches:
-            model.zero_grad(set_to_none=True)
-            loss, _, _ = criterion(model, sample)
-            loss.backward()
-
-    reset_fallback_counts()
-    # a compiled solve runs eagerly here (dynamo cannot trace under a dispatch mode; see compile_and_count_kernels)
-    with torch.compiler.set_stance("force_eager"), DispatchCounter() as counter:
-        forward_backward()
-    steps = sum(sample["target"].shape[1] for sample in batches)
-    fallbacks = {reason: n / steps for reason, n in fallback_counts().items() if n}
-    cuda_syncs = None
-    if next(model.parameters()).is_cuda:  # every sync CUDA reports, the same passes without the counter
-        cuda_syncs = count_cuda_syncs(forward_backward) / steps
-    launches: Dict[str, float] = {}
-    for part, n in counter.by_innermost("launches").items():
-        name = COUNT_PARTS.get(part, part)
-        launches[name] = launches.get(name, 0.0) + n / steps
-    in_step = counter.total("syncs", inside="beam_step")
-    in_backward = sum(n for path, n in counter.counts["syncs"].items()
-                      if path == ("backward",) or path[-1].endswith("_backward"))
-    return {"launches": launches, "syncs_step": (in_step + in_backward) / steps,
-            "syncs_batch": (counter.total("syncs") - in_step - in_backward) / len(batches),
-            "cuda_syncs_step": cuda_syncs, "fallbacks": fallbacks}
-
-
-def kernel_calls(code: str) -> int:
-    """The kernel calls in one module of code that inductor wrote (:data:`_KERNEL_CALL`, in its ``call``)."""
-    start = code.find("def call(")
-    if start < 0:
-        return 0
-    end = code.find("\ndef ", start + 1)
-    return len(_KERNEL_CALL.findall(code[start: end if end > 0 else len(code)]))
-
-
-def compile_and_count_kernels(model, criterion, sample: dict) -> Dict[str, float]:
-    """One untimed forward and backward of ``sample`` that compiles the solve of ``beam_soft_compiled``
-    before the timed updates, returning the kernels inductor generated: ``{"solve": forward, "solve bwd":
-    backward}`` (the first and the second graph compiled; each step runs both once)."""
-    from torch._inductor.utils import run_and_get_code
-
-    def forward_backward():
-        model.zero_grad(set_to_none=True)
-        criterion(model, sample)[0].backward()
-
-    model.train()
-    _, codes = run_and_get_code(forward_backward)
-    if len(codes) < 2:
-        raise RuntimeError(f"expected the solve's forward and backward graphs to compile, got {len(codes)}")
-    return {"solve": float(kernel_calls(codes[0])), "solve bwd": float(kernel_calls(codes[1]))}
 
 
 def _setup(opts: argparse.Namespace, config: str):
@@ -340,10 +220,10 @@ def run_config(opts: argparse.Namespace, config: str) -> dict:
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated() / 2**20
     else:
-        before = _rss_mib("VmRSS")
-        _reset_peak_rss()
+        before = rss_mib("VmRSS")
+        reset_peak_rss()
     records = [update_record(r) for r in timed_updates(model, criterion, batches, opts.warmup, opts.device)]
-    peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else _rss_mib("VmHWM")
+    peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else rss_mib("VmHWM")
     growth = None if peak is None or before is None else peak - before
     model.load_state_dict(initial)
     shares = profiled_shares(model, criterion, batches[: opts.warmup + opts.profile_updates], opts.warmup, opts.device)
@@ -388,112 +268,6 @@ def run_benchmark(opts: argparse.Namespace, argv: Sequence[str], configs: Sequen
     return {name: {"skipped": skipped[name]} if skipped.get(name) else summarize(runs[name]) for name in configs}
 
 
-def summarize(results: List[dict]) -> dict:
-    """Totals over the updates (fastest run of each update), the largest memory of the runs and
-    the range shares of the fastest profiled pass."""
-    fastest = [min(update, key=lambda r: r["seconds"]) for update in zip(*(r["updates"] for r in results))]
-    seconds = sum(r["seconds"] for r in fastest)
-    profile = min((r["profile"] for r in results), key=lambda p: p["profiled_seconds"])
-    peaks = [r["peak_mib"] for r in results if r["peak_mib"] is not None]
-    growths = [r["growth_mib"] for r in results if r["growth_mib"] is not None]
-    solves = sum(r["solves"] for r in fastest)
-    return {"tokens_per_s": sum(r["tokens"] for r in fastest) / seconds, "ms_per_update": 1e3 * seconds / len(fastest),
-            "peak_mib": max(peaks, default=float("nan")), "growth_mib": max(growths, default=float("nan")),
-            "newton_per_call": sum(r["newton_iters"] for r in fastest) / solves if solves else float("nan"),
-            **{f"{key}_share": profile[key] / profile["profiled_seconds"] for key in RANGE_KEYS},
-            "cuda_launches_per_step": profile.get("cuda_launches_per_step"),
-            "counts": results[0].get("counts")}  # counts do not depend on timing: the first run's
-
-
-def format_table(summary: Dict[str, dict], memory: str) -> str:
-    """Markdown table; ``time vs hard`` is the time per update over that of :data:`BASELINE`."""
-    base = summary.get(BASELINE, {}).get("ms_per_update", float("nan"))
-    lines = [f"| config | target tokens/s | ms/update | {memory} | top-k fwd | top-k bwd | select | mix | "
-             "Newton it. | time vs hard |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for name, r in summary.items():
-        if "skipped" in r:
-            lines.append(f"| {name} | {r['skipped']} |" + " - |" * 8)
-            continue
-        newton = "-" if r["newton_per_call"] != r["newton_per_call"] else f"{r['newton_per_call']:.1f}"  # nan: none
-        lines.append(f"| {name} | {r['tokens_per_s']:.0f} | {r['ms_per_update']:.1f} | "
-                     f"{r['peak_mib']:.0f} (+{r['growth_mib']:.0f}) | {100 * r['topk_fwd_share']:.1f}% | "
-                     f"{100 * r['topk_bwd_share']:.1f}% | {100 * r['select_share']:.1f}% | {100 * r['mix_share']:.1f}% | {newton} | "
-                     f"{r['ms_per_update'] / base:.2f}x |")
-    for name in ("beam_soft", "beam_soft_pool", "beam_soft_fixed"):
-        if name in summary and BASELINE in summary:
-            ratio = summary[name]["ms_per_update"] / base
-            verdict = "met" if ratio <= TARGET_RATIO else "NOT met"
-            lines.append(f"\n{name} / {BASELINE} = {ratio:.2f}x (target <= {TARGET_RATIO}x): {verdict}")
-    return "\n".join(lines)
-
-
-def format_count_table(summary: Dict[str, dict]) -> str:
-    """Markdown table of launches and syncs per decoding step (:func:`count_dispatches`), by part; on CUDA with
-    the kernel launches and host syncs that CUDA saw, elsewhere a line that says they are n/a; then the kernel
-    fallbacks per step of the rows that had any."""
-    parts = ["step", "select", "solve", "mix", "solve bwd", "other bwd", "per batch"]
-    cuda = any(r.get("cuda_launches_per_step") is not None for r in summary.values())
-    head = ("| config | launches/step | vs hard | syncs/step | syncs/batch | " + " | ".join(parts)
-            + " | fused solve | fused vs hard |" + (" CUDA launches/step | CUDA syncs/step |" if cuda else ""))
-    lines = [head, "|---|" + "---:|" * (len(parts) + 6 + 2 * cuda)]
-    base = summary.get(BASELINE, {}).get("counts")
-    base_total = sum(base["launches"].values()) if base else float("nan")
-    fallbacks = []
-    for name, r in summary.items():
-        if "skipped" in r:
-            lines.append(f"| {name} | {r['skipped']} |" + " - |" * (len(parts) + 5 + 2 * cuda))
-            continue
-        counts = r.get("counts")
-        if not counts:
-            continue
-        if counts.get("fallbacks"):
-            fallbacks.append(f"{name}: " + ", ".join(f"{reason} {n:.1f}" for reason, n in counts["fallbacks"].items()))
-        launches = counts["launches"]
-        total = sum(launches.values())
-        fused = total - launches.get("solve", 0.0) - launches.get("solve bwd", 0.0) + 2 * ("solve" in launches)
-        cells = [f"{total:.0f}", f"{total / base_total:.2f}x", f"{counts['syncs_step']:.1f}",
-                 f"{counts['syncs_batch']:.1f}", *(f"{launches.get(part, 0.0):.0f}" for part in parts),
-                 f"{fused:.0f}", f"{fused / base_total:.2f}x"]
-        if cuda:
-            cells += [f"{r['cuda_launches_per_step']:.0f}", f"{counts['cuda_syncs_step']:.1f}"]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    if not cuda:
-        lines.append("\nCUDA launches/step and CUDA syncs/step: n/a (not on CUDA)")
-    if fallbacks:
-        lines.append("\nkernel fallbacks per step (calls that asked for the Triton kernels and ran on the torch path, "
-                     "by reason): " + "; ".join(fallbacks))
-    return "\n".join(lines)
-
-
-def _region(event) -> str:
-    """Where a profiled op ran: the innermost ``softtopk::`` range, the optimizer, other backward or forward."""
-    backward = False
-    while event is not None:
-        if event.name.startswith("softtopk::"):
-            return event.name[len("softtopk::"):]
-        if event.name.startswith("Optimizer."):
-            return "optimizer"
-        backward = backward or event.name.startswith("autograd::engine::evaluate_function")
-        event = event.cpu_parent
-    return "other backward" if backward else "other forward"
-
-
-def region_table(events, rows: int) -> str:
-    """Self CPU time per region (see :func:`_region`) and its ``rows`` costliest ops."""
-    by_region: Dict[str, Dict[str, float]] = {}
-    for event in events:
-        ops = by_region.setdefault(_region(event), {})
-        ops[event.name] = ops.get(event.name, 0.0) + event.self_cpu_time_total / 1e3  # us -> ms
-    total = sum(sum(ops.values()) for ops in by_region.values()) or 1.0
-    lines = []
-    for region, ops in sorted(by_region.items(), key=lambda item: -sum(item[1].values())):
-        spent = sum(ops.values())
-        top = sorted(ops.items(), key=lambda item: -item[1])[:rows]
-        lines.append(f"{region}: {spent:.0f} ms self CPU ({100 * spent / total:.1f}%); top ops: "
-                     + ", ".join(f"{name} {ms:.0f}" for name, ms in top))
-    return "\n".join(lines)
-
-
 def profile_config(opts: argparse.Namespace, config: str, rows: int) -> str:
     """``torch.profiler`` tables over the timed updates of one configuration: by region, and by op."""
     from torch.profiler import ProfilerActivity, profile
@@ -510,23 +284,6 @@ def profile_config(opts: argparse.Namespace, config: str, rows: int) -> str:
     return (f"{config}: {len(records)} profiled updates, {1e3 * seconds / len(records):.0f} ms/update "
             f"(profiler overhead included)\n\nself CPU time by region (top ops in ms):\n"
             f"{region_table(prof.events(), 8)}\n\n{ops}")
-
-
-def header(argv: Sequence[str], threads: int, device: str) -> str:
-    """The exact command line and the torch / thread / machine information."""
-    load = os.getloadavg() if hasattr(os, "getloadavg") else None
-    gpu = f" gpu={torch.cuda.get_device_name()}" if device.startswith("cuda") else ""
-    git = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
-                         cwd=Path(__file__).resolve().parent)
-    text = (f"command: {shlex.join([sys.executable, sys.argv[0], *argv])}\n"
-            f"commit: {git.stdout.strip() or 'unknown'} (working tree as run)\n"
-            f"torch={torch.__version__} threads={threads} (interop {torch.get_num_interop_threads()}) "
-            f"cpus={os.cpu_count()} device={device}{gpu} python={platform.python_version()} "
-            f"load avg={' '.join(f'{x:.2f}' for x in load) if load else 'n/a'}")
-    if load and device == "cpu" and load[0] + threads > (os.cpu_count() or 1):
-        text += ("\nwarning: other processes use the CPUs: timings are noisy, and OpenMP threads that wait "
-                 "for a busy core can slow everything down many times over (try --threads 1 and --repeats 3)")
-    return text
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's 
 from fairseq_softtopk.experiments.checkpoint_sample import (add_sample_arguments, load_model,  # noqa: E402
                                                             quantiles, quiet_logging, sample_sentences,
                                                             training_cfg)
-from fairseq_softtopk.modules import beam_search  # noqa: E402
 from fairseq_softtopk.ops import sorted_soft_topk, sorted_sparse_soft_topk  # noqa: E402
+from fairseq_softtopk.search import StepSelection, observe_selections  # noqa: E402
 
 
 def record_step_scores(task, model, arch: str, data_bin: str, batches: List[dict], beam: int) -> List[torch.Tensor]:
@@ -41,20 +41,14 @@ def record_step_scores(task, model, arch: str, data_bin: str, batches: List[dict
     cfg = training_cfg(data_bin, arch, ["--train-beam", str(beam), "--teacher-forcing-ratio", "0.8"])
     criterion = task.build_criterion(cfg.criterion)
     recorded: List[torch.Tensor] = []
-    original = beam_search.select_beams
 
-    def recording(scores, *args, **kwargs):  # the search's own call, unchanged; its scores kept
-        recorded.extend(row.detach().clone() for row in scores)
-        return original(scores, *args, **kwargs)
+    def record(selection: StepSelection) -> None:  # the scores the step's selection saw, one row per sentence
+        recorded.extend(row.clone() for row in selection.scores)
 
-    beam_search.select_beams = recording
-    try:
-        model.eval()
-        with torch.no_grad():
-            for sample in batches:
-                criterion(model, sample)
-    finally:
-        beam_search.select_beams = original
+    model.eval()
+    with torch.no_grad(), observe_selections(record):
+        for sample in batches:
+            criterion(model, sample)
     return recorded
 
 

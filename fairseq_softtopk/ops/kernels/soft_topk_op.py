@@ -19,7 +19,8 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
-from .._common import PreparedScores, SolverInfo, log_floor
+from .._common import PreparedScores, log_floor
+from .._solver_info import SolverInfo
 from .backend import record_fallback, resolve_backend
 from .loading import check_device, load_kernels
 

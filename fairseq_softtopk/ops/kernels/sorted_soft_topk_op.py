@@ -19,7 +19,8 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
-from .._common import PreparedScores, SolverInfo
+from .._common import PreparedScores
+from .._solver_info import SolverInfo
 from ..candidate_window import candidate_window
 from ..semi_dual import subnormal_cut
 from ..semi_dual_warm_start import hard_start

@@ -16,7 +16,8 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
-from .._common import PreparedScores, SolverInfo
+from .._common import PreparedScores
+from .._solver_info import SolverInfo
 from ..quadratic_semi_dual import _ARMIJO, _FIXED_BACKTRACK, _MAX_BACKTRACK, _RIDGE
 from ..semi_dual_warm_start import hard_start
 from .backend import record_fallback, resolve_backend

@@ -1,0 +1,111 @@
+"""Scoring the runs of the beam-search training ablation (:mod:`.ablation_runner`): each finished run's
+checkpoint on every eval subset, with the raw references where they are line-aligned; cached in the run's
+``eval.json``."""
+
+import json
+import logging
+from pathlib import Path
+from typing import Mapping, Optional
+
+from .ablation_config import EVAL_KEYS, flags_to_args
+from .ablation_training import DONE, write_json_atomic
+from .checkpoint_integrity import checkpoint_digest, verify_run_checkpoint
+
+logger = logging.getLogger("ablation")
+
+EVAL = "eval.json"
+
+
+def subset_size(data_bin: Path, subset: str, src: str, tgt: str) -> int:
+    """Sentences of the binarised ``subset`` (:func:`.scoring.binarised_subset_size`), which must exist."""
+    from .scoring import binarised_subset_size
+
+    size = binarised_subset_size(str(data_bin), subset, src, tgt)
+    if size is None:
+        raise FileNotFoundError(f"{data_bin} has no binarised '{subset}' subset "
+                                f"({Path(data_bin) / f'{subset}.{src}-{tgt}.{tgt}'}.idx)")
+    return size
+
+
+def reference_file(ref_dir: Optional[Path], subset: str, tgt: str, n_sentences: int) -> Optional[str]:
+    """The raw reference of ``subset`` if it is line-aligned with the binarised subset, else None
+    (the evaluation then scores against the binarised target)."""
+    if ref_dir is None:
+        return None
+    path = ref_dir / f"{subset}.{tgt}"
+    if not path.is_file():
+        logger.warning("no raw reference %s: scoring %s against the binarised target", path, subset)
+        return None
+    with open(path, encoding="utf-8") as f:
+        n_lines = sum(1 for _ in f)
+    if n_lines != n_sentences:
+        logger.warning("%s has %d lines but the binarised %s subset %d sentences (cleaned?): scoring against "
+                       "the binarised target instead", path, n_lines, subset, n_sentences)
+        return None
+    return str(path)
+
+
+def evaluate_run(run_dir: Path, data_bin: Path, ref_dir: Optional[Path], eval_cfg: Mapping, pair: tuple) -> dict:
+    """Scores ``run_dir/checkpoint_last.pt`` on every eval subset; cached in ``eval.json`` (a cached
+    score needs no checkpoint). Before scoring, the checkpoint is checked against the digest in
+    ``done.json`` (``CheckpointChanged`` where it differs; :mod:`.checkpoint_integrity`)."""
+    from .scoring import evaluate_checkpoint
+
+    settings = {key: eval_cfg.get(key) for key in EVAL_KEYS}
+    cache = run_dir / EVAL
+    # the training run it scores, by done.json's finishing time: a copy of the run directory
+    # without checkpoints (results/ in git) keeps its scores
+    trained = json.loads((run_dir / DONE).read_text()).get("finished")
+    if cache.exists():
+        cached = json.loads(cache.read_text())
+        same_run = cached.get("trained") == trained if "trained" in cached else \
+            cached.get("done_mtime") == (run_dir / DONE).stat().st_mtime  # caches written before "trained"
+        if cached.get("settings") == settings and same_run:
+            if "trained" not in cached:
+                write_json_atomic(cache, {"settings": settings, "trained": trained, "subsets": cached["subsets"]})
+            return cached["subsets"]
+    verify_run_checkpoint(run_dir)  # the file scored is the one its run finished with
+    subsets = {}
+    for subset in eval_cfg.get("subsets") or ["valid", "test"]:
+        n = subset_size(data_bin, subset, *pair)
+        logger.info("evaluating %s on %s (%d sentences)", run_dir, subset, n)
+        subsets[subset] = evaluate_checkpoint(
+            str(data_bin), str(run_dir / "checkpoint_last.pt"), reference_file(ref_dir, subset, pair[1], n),
+            subset=subset, beam=eval_cfg.get("beam", 5), batch_size=eval_cfg.get("batch_size"),
+            post_process=eval_cfg.get("post_process"), detok_lang=eval_cfg.get("detok_lang"),
+            hyp_out=str(run_dir / f"{subset}.hyp"), extra_args=flags_to_args(eval_cfg.get("generate") or {}),
+            keep_hypotheses=True)
+        if subsets[subset]["n_sentences"] != n:  # the T- lines can miss dropped inputs too
+            raise RuntimeError(f"{run_dir}: {subsets[subset]['n_sentences']} of the {n} {subset} sentences "
+                               f"were translated")
+    write_json_atomic(cache, {"settings": settings, "trained": trained, "subsets": subsets})
+    return subsets
+
+
+def evaluate_pretrained(checkpoint: Path, out_dir: Path, data_bin: Path, ref_dir: Optional[Path], eval_cfg: Mapping,
+                        pair: tuple) -> dict:
+    """Scores a given teacher-forcing checkpoint (``pretrained=``) as :func:`evaluate_run` scores a
+    run: the scores are cached in ``out_dir/eval.json`` under the checkpoint's SHA-256 (a changed
+    file is scored again). Returns ``{subset: scores}``."""
+    from .scoring import evaluate_checkpoint
+
+    settings = {key: eval_cfg.get(key) for key in EVAL_KEYS}
+    digest = checkpoint_digest(checkpoint)
+    cache = out_dir / EVAL
+    if cache.exists():
+        cached = json.loads(cache.read_text())
+        if cached.get("settings") == settings and cached.get("sha256") == digest:
+            return cached["subsets"]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    subsets = {}
+    for subset in eval_cfg.get("subsets") or ["valid", "test"]:
+        n = subset_size(data_bin, subset, *pair)
+        logger.info("evaluating %s on %s (%d sentences)", checkpoint, subset, n)
+        subsets[subset] = evaluate_checkpoint(
+            str(data_bin), str(checkpoint), reference_file(ref_dir, subset, pair[1], n), subset=subset,
+            beam=eval_cfg.get("beam", 5), batch_size=eval_cfg.get("batch_size"),
+            post_process=eval_cfg.get("post_process"), detok_lang=eval_cfg.get("detok_lang"),
+            hyp_out=str(out_dir / f"{subset}.hyp"), extra_args=flags_to_args(eval_cfg.get("generate") or {}),
+            keep_hypotheses=True)
+    write_json_atomic(cache, {"settings": settings, "sha256": digest, "subsets": subsets})
+    return subsets

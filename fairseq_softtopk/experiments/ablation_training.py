@@ -1,0 +1,174 @@
+"""One run of the beam-search training ablation (:mod:`.ablation_runner`): training it with fairseq-train (or
+resuming it, or skipping it once finished) into its directory, which records its arguments (``run.json``) and
+its end (``done.json``, with the checkpoint's digest), and reading its training log."""
+
+import json
+import logging
+import os
+import re
+import resource
+import time
+from pathlib import Path
+from typing import Dict, List, Mapping, Optional, Sequence
+
+from .ablation_config import flags_to_args
+from .checkpoint_integrity import KEY as DIGEST_KEY, LAST, check_resumable, checkpoint_digest, verify_run_checkpoint
+from .fairseq_commands import fairseq_command, run_logged
+from .run_lock import run_lock
+
+logger = logging.getLogger("ablation")
+
+DONE, RUN = "done.json", "run.json"
+
+
+def write_json_atomic(path: Path, data) -> None:
+    """Writes ``data`` as JSON to ``path`` through a temporary file: a reader never sees half of it."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _children_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _run_flags(args: Sequence[str]) -> List[str]:
+    """fairseq-train arguments without the paths (data, save dir, pretrained checkpoint), so that a
+    run directory moved or copied elsewhere (results/ in git) is recognised as the same run; a
+    renamed option's old name (:mod:`fairseq_softtopk.renamed_options`) is read as its new one, so
+    that a run started before the rename is the same run."""
+    from fairseq_softtopk.renamed_options import RENAMED_OPTIONS, flag
+
+    renamed = {flag(old): flag(new) for old, new in RENAMED_OPTIONS.items()}
+    paths = {"--save-dir", "--finetune-from-model"}
+    return [renamed.get(arg, arg) for i, arg in enumerate(args[1:], 1) if args[i - 1] not in paths]
+
+
+def _flag_values(args: Sequence[str]) -> Dict[str, str]:
+    """``--flag value...`` arguments as ``{"--flag": "value ..."}`` (``"(set)"`` for a flag without values)."""
+    values: Dict[str, List[str]] = {}
+    flag = None
+    for arg in args:
+        if arg.startswith("--"):
+            flag = arg
+            values[flag] = []
+        elif flag is not None:
+            values[flag].append(arg)
+    return {name: " ".join(vals) if vals else "(set)" for name, vals in values.items()}
+
+
+def differing_flags(earlier: Sequence[str], now: Sequence[str]) -> List[str]:
+    """``"--flag: old -> new"`` for every fairseq-train flag whose value differs (``(not set)`` where absent)."""
+    old, new = _flag_values(_run_flags(earlier)), _flag_values(_run_flags(now))
+    return [f"{name}: {old.get(name, '(not set)')} -> {new.get(name, '(not set)')}"
+            for name in sorted(set(old) | set(new)) if old.get(name) != new.get(name)]
+
+
+_TRAIN_INNER = re.compile(r"\| train_inner \| .*\bgnorm=([^,]+), clip=([^,]+)")
+
+
+def read_train_stats(log_path: Path) -> dict:
+    """Median gradient norm (before clipping) and mean share of clipped updates over the
+    ``train_inner`` lines of a fairseq-train log (empty values when it logged none)."""
+    import statistics
+
+    gnorms, clips = [], []
+    if Path(log_path).exists():
+        for line in Path(log_path).read_text(encoding="utf-8", errors="replace").splitlines():
+            match = _TRAIN_INNER.search(line)
+            if match:
+                gnorms.append(float(match.group(1)))
+                clips.append(float(match.group(2)))
+    return {"gnorm_median": round(statistics.median(gnorms), 4) if gnorms else None,
+            "clipped_percent": round(statistics.fmean(clips), 1) if clips else None}
+
+
+def _fairseq_finished(log_path: Path) -> bool:
+    """Whether the last fairseq-train of ``log_path`` ended normally (its last line: ``done training``)."""
+    if not log_path.is_file():
+        return False
+    lines = [line for line in log_path.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
+    return bool(lines) and "| done training in " in lines[-1]
+
+
+def train_run(data_bin: Path, flags: Mapping[str, object], save_dir: Path,
+              finetune_from: Optional[Path] = None, verbose: bool = True, alone: bool = True) -> dict:
+    """Trains (or resumes, or skips when ``done.json`` exists) one run into ``save_dir``.
+
+    fairseq's output goes to ``save_dir/train.log`` (appended: a resumed run keeps every part);
+    ``verbose`` also prints it, otherwise one line per validation is printed. ``alone``: no other
+    run trains meanwhile, so this process's children's CPU time is this run's (else
+    ``cpu_seconds`` is None). The run holds ``save_dir/run.lock`` (:mod:`.run_lock`) meanwhile.
+
+    ``run.json`` records the fairseq-train arguments when the run starts; a later call with
+    different arguments raises ``ValueError`` instead of mixing two settings in one directory.
+    A ``finetune_from`` that is a finished run's ``checkpoint_last.pt`` is checked against the
+    digest in that run's ``done.json`` first (:mod:`.checkpoint_integrity`).
+    Returns the contents of ``done.json`` (arguments, wall and CPU seconds of this call, and the
+    SHA-256 of ``checkpoint_last.pt``).
+
+    Raises:
+        RunDirectoryInUse: another live process trains in ``save_dir``.
+        CheckpointChanged: ``finetune_from`` differs from the file its run finished with.
+        RunStopped: a stop was requested (the run resumes on the next call).
+    """
+    flags = {"required-batch-size-multiple": 1, "log-format": "simple", **flags}
+    args = [str(data_bin), *flags_to_args(flags), "--save-dir", str(save_dir)]
+    if finetune_from is not None:
+        args += ["--finetune-from-model", str(finetune_from)]
+    save_dir.mkdir(parents=True, exist_ok=True)
+    with run_lock(save_dir) as record_child:
+        if (save_dir / RUN).exists():
+            earlier = json.loads((save_dir / RUN).read_text())["args"]
+            if _run_flags(earlier) != _run_flags(args):
+                changed = differing_flags(earlier, args) or ["the same flags in another order"]
+                raise ValueError(f"{save_dir} holds a run with other fairseq-train arguments (differing, earlier -> "
+                                 f"now: {'; '.join(changed)}); use another --work-dir or remove {save_dir}")
+        else:
+            write_json_atomic(save_dir / RUN, {"args": args})
+        if (save_dir / DONE).exists():
+            logger.info("%s: finished earlier, skipping training", save_dir)
+            return json.loads((save_dir / DONE).read_text())
+        if finetune_from is not None and finetune_from.name == LAST and (finetune_from.parent / DONE).exists():
+            verify_run_checkpoint(finetune_from.parent)
+        start, cpu = time.time(), _children_cpu_seconds()
+        if (save_dir / LAST).exists() and _fairseq_finished(save_dir / "train.log"):
+            # stopped after fairseq-train ended but before done.json: resuming would train one update too many
+            logger.info("%s: fairseq-train had finished; recording it", save_dir)
+            start = cpu = None
+        else:
+            _train(args, save_dir, verbose, record_child)
+        done = {"args": args, "wall_seconds": round(time.time() - start, 1) if start else None,
+                "cpu_seconds": round(_children_cpu_seconds() - cpu, 1) if alone and cpu is not None else None,
+                "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
+        if not (save_dir / LAST).exists():
+            raise RuntimeError(f"fairseq-train finished without writing {save_dir / LAST}")
+        done[DIGEST_KEY] = checkpoint_digest(save_dir / LAST)
+        write_json_atomic(save_dir / DONE, done)
+        return done
+
+
+def _train(args: Sequence[str], save_dir: Path, verbose: bool, record_child) -> None:
+    """Runs fairseq-train ``args`` (resuming from ``save_dir/checkpoint_last.pt`` if there)."""
+    if (save_dir / LAST).exists():
+        check_resumable(save_dir)
+        logger.info("%s: resuming from checkpoint_last.pt", save_dir)
+    logger.info("training %s", save_dir)
+    device = [] if _has_cuda() else ["--cpu"]  # not in run.json: a run may resume on another device
+    try:
+        run_logged(fairseq_command("train", [*args, *device]), log_path=save_dir / "train.log", echo=verbose,
+                   progress=f"{save_dir.parent.name}/{save_dir.name}", on_start=record_child)
+    except RuntimeError as error:
+        from .scoring import refused_checkpoint
+
+        refused = refused_checkpoint(str(error))
+        if refused:  # alone: the rest of the output is fairseq's config, not the cause
+            raise RuntimeError(f"fairseq-train ({save_dir}) refused a checkpoint: {refused}") from None
+        raise
