@@ -45,6 +45,7 @@ from fairseq_softtopk.experiments.child_processes import RunStopped, stop_on_sig
 from fairseq_softtopk.experiments.fairseq_commands import PACKAGE_DIR, binarize_generated_corpus
 from fairseq_softtopk.experiments.reference_comparison import compare, comparison_markdown
 from fairseq_softtopk.experiments.work_dir_marker import clear_for_fresh, record_created
+from fairseq_softtopk.extras import exit_unless_installed
 
 #: The repository: the parent of the fairseq_softtopk directory (a clone; an installed wheel has no configs/).
 REPO = PACKAGE_DIR.parent
@@ -70,6 +71,7 @@ def main(argv=None) -> int:
                         help="sentence pairs per split (default: 8000 400 500; smaller for smoke tests)")
     parser.add_argument("--fresh", action="store_true", help="discard earlier checkpoints and results")
     args = parser.parse_args(argv)
+    exit_unless_installed(parser, "experiments")  # one line naming the extra, before anything imports it
     typed = ["fairseq-softtopk-main-job", *(sys.argv[1:] if argv is None else argv)]
     command = " ".join(typed)
     if not CONFIG.parent.is_dir():  # a non-editable install: the package without the repository around it
