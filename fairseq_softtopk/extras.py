@@ -21,7 +21,7 @@ FAIRSEQ_FORK_INSTALL = "pip install ve-fairseq==0.12.3 --no-deps"
 #: The modules that each extra makes importable (import names, not distribution names): the ones checked
 #: before a part that needs the extra runs. "fairseq" stands for the fork, which the extra itself cannot bring.
 EXTRA_MODULES: Dict[str, Tuple[str, ...]] = {
-    "fairseq": ("fairseq", "hydra", "omegaconf", "bitarray", "regex", "sacrebleu", "sklearn", "tqdm"),
+    "fairseq": ("fairseq", "hydra", "omegaconf", "bitarray", "regex", "sacrebleu", "sklearn", "tqdm", "packaging"),
 }
 EXTRA_MODULES["experiments"] = EXTRA_MODULES["fairseq"] + (
     "matplotlib", "sacremoses", "sentencepiece", "subword_nmt", "scipy", "yaml")
