@@ -1,6 +1,7 @@
 """The package as users install it: real installs into a clean virtualenv, the sdist and the wheel.
 
-One virtualenv for the module (``python -m venv``, no system site packages): torch first (the suite's own build,
+One virtualenv for the module (``python -m venv --without-pip``, no system site packages: this environment's pip
+installs into it with ``--python``, which saves seeding pip there): torch first (the suite's own build,
 from wherever this machine's pip finds it: a local wheel here), then ``pip install <checkout>``, which must add
 numpy and the package and nothing else; the operators run there, and the fairseq plugin says how to install it.
 Then fairseq's fork (``--no-deps``) and the ``[fairseq]`` extra in the same virtualenv: the plugin registers its
@@ -19,6 +20,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 import textwrap
 import tomllib
 import venv
@@ -58,10 +60,15 @@ def _pip_env() -> dict:
     return env
 
 
+def _pip_for(python: Path, command: str) -> list:
+    """This environment's pip, acting on ``python``'s environment (pip >= 22.3)."""
+    return [sys.executable, "-m", "pip", "--python", str(python), command]
+
+
 def _pip(python: Path, *args: str, skip_unreachable: bool = True) -> str:
-    """Runs ``python -m pip install --no-compile ...``; returns its output. A registry that cannot be reached
-    skips the test (pip's reason in the message); any other failure fails it."""
-    cmd = [str(python), "-m", "pip", "install", "--no-compile", "--timeout", "30", "--retries", "2", *args]
+    """Runs ``pip install --no-compile ...`` into ``python``'s environment; returns its output. A registry that
+    cannot be reached skips the test (pip's reason in the message); any other failure fails it."""
+    cmd = _pip_for(python, "install") + ["--no-compile", "--timeout", "30", "--retries", "2", *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=_pip_env())
     out = proc.stdout + proc.stderr
     if proc.returncode != 0:
@@ -105,13 +112,35 @@ def copy_checkout(dest: Path) -> Path:
     return dest
 
 
+def _memory_backed_dir():
+    """``/dev/shm`` where it is a tmpfs with room that allows executables, else None (the default temporary
+    directory). The virtualenv holds 1.1 GB: removing it from this machine's disk (ext4 mounted with discard) took
+    90 s, from memory half a second, and pytest would otherwise keep three of them around."""
+    try:
+        mounts = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return None
+    shm = next((line.split() for line in mounts if line.split()[1:2] == ["/dev/shm"]), None)
+    if not shm or shm[2] != "tmpfs" or "noexec" in shm[3].split(",") or not os.access("/dev/shm", os.W_OK):
+        return None
+    return "/dev/shm" if shutil.disk_usage("/dev/shm").free > 4 * 2**30 else None
+
+
 @pytest.fixture(scope="module")
-def clean_venv(tmp_path_factory):
+def scratch():
+    """A directory for this module's virtualenv, source copies and builds, removed afterwards."""
+    root = Path(tempfile.mkdtemp(prefix="fairseq_softtopk_packaging_", dir=_memory_backed_dir()))
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def clean_venv(scratch):
     """``(python, baseline)``: a new virtualenv with the suite's torch build installed, and its distributions."""
     import torch
 
-    root = tmp_path_factory.mktemp("clean_venv")
-    venv.EnvBuilder(with_pip=True, system_site_packages=False).create(root / "venv")
+    root = scratch / "clean_venv"
+    venv.EnvBuilder(with_pip=False, system_site_packages=False).create(root / "venv")
     python = root / "venv" / "bin" / "python"
     # the same build as the suite's (2.13.0+cpu: a local wheel here); a GPU machine's build may be on no index
     try:
@@ -124,11 +153,11 @@ def clean_venv(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def ops_install(clean_venv, tmp_path_factory):
+def ops_install(clean_venv, scratch):
     """``(python, before, after)``: ``pip install <checkout>`` into the clean virtualenv, with the distributions
     before and after it."""
     python, before = clean_venv
-    source = copy_checkout(tmp_path_factory.mktemp("ops_source"))
+    source = copy_checkout(scratch / "ops_source")
     _pip(python, "-c", str(REPO / "constraints.txt"), str(source))
     return python, before, _installed(python, source.parent)
 
@@ -216,18 +245,18 @@ PLUGIN_CHECK = """
 @pytest.mark.skipif(sys.version_info[:2] not in ((3, 11), (3, 12)), reason="fairseq's fork has wheels for "
                     "CPython 3.11 and 3.12 only")
 def test_the_fork_and_the_fairseq_extra_make_the_plugin_register(ops_install, tmp_path):
-    """The two documented commands, in the virtualenv of the tests above; then `pip check` finds nothing missing
-    but what the fork declares and does not need (torchaudio; cffi and cython, which built its extensions)."""
+    """The two commands that the errors name, in the virtualenv of the tests above (the extra of the installed
+    package: pip reads it from the installed metadata); then `pip check` finds nothing missing but what the fork
+    declares and does not need (torchaudio; cffi and cython, which built its extensions)."""
     python, _, _ = ops_install
     _pip(python, "--no-deps", FORK)
-    source = copy_checkout(tmp_path / "source")
-    _pip(python, "-c", str(REPO / "constraints.txt"), f"{source}[fairseq]")
+    _pip(python, "-c", str(REPO / "constraints.txt"), "fairseq-softtopk[fairseq]")
     result = _run(python, PLUGIN_CHECK, tmp_path)
     assert Path(result["file"]).is_relative_to(python.parents[1])
     assert {"soft_beam_search", "beamgrad_risk"} <= set(result["criteria"])
     assert {"softtopk_lstm", "softtopk_transformer"} <= set(result["models"])
     assert {"softtopk_lstm", "softtopk_lstm_tiny", "softtopk_transformer_tiny"} <= set(result["archs"])
-    check = subprocess.run([str(python), "-m", "pip", "check"], capture_output=True, text=True, env=_pip_env())
+    check = subprocess.run(_pip_for(python, "check"), capture_output=True, text=True, env=_pip_env())
     problems = [line for line in check.stdout.splitlines() if line.strip()]
     unmet = {re.match(r"ve-fairseq 0\.12\.3 requires ([\w-]+)", line).group(1).lower() for line in problems
              if line.startswith("ve-fairseq 0.12.3 requires ")}
@@ -235,11 +264,11 @@ def test_the_fork_and_the_fairseq_extra_make_the_plugin_register(ops_install, tm
 
 
 @pytest.fixture(scope="module")
-def dists(tmp_path_factory):
+def dists(scratch):
     """``(sdist, wheel)`` that ``python -m build`` makes of the checkout (the wheel from the sdist), in this
     environment (``--no-isolation``: its setuptools, no download)."""
     pytest.importorskip("build", reason="the release tools: pip install -e '.[dev]'")
-    source = copy_checkout(tmp_path_factory.mktemp("build_source"))
+    source = copy_checkout(scratch / "build_source")
     out = source.parent / "dist"
     proc = subprocess.run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(source)],
                           capture_output=True, text=True, env=_pip_env())
