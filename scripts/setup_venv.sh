@@ -45,6 +45,9 @@ fi
 oldest_triton="$(sed -n 's/^# oldest supported: triton==//p' "${root}/constraints.txt")"
 "${venv}/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps --upgrade \
     --target "${venv}/triton-oldest" "triton==${oldest_triton}"
+# the build backend of the editable install (pyproject's build-system: setuptools >= 77, the first that reads an SPDX
+# license); --no-build-isolation takes the virtualenv's, which a kept older torch may have left older
+"${pip[@]}" setuptools
 "${pip[@]}" --no-deps --no-build-isolation -e "${root}"
 "${venv}/bin/python" -c "import torch, fairseq, fairseq_softtopk; print('[setup] torch', torch.__version__, 'fairseq', fairseq.__version__)" >&2
 echo "${stamp_value}" > "${stamp_file}"

@@ -231,6 +231,34 @@ def test_the_commands_name_the_extra_they_need(ops_install, tmp_path, command, e
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
+def test_a_command_names_only_the_install_that_is_missing(repo_root):
+    """With fairseq there and one package of the experiments missing (hidden here), the command names the extra
+    and that package, not the fork; the library check says the same as an ImportError."""
+    code = textwrap.dedent("""
+        import sys
+
+        class Hidden:  # a meta path finder that hides sacremoses
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] == "sacremoses":
+                    raise ImportError(f"{name} is hidden by the test")
+
+        sys.meta_path.insert(0, Hidden())
+        from fairseq_softtopk.extras import MissingExtraError, require_extra
+        try:
+            require_extra("experiments", "the scoring")
+        except MissingExtraError as error:
+            print("ERROR:", error)
+        from fairseq_softtopk.cli.bleu import main
+        main(["data-bin", "checkpoint.pt", "--ref", "ref.txt"])
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=repo_root, env=clean_env())
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert proc.stdout.strip() == ('ERROR: the scoring needs the [experiments] extra; not installed: sacremoses. '
+                                   'Install with: pip install "fairseq-softtopk[experiments]"')
+    assert proc.stderr.strip().endswith('error: this command needs the [experiments] extra; not installed: sacremoses. '
+                                        'Install with: pip install "fairseq-softtopk[experiments]"')
+    assert "Traceback" not in proc.stderr
+
 PLUGIN_CHECK = """
     import json
     import fairseq  # first, as fairseq-train does: importing the package then registers the plugin
