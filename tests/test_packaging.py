@@ -8,13 +8,10 @@ Then fairseq's fork (``--no-deps``) and the ``[fairseq]`` extra in the same virt
 criterion and models. The sdist and the wheel are built with ``python -m build`` (the wheel from the sdist) and
 checked with ``twine check``. Installs use ``--no-compile`` (the files are byte-compiled on first import instead:
 torch's install takes 20 s instead of 47 s here). A registry that cannot be reached skips the tests that need it,
-with pip's reason; any other pip failure fails them.
+with pip's reason; any other pip failure fails them. Helpers: ``packaging_harness.py``.
 """
 
-import ast
 import email.parser
-import json
-import os
 import re
 import shutil
 import subprocess
@@ -22,7 +19,6 @@ import sys
 import tarfile
 import tempfile
 import textwrap
-import tomllib
 import venv
 import zipfile
 from pathlib import Path
@@ -30,106 +26,13 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, clean_env
-
-FORK = "ve-fairseq==0.12.3"
-NETWORK_ERRORS = ("NewConnectionError", "Temporary failure in name resolution", "Network is unreachable",
-                  "Connection refused", "ConnectTimeoutError", "ReadTimeoutError", "Max retries exceeded")
-
-
-def _name(requirement: str) -> str:
-    """The normalised distribution name of a requirement string (PEP 503)."""
-    return re.sub(r"[-_.]+", "-", re.match(r"[A-Za-z0-9._-]+", requirement).group(0)).lower()
-
-
-def _pyproject() -> dict:
-    return tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
-
-
-def _version() -> str:
-    """``__version__`` of the checkout's package, read without importing it."""
-    tree = ast.parse((REPO / "fairseq_softtopk" / "__init__.py").read_text(encoding="utf-8"))
-    return next(node.value.value for node in tree.body if isinstance(node, ast.Assign)
-                and [t.id for t in node.targets if isinstance(t, ast.Name)] == ["__version__"])
-
-
-def _pip_env() -> dict:
-    """This environment (pip's configuration, certificates) without what would leak this virtualenv in."""
-    env = {key: value for key, value in os.environ.items()
-           if not key.startswith("PYTHON") and key not in ("VIRTUAL_ENV", "PIP_REQUIRE_VIRTUALENV")}
-    env.update(PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_NO_INPUT="1", OMP_NUM_THREADS="1")
-    return env
-
-
-def _pip_for(python: Path, command: str) -> list:
-    """This environment's pip, acting on ``python``'s environment (pip >= 22.3)."""
-    return [sys.executable, "-m", "pip", "--python", str(python), command]
-
-
-def _pip(python: Path, *args: str, skip_unreachable: bool = True) -> str:
-    """Runs ``pip install --no-compile ...`` into ``python``'s environment; returns its output. A registry that
-    cannot be reached skips the test (pip's reason in the message); any other failure fails it."""
-    cmd = _pip_for(python, "install") + ["--no-compile", "--timeout", "30", "--retries", "2", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=_pip_env())
-    out = proc.stdout + proc.stderr
-    if proc.returncode != 0:
-        reason = next((line for line in out.splitlines() if any(e in line for e in NETWORK_ERRORS)), None)
-        if skip_unreachable and reason:
-            pytest.skip(f"the package registry cannot be reached: {reason.strip()[:300]}")
-        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{out[-4000:]}")
-    return out
-
-
-def _run(python: Path, code: str, cwd: Path) -> dict:
-    """Runs ``code`` with ``python`` from ``cwd`` (not the checkout: the installed package is imported); returns
-    the JSON object that its last line of output prints."""
-    proc = subprocess.run([str(python), "-c", textwrap.dedent(code)], capture_output=True, text=True, cwd=cwd,
-                          env={key: value for key, value in clean_env().items() if key != "PYTHONPATH"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def _installed(python: Path, cwd: Path) -> dict:
-    """``{normalised name: version}`` of every distribution installed in ``python``'s environment."""
-    return _run(python, """
-        import importlib.metadata as m, json, re
-        print(json.dumps({re.sub(r"[-_.]+", "-", d.metadata["Name"]).lower(): d.version for d in m.distributions()}))
-    """, cwd)
-
-
-def copy_checkout(dest: Path) -> Path:
-    """The checkout's files as git sees them (tracked, and new ones not ignored) under ``dest``: builds write their
-    ``build/`` and ``*.egg-info`` there, not into the checkout, and a stale ``build/`` cannot leak into a wheel."""
-    proc = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
-                          capture_output=True)
-    if proc.returncode == 0:
-        for name in filter(None, proc.stdout.decode().split("\0")):
-            if (REPO / name).is_file():
-                (dest / name).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(REPO / name, dest / name)
-    else:  # not a git checkout (an unpacked sdist, say)
-        shutil.copytree(REPO, dest, dirs_exist_ok=True, ignore=shutil.ignore_patterns(
-            ".git", ".venv", "build", "dist", "*.egg-info", "runs", "__pycache__", ".pytest_cache"))
-    return dest
-
-
-def _memory_backed_dir():
-    """``/dev/shm`` where it is a tmpfs with room that allows executables, else None (the default temporary
-    directory). The virtualenv holds 1.1 GB: removing it from this machine's disk (ext4 mounted with discard) took
-    90 s, from memory half a second, and pytest would otherwise keep three of them around."""
-    try:
-        mounts = Path("/proc/mounts").read_text().splitlines()
-    except OSError:
-        return None
-    shm = next((line.split() for line in mounts if line.split()[1:2] == ["/dev/shm"]), None)
-    if not shm or shm[2] != "tmpfs" or "noexec" in shm[3].split(",") or not os.access("/dev/shm", os.W_OK):
-        return None
-    return "/dev/shm" if shutil.disk_usage("/dev/shm").free > 4 * 2**30 else None
-
+from packaging_harness import (FORK, copy_checkout, dist_name, installed, memory_backed_dir, package_version, pip_env,
+                               pip_for, pip_install, pyproject, run_in)
 
 @pytest.fixture(scope="module")
 def scratch():
     """A directory for this module's virtualenv, source copies and builds, removed afterwards."""
-    root = Path(tempfile.mkdtemp(prefix="fairseq_softtopk_packaging_", dir=_memory_backed_dir()))
+    root = Path(tempfile.mkdtemp(prefix="fairseq_softtopk_packaging_", dir=memory_backed_dir()))
     yield root
     shutil.rmtree(root, ignore_errors=True)
 
@@ -144,12 +47,12 @@ def clean_venv(scratch):
     python = root / "venv" / "bin" / "python"
     # the same build as the suite's (2.13.0+cpu: a local wheel here); a GPU machine's build may be on no index
     try:
-        _pip(python, f"torch=={torch.__version__}")
+        pip_install(python, f"torch=={torch.__version__}")
     except AssertionError as error:
         if f"No matching distribution found for torch=={torch.__version__}" not in str(error):
             raise
         pytest.skip(f"pip finds no wheel of this suite's torch build, {torch.__version__}")
-    return python, _installed(python, root)
+    return python, installed(python, root)
 
 
 @pytest.fixture(scope="module")
@@ -158,8 +61,8 @@ def ops_install(clean_venv, scratch):
     before and after it."""
     python, before = clean_venv
     source = copy_checkout(scratch / "ops_source")
-    _pip(python, "-c", str(REPO / "constraints.txt"), str(source))
-    return python, before, _installed(python, source.parent)
+    pip_install(python, "-c", str(REPO / "constraints.txt"), str(source))
+    return python, before, installed(python, source.parent)
 
 
 def test_installing_the_package_adds_numpy_and_nothing_else(ops_install):
@@ -167,7 +70,7 @@ def test_installing_the_package_adds_numpy_and_nothing_else(ops_install):
     assert "torch" in before and "fairseq-softtopk" not in before
     assert set(after) - set(before) == {"fairseq-softtopk", "numpy"}
     assert {name: after[name] for name in before} == before  # nothing upgraded, downgraded or removed
-    assert after["fairseq-softtopk"] == _version()
+    assert after["fairseq-softtopk"] == package_version()
 
 
 OPS_CHECK = """
@@ -204,8 +107,8 @@ OPS_CHECK = """
 
 def test_the_operators_run_and_the_plugin_names_its_install_without_fairseq(ops_install, tmp_path):
     python, _, _ = ops_install
-    result = _run(python, OPS_CHECK, tmp_path)
-    assert Path(result["file"]).is_relative_to(python.parents[1]) and result["version"] == _version()
+    result = run_in(python, OPS_CHECK, tmp_path)
+    assert Path(result["file"]).is_relative_to(python.parents[1]) and result["version"] == package_version()
     # epsilon (regularization) -> 0 gives the hard top-k indicator; at epsilon = 1 rows still sum to k, inside (0, 1)
     assert result["near_hard"] < 1e-6 and result["sparse_near_hard"] < 1e-6
     assert result["sorted_ranks"] == [[1, 3], [3, 4]]  # the index of rank r's element: the hard sorted top-2
@@ -277,14 +180,14 @@ def test_the_fork_and_the_fairseq_extra_make_the_plugin_register(ops_install, tm
     package: pip reads it from the installed metadata); then `pip check` finds nothing missing but what the fork
     declares and does not need (torchaudio; cffi and cython, which built its extensions)."""
     python, _, _ = ops_install
-    _pip(python, "--no-deps", FORK)
-    _pip(python, "-c", str(REPO / "constraints.txt"), "fairseq-softtopk[fairseq]")
-    result = _run(python, PLUGIN_CHECK, tmp_path)
+    pip_install(python, "--no-deps", FORK)
+    pip_install(python, "-c", str(REPO / "constraints.txt"), "fairseq-softtopk[fairseq]")
+    result = run_in(python, PLUGIN_CHECK, tmp_path)
     assert Path(result["file"]).is_relative_to(python.parents[1])
     assert {"soft_beam_search", "beamgrad_risk"} <= set(result["criteria"])
     assert {"softtopk_lstm", "softtopk_transformer"} <= set(result["models"])
     assert {"softtopk_lstm", "softtopk_lstm_tiny", "softtopk_transformer_tiny"} <= set(result["archs"])
-    check = subprocess.run(_pip_for(python, "check"), capture_output=True, text=True, env=_pip_env())
+    check = subprocess.run(pip_for(python, "check"), capture_output=True, text=True, env=pip_env())
     problems = [line for line in check.stdout.splitlines() if line.strip()]
     unmet = {re.match(r"ve-fairseq 0\.12\.3 requires ([\w-]+)", line).group(1).lower() for line in problems
              if line.startswith("ve-fairseq 0.12.3 requires ")}
@@ -299,7 +202,7 @@ def dists(scratch):
     source = copy_checkout(scratch / "build_source")
     out = source.parent / "dist"
     proc = subprocess.run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(source)],
-                          capture_output=True, text=True, env=_pip_env())
+                          capture_output=True, text=True, env=pip_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "deprecated" not in (proc.stdout + proc.stderr).lower(), proc.stdout + proc.stderr
     sdist, = out.glob("*.tar.gz")
@@ -310,7 +213,7 @@ def dists(scratch):
 def test_twine_accepts_the_sdist_and_the_wheel(dists):
     pytest.importorskip("twine", reason="the release tools: pip install -e '.[dev]'")
     proc = subprocess.run([sys.executable, "-m", "twine", "check", "--strict", *map(str, dists)],
-                          capture_output=True, text=True, env=_pip_env())
+                          capture_output=True, text=True, env=pip_env())
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("PASSED") == 2
 
@@ -320,13 +223,13 @@ def test_the_wheel_metadata_declares_the_version_the_extras_and_the_platforms(di
     with zipfile.ZipFile(wheel) as archive:
         name = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
         metadata = email.parser.Parser().parsestr(archive.read(name).decode())
-    assert metadata["Version"] == _version() and wheel.name == f"fairseq_softtopk-{_version()}-py3-none-any.whl"
+    assert metadata["Version"] == package_version() and wheel.name == f"fairseq_softtopk-{package_version()}-py3-none-any.whl"
     assert metadata["Requires-Python"] == ">=3.11"
     assert set(metadata.get_all("Provides-Extra")) == {"fairseq", "experiments", "plot", "sparse-attention", "hf",
                                                        "dev"}
     requires = metadata.get_all("Requires-Dist")
-    assert {_name(r) for r in requires if "extra ==" not in r} == {"torch", "numpy"}
-    fairseq_extra = {_name(r) for r in requires if r.endswith('extra == "fairseq"')}
+    assert {dist_name(r) for r in requires if "extra ==" not in r} == {"torch", "numpy"}
+    fairseq_extra = {dist_name(r) for r in requires if r.endswith('extra == "fairseq"')}
     assert {"hydra-core", "omegaconf", "bitarray", "regex", "sacrebleu", "scikit-learn"} <= fairseq_extra
     assert not fairseq_extra & {"torchaudio", "ve-fairseq", "fairseq"}
     classifiers = metadata.get_all("Classifier")
@@ -354,11 +257,11 @@ def _expanded(extra: str, extras: dict) -> set:
     """The distribution names that ``extra`` brings, its references to other extras of the package followed."""
     names = set()
     for requirement in extras[extra]:
-        if _name(requirement) == "fairseq-softtopk":
+        if dist_name(requirement) == "fairseq-softtopk":
             for other in re.search(r"\[(.*)\]", requirement).group(1).split(","):
                 names |= _expanded(other.strip(), extras)
         else:
-            names.add(_name(requirement))
+            names.add(dist_name(requirement))
     return names
 
 
@@ -369,25 +272,25 @@ def test_the_modules_checked_for_each_extra_are_what_it_installs():
 
     from fairseq_softtopk.extras import EXTRA_MODULES
 
-    project = _pyproject()["project"]
-    base = {_name(r) for r in project["dependencies"]}
+    project = pyproject()["project"]
+    base = {dist_name(r) for r in project["dependencies"]}
     providers = packages_distributions()
     for extra, modules in EXTRA_MODULES.items():
-        installed_by = {_name(providers[module][0]) for module in modules}
+        installed_by = {dist_name(providers[module][0]) for module in modules}
         assert installed_by == (_expanded(extra, project["optional-dependencies"]) - base) | {"ve-fairseq"}, extra
 
 
 def test_setup_venv_installs_and_pins_the_dev_extra():
     """scripts/setup_venv.sh (make test, make demo) installs every package of the dev extra, each pinned in
     constraints.txt."""
-    extras = _pyproject()["project"]["optional-dependencies"]
-    wanted = _expanded("dev", extras) | {_name(r) for r in _pyproject()["project"]["dependencies"]}
+    extras = pyproject()["project"]["optional-dependencies"]
+    wanted = _expanded("dev", extras) | {dist_name(r) for r in pyproject()["project"]["dependencies"]}
     script = (REPO / "scripts" / "setup_venv.sh").read_text(encoding="utf-8")
-    installed = {_name(word) for line in script.splitlines() if '"${pip[@]}"' in line and not line.startswith("#")
+    installed = {dist_name(word) for line in script.splitlines() if '"${pip[@]}"' in line and not line.startswith("#")
                  for word in line.split() if re.match(r"[A-Za-z]", word)}
-    installed |= {_name(line) for line in (REPO / "requirements.txt").read_text().splitlines()
+    installed |= {dist_name(line) for line in (REPO / "requirements.txt").read_text().splitlines()
                   if line.strip() and not line.startswith("#")}
-    pinned = {_name(line.split("==")[0]) for line in (REPO / "constraints.txt").read_text().splitlines()
+    pinned = {dist_name(line.split("==")[0]) for line in (REPO / "constraints.txt").read_text().splitlines()
               if "==" in line and not line.startswith("#")}
     assert wanted - installed == set()
     assert wanted - pinned == set()
