@@ -4,11 +4,14 @@
 import registers the package's models and criterions and lets fairseq's checkpoints load
 under torch's weights-only unpickler. The operator library :mod:`fairseq_softtopk.ops` is
 pure PyTorch: importing it alone does not import fairseq (call :func:`register` to register
-the fairseq components from a script that imports this package before fairseq).
+the fairseq components from a script that imports this package before fairseq). The fairseq parts need
+fairseq's fork and the ``[fairseq]`` extra, and say so when either is missing (:mod:`.extras`).
 """
 
 import sys
 
+# The one place the version is written: pyproject.toml reads it; CITATION.cff and CHANGELOG.md agree
+# (tests/test_citation.py).
 __version__ = "0.1.0"
 
 
@@ -16,7 +19,12 @@ def register() -> None:
     """Registers the models and criterions with fairseq, allowlists checkpoint globals and makes a
     refused, damaged or missing checkpoint a plain error (:mod:`.checkpoint_safety`). Raises RuntimeError
     under a torch older than 2.6, whose ``torch.load`` is not weights-only by default; warns (once per
-    process) when ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` turns weights-only loading off."""
+    process) when ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` turns weights-only loading off. Raises ImportError
+    (:class:`.extras.MissingExtraError`) naming the install commands where fairseq or a package it imports is
+    missing."""
+    from .extras import require_fairseq
+
+    require_fairseq("fairseq_softtopk.register() (the fairseq plugin)")
     from .checkpoint_safety import (allow_fairseq_checkpoint_globals, guard_checkpoint_loading,
                                     require_weights_only_torch, warn_if_unsafe_loading_forced)
 

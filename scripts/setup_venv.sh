@@ -29,9 +29,9 @@ fi
 # fairseq main-branch build for Python 3.11, without its declared deps (torchaudio would pull another torch).
 "${pip[@]}" --no-deps ve-fairseq
 "${pip[@]}" -r "${root}/requirements.txt"
-# the [dev] extra (tests, figures, sparse attention, the Hugging Face adapters); entmax without its declared dependency, torch,
-# which the constraints pin: a CUDA torch kept above must not be replaced by the pinned CPU one
-"${pip[@]}" pytest pytest-xdist pyflakes matplotlib cvxpy transformers accelerate
+# the [dev] extra (tests, figures, sparse attention, the Hugging Face adapters, the wheel and sdist tools); entmax without
+# its declared dependency, torch, which the constraints pin: a CUDA torch kept above must not be replaced by the pinned CPU one
+"${pip[@]}" pytest pytest-xdist pyflakes matplotlib cvxpy transformers accelerate build twine
 "${pip[@]}" --no-deps entmax
 # triton (the dev extra; the operators' kernels, tested on the CPU under its interpreter): the pinned one,
 # unless the virtualenv has one already: a CUDA torch depends on the triton it was built with
@@ -45,6 +45,9 @@ fi
 oldest_triton="$(sed -n 's/^# oldest supported: triton==//p' "${root}/constraints.txt")"
 "${venv}/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps --upgrade \
     --target "${venv}/triton-oldest" "triton==${oldest_triton}"
+# the build backend of the editable install (pyproject's build-system: setuptools >= 77, the first that reads an SPDX
+# license); --no-build-isolation takes the virtualenv's, which a kept older torch may have left older
+"${pip[@]}" setuptools
 "${pip[@]}" --no-deps --no-build-isolation -e "${root}"
 "${venv}/bin/python" -c "import torch, fairseq, fairseq_softtopk; print('[setup] torch', torch.__version__, 'fairseq', fairseq.__version__)" >&2
 echo "${stamp_value}" > "${stamp_file}"

@@ -1,6 +1,8 @@
-"""LICENSE and CITATION.cff: present, and README's BibTeX names the same paper and authors."""
+"""LICENSE and CITATION.cff: present, README's BibTeX names the same paper and authors, and the version is written once."""
 
+import ast
 import re
+import tomllib
 
 import yaml
 
@@ -16,10 +18,31 @@ def test_citation_file_and_readme_bibtex_agree(repo_root):
     names = [" ".join(name.split()) for name in authors.split(" and ")]
     assert names == [f"{a['family-names']}, {a['given-names']}" for a in paper["authors"]]
     assert re.search(r"year\s*=\s*\{2020\}", bibtex) and paper["year"] == 2020
-    version = re.search(r'^version = "(.*)"$', (repo_root / "pyproject.toml").read_text(), re.M).group(1)
-    assert cff["version"] == version and "[CITATION.cff](CITATION.cff)" in readme  # the package's citation
+    assert "[CITATION.cff](CITATION.cff)" in readme  # the package's citation
+
+
+def _package_version(repo_root) -> str:
+    """``__version__`` of the checkout's package, read without importing it."""
+    tree = ast.parse((repo_root / "fairseq_softtopk" / "__init__.py").read_text())
+    values = [node.value.value for node in tree.body if isinstance(node, ast.Assign)
+              and [t.id for t in node.targets if isinstance(t, ast.Name)] == ["__version__"]]
+    assert len(values) == 1, "fairseq_softtopk/__init__.py assigns __version__ once, to a string"
+    return values[0]
+
+
+def test_the_version_is_written_once_and_citation_and_changelog_agree(repo_root):
+    """pyproject.toml reads the version from the package (no second copy to forget); CITATION.cff names it, and
+    CHANGELOG.md's first released section is that version's."""
+    project = tomllib.loads((repo_root / "pyproject.toml").read_text())
+    assert "version" not in project["project"] and project["project"]["dynamic"] == ["version"]
+    assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "fairseq_softtopk.__version__"}
+    version = _package_version(repo_root)
+    assert re.fullmatch(r"\d+\.\d+\.\d+", version), version
+    assert str(yaml.safe_load((repo_root / "CITATION.cff").read_text())["version"]) == version
+    releases = re.findall(r"^## \[([^\]]+)\]", (repo_root / "CHANGELOG.md").read_text(), re.M)
+    assert releases[:1] == ["Unreleased"] and releases[1] == version, releases
 
 
 def test_license_is_mit_everywhere(repo_root):
     assert (repo_root / "LICENSE").read_text().startswith("MIT License")
-    assert 'license = {text = "MIT"}' in (repo_root / "pyproject.toml").read_text()
+    assert tomllib.loads((repo_root / "pyproject.toml").read_text())["project"]["license"] == "MIT"

@@ -47,6 +47,7 @@ from fairseq_softtopk.experiments.ablation_config import load_config
 from fairseq_softtopk.experiments.ablation_report import results_markdown
 from fairseq_softtopk.experiments.ablation_runner import check_seeds, check_work_dir, run_ablation
 from fairseq_softtopk.experiments.child_processes import RunStopped, stop_on_signals
+from fairseq_softtopk.extras import exit_unless_installed
 
 
 def main(argv=None) -> int:
@@ -69,6 +70,7 @@ def main(argv=None) -> int:
     parser.add_argument("--quiet", action="store_true",
                         help="print one line per validation instead of fairseq's logs (kept in each train.log)")
     args = parser.parse_args(argv)
+    exit_unless_installed(parser, "experiments")  # one line naming the extra, before anything imports it
     typed = ["fairseq-softtopk-ablation", *(sys.argv[1:] if argv is None else argv)]
     command = " ".join(typed)
     for flag, check, value in (("--seeds", check_seeds, args.seeds), ("--work-dir", check_work_dir, Path(args.work_dir))):

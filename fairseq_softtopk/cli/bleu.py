@@ -26,6 +26,7 @@ from pathlib import Path
 
 from fairseq_softtopk.experiments.eval_inputs import check_decoding_numbers, check_output_file
 from fairseq_softtopk.experiments.scoring import DEFAULT_BATCH_SIZE, evaluate_checkpoint
+from fairseq_softtopk.extras import exit_unless_installed
 
 
 def main(argv=None) -> int:
@@ -46,6 +47,7 @@ def main(argv=None) -> int:
     parser.add_argument("--hyp-out", default=None, help="write detokenised hypotheses here")
     parser.add_argument("--json", default=None, help="write the scores as JSON here")
     args = parser.parse_args(argv)
+    exit_unless_installed(parser, "experiments")  # one line naming the extra, before anything imports it
     logging.basicConfig(level=logging.INFO, format="%(asctime)s | %(levelname)s | %(name)s | %(message)s")
     try:
         check_decoding_numbers(args.beam, args.batch_size, args.lenpen)

@@ -47,6 +47,7 @@ from fairseq_softtopk.experiments.child_processes import RunStopped, stop_on_sig
 from fairseq_softtopk.experiments.fairseq_commands import PACKAGE_DIR, binarize_generated_corpus
 from fairseq_softtopk.experiments.reference_comparison import compare, comparison_markdown
 from fairseq_softtopk.experiments.work_dir_marker import clear_for_fresh, record_created
+from fairseq_softtopk.extras import exit_unless_installed
 
 #: The repository: the parent of the fairseq_softtopk directory (a clone; an installed wheel has no configs/).
 REPO = PACKAGE_DIR.parent
@@ -78,6 +79,7 @@ def main(argv=None) -> int:
                              "instead of starting from the shipped one (checkpoints/demo_lstm_tf)")
     parser.add_argument("--fresh", action="store_true", help="discard earlier checkpoints and results")
     args = parser.parse_args(argv)
+    exit_unless_installed(parser, "experiments")  # one line naming the extra, before anything imports it
     if args.sizes and not args.pretrain:
         parser.error("--sizes makes another corpus, whose dictionaries are not the shipped model's "
                      "(checkpoints/demo_lstm_tf): add --pretrain")

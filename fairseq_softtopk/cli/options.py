@@ -18,6 +18,8 @@ import sys
 from enum import Enum
 from typing import Dict, List, NamedTuple, Optional, Sequence
 
+from fairseq_softtopk.extras import exit_unless_installed
+
 
 class Option(NamedTuple):
     flag: str
@@ -135,6 +137,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         print(os.path.dirname(os.path.abspath(fairseq_softtopk.__file__)))
         return 0
+    exit_unless_installed(parser, "fairseq")  # one line naming the extra, before anything imports it
     found = components()
     if opts.component:
         unknown = [c for c in opts.component if c not in found]

@@ -3,6 +3,10 @@
 import importlib
 import pkgutil
 
+from ..extras import require_fairseq
+
+require_fairseq("fairseq_softtopk.criterions (the plugin's criterions)")  # an ImportError naming the two install commands
+
 for _module in pkgutil.iter_modules(__path__):
     if not _module.name.startswith("_"):
         importlib.import_module(f"{__name__}.{_module.name}")
