@@ -86,3 +86,45 @@ def test_another_pretrained_checkpoint_is_shown_and_not_judged():
     rows = compare(with_pretrained(base, 48.0, "a" * 64), with_pretrained(base, 58.0, "b" * 64))
     row = next(row for row in rows if row["name"] == "pretrained BLEU")
     assert row["tolerance"] is None and row["agrees"] is None
+
+
+def doctored(run: dict, flip=None, pretrained_shift: float = 0.0) -> dict:
+    """A copy of a published ``results.json`` with the sign of ``flip`` = (a, b)'s difference flipped (each seed's
+    test BLEU of arm a reflected about b's: ``a' = 2 b - a``; b may be the shared "pretrained" model), every paired
+    difference recomputed from the scores, and the pretrained model's score shifted by ``pretrained_shift``."""
+    import copy
+
+    run = copy.deepcopy(run)
+    scores = run["scores"]
+    if flip:
+        a, b = flip
+        for seed, subsets in scores[a].items():
+            reference = scores[b].get(seed) or next(iter(scores[b].values()))  # the shared model: one score
+            for subset, entry in subsets.items():
+                entry["bleu"] = 2 * reference[subset]["bleu"] - entry["bleu"]
+    for by_ref in [{run["baseline"]: run["bootstrap"]}, run.get("bootstrap_vs") or {}]:
+        for ref, arms in by_ref.items():
+            for arm, by_seed in arms.items():
+                for seed, subsets in by_seed.items():
+                    for subset, d in subsets.items():
+                        d["bleu"]["delta"] = scores[arm][seed][subset]["bleu"] - scores[ref][seed][subset]["bleu"]
+    for entry in scores["pretrained"].values():
+        entry["test"]["bleu"] += pretrained_shift
+    return run
+
+
+def test_the_published_main_job_run_agrees_with_itself_and_a_doctored_one_is_rejected(repo_root):
+    """The main job's check against README's table cannot pass a run whose main difference has the other sign,
+    or whose pretrained model scores 5 BLEU off (the published run's own numbers, doctored)."""
+    import json
+
+    from fairseq_softtopk.cli.main_job import MAIN_DIFFERENCE
+
+    published = json.loads((repo_root / "results" / "main_job_demo" / "results.json").read_text())
+    arm, ref = MAIN_DIFFERENCE
+    assert comparison_markdown(compare(published, doctored(published)), "README's table")[1] is True
+    for run, named in ((doctored(published, flip=MAIN_DIFFERENCE), f"{arm} BLEU"),
+                       (doctored(published, pretrained_shift=5.0), "pretrained BLEU"),
+                       (doctored(published, pretrained_shift=-5.0), "pretrained BLEU")):
+        text, agrees = comparison_markdown(compare(published, run), "README's table")
+        assert agrees is False and named in text.splitlines()[-1].split(":")[0], text

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Iterable, List
 
 #: path components from which a path is kept (the first one found, with what follows it)
-ANCHORS = ("runs", "data", "results", "configs", "fairseq_softtopk", "scripts", "shared", "site-packages")
+ANCHORS = ("runs", "data", "results", "configs", "checkpoints", "fairseq_softtopk", "scripts", "shared", "site-packages")
 #: what results/ keeps at a run directory's top level and in each run below it
 TOP_LEVEL = ("*.md", "*.json", "*.png")
 PER_RUN = ("run.json", "done.json", "train.log")

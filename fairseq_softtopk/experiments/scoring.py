@@ -32,7 +32,7 @@ _TARGET_LINE = re.compile(r"^T-(\d+)\t(.*)$")
 
 
 #: sentences per generation batch by default: on a GPU a beam-5 batch of 64 leaves it mostly idle
-#: (about 22 s per 1,000 sentences on an H100, issue 16); on a CPU larger batches gain little
+#: (about 22 s per 1,000 sentences on an H100, results/gpu_check); on a CPU larger batches gain little
 DEFAULT_BATCH_SIZE = {"cpu": 64, "cuda": 256}
 
 

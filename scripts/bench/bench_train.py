@@ -21,7 +21,7 @@ ones, with the ``soft_beam_search`` criterion as
 * ``risk_hard``, ``risk_soft``: ``beam_hard`` and the default soft search with ``--beam-loss risk``
   (minimum risk over the finished hypotheses of a search to EOS), and ``risk_beamgrad``: the peer
   beamgrad's search and minimum risk on the same model (``--criterion beamgrad_risk``; needs the optional
-  beamgrad): the cost columns of issue 29's table; not in the default ``--configs``,
+  beamgrad): the cost columns of the risk ablation's table; not in the default ``--configs``,
 
 and prints target tokens/s, ms per update, peak memory, the share of the update spent in the
 sorted soft top-k operator and the time per update relative to ``beam_hard``.
