@@ -358,7 +358,7 @@ def test_sigterm_to_the_main_job_ends_its_fairseq_process_and_the_rerun_line_dro
     """Stopped while it binarises its data: the rerun it prints must not repeat --fresh (which would discard what
     this call made)."""
     work = tmp_path / "main_job"
-    args = ["--work-dir", str(work), "--sizes", "200", "20", "30", "--seeds", "1"]
+    args = ["--work-dir", str(work), "--sizes", "200", "20", "30", "--seeds", "1", "--pretrain"]
     job = Watched([sys.executable, "-m", "fairseq_softtopk.cli.main_job", *args, "--fresh"])
     try:
         job.child_running("fairseq_cli.preprocess")
@@ -368,7 +368,7 @@ def test_sigterm_to_the_main_job_ends_its_fairseq_process_and_the_rerun_line_dro
     _assert_stopped_cleanly(stop, 143)
     assert stop["output"].rstrip().splitlines()[-1].strip() == shlex.join(["fairseq-softtopk-main-job", *args])
     assert json.loads((work / "main_job.json").read_text())["created"] == [
-        "raw", "bin", "seed1", "results.json", "results.md", "curves.png", "agreement.md"]
+        "raw", "bin", "seed1", "pretrain", "results.json", "results.md", "curves.png", "agreement.md"]
 
 
 def test_a_run_stopped_after_fairseq_train_ended_is_recorded_not_trained_again(tmp_path, caplog):
