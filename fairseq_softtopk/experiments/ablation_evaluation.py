@@ -45,12 +45,36 @@ def reference_file(ref_dir: Optional[Path], subset: str, tgt: str, n_sentences: 
     return str(path)
 
 
+def _score_subsets(checkpoint: Path, out_dir: Path, data_bin: Path, ref_dir: Optional[Path], eval_cfg: Mapping,
+                   pair: tuple, name: Path) -> dict:
+    """``{subset: scores}`` of ``checkpoint`` on every eval subset (hypotheses in ``out_dir/{subset}.hyp``);
+    ``name``: what the log lines and errors call it (a run directory, or the checkpoint).
+
+    Raises:
+        RuntimeError: fewer sentences were translated than the subset holds.
+    """
+    from .scoring import evaluate_checkpoint
+
+    subsets = {}
+    for subset in eval_cfg.get("subsets") or ["valid", "test"]:
+        n = subset_size(data_bin, subset, *pair)
+        logger.info("evaluating %s on %s (%d sentences)", name, subset, n)
+        subsets[subset] = evaluate_checkpoint(
+            str(data_bin), str(checkpoint), reference_file(ref_dir, subset, pair[1], n), subset=subset,
+            beam=eval_cfg.get("beam", 5), batch_size=eval_cfg.get("batch_size"),
+            post_process=eval_cfg.get("post_process"), detok_lang=eval_cfg.get("detok_lang"),
+            hyp_out=str(out_dir / f"{subset}.hyp"), extra_args=flags_to_args(eval_cfg.get("generate") or {}),
+            keep_hypotheses=True)
+        if subsets[subset]["n_sentences"] != n:  # the T- lines can miss dropped inputs too
+            raise RuntimeError(f"{name}: {subsets[subset]['n_sentences']} of the {n} {subset} sentences "
+                               f"were translated")
+    return subsets
+
+
 def evaluate_run(run_dir: Path, data_bin: Path, ref_dir: Optional[Path], eval_cfg: Mapping, pair: tuple) -> dict:
     """Scores ``run_dir/checkpoint_last.pt`` on every eval subset; cached in ``eval.json`` (a cached
     score needs no checkpoint). Before scoring, the checkpoint is checked against the digest in
     ``done.json`` (``CheckpointChanged`` where it differs; :mod:`.checkpoint_integrity`)."""
-    from .scoring import evaluate_checkpoint
-
     settings = {key: eval_cfg.get(key) for key in EVAL_KEYS}
     cache = run_dir / EVAL
     # the training run it scores, by done.json's finishing time: a copy of the run directory
@@ -65,19 +89,7 @@ def evaluate_run(run_dir: Path, data_bin: Path, ref_dir: Optional[Path], eval_cf
                 write_json_atomic(cache, {"settings": settings, "trained": trained, "subsets": cached["subsets"]})
             return cached["subsets"]
     verify_run_checkpoint(run_dir)  # the file scored is the one its run finished with
-    subsets = {}
-    for subset in eval_cfg.get("subsets") or ["valid", "test"]:
-        n = subset_size(data_bin, subset, *pair)
-        logger.info("evaluating %s on %s (%d sentences)", run_dir, subset, n)
-        subsets[subset] = evaluate_checkpoint(
-            str(data_bin), str(run_dir / "checkpoint_last.pt"), reference_file(ref_dir, subset, pair[1], n),
-            subset=subset, beam=eval_cfg.get("beam", 5), batch_size=eval_cfg.get("batch_size"),
-            post_process=eval_cfg.get("post_process"), detok_lang=eval_cfg.get("detok_lang"),
-            hyp_out=str(run_dir / f"{subset}.hyp"), extra_args=flags_to_args(eval_cfg.get("generate") or {}),
-            keep_hypotheses=True)
-        if subsets[subset]["n_sentences"] != n:  # the T- lines can miss dropped inputs too
-            raise RuntimeError(f"{run_dir}: {subsets[subset]['n_sentences']} of the {n} {subset} sentences "
-                               f"were translated")
+    subsets = _score_subsets(run_dir / "checkpoint_last.pt", run_dir, data_bin, ref_dir, eval_cfg, pair, run_dir)
     write_json_atomic(cache, {"settings": settings, "trained": trained, "subsets": subsets})
     return subsets
 
@@ -87,8 +99,6 @@ def evaluate_pretrained(checkpoint: Path, out_dir: Path, data_bin: Path, ref_dir
     """Scores a given teacher-forcing checkpoint (``pretrained=``) as :func:`evaluate_run` scores a
     run: the scores are cached in ``out_dir/eval.json`` under the checkpoint's SHA-256 (a changed
     file is scored again). Returns ``{subset: scores}``."""
-    from .scoring import evaluate_checkpoint
-
     settings = {key: eval_cfg.get(key) for key in EVAL_KEYS}
     digest = checkpoint_digest(checkpoint)
     cache = out_dir / EVAL
@@ -97,15 +107,6 @@ def evaluate_pretrained(checkpoint: Path, out_dir: Path, data_bin: Path, ref_dir
         if cached.get("settings") == settings and cached.get("sha256") == digest:
             return cached["subsets"]
     out_dir.mkdir(parents=True, exist_ok=True)
-    subsets = {}
-    for subset in eval_cfg.get("subsets") or ["valid", "test"]:
-        n = subset_size(data_bin, subset, *pair)
-        logger.info("evaluating %s on %s (%d sentences)", checkpoint, subset, n)
-        subsets[subset] = evaluate_checkpoint(
-            str(data_bin), str(checkpoint), reference_file(ref_dir, subset, pair[1], n), subset=subset,
-            beam=eval_cfg.get("beam", 5), batch_size=eval_cfg.get("batch_size"),
-            post_process=eval_cfg.get("post_process"), detok_lang=eval_cfg.get("detok_lang"),
-            hyp_out=str(out_dir / f"{subset}.hyp"), extra_args=flags_to_args(eval_cfg.get("generate") or {}),
-            keep_hypotheses=True)
+    subsets = _score_subsets(checkpoint, out_dir, data_bin, ref_dir, eval_cfg, pair, checkpoint)
     write_json_atomic(cache, {"settings": settings, "sha256": digest, "subsets": subsets})
     return subsets
