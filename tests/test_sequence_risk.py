@@ -58,3 +58,27 @@ def test_expected_risk_is_the_softmax_weighted_sum_of_the_costs_and_its_gradient
     torch.testing.assert_close(expected_risk(masked, costs), expected_risk(masked[:, :-1], costs[:, :-1]))
     with pytest.raises(ValueError, match="temperature must be > 0"):
         expected_risk(scores, costs, 0.0)
+
+
+def test_scaled_costs_in_bleu_points_and_min_max_per_sentence():
+    """bleu_points: 100 x the cost; minmax: per sentence over the hypotheses present (finite score), computed here
+    directly; a sentence whose hypotheses all cost the same, and empty slots, get 0."""
+    from fairseq_softtopk.modules.sequence_risk import scale_costs
+
+    costs = torch.tensor([[0.2, 0.5, 0.4, 0.9], [0.3, 0.3, 0.3, 0.3], [0.6, 0.1, 0.35, 1.0]], dtype=torch.float64)
+    scores = torch.tensor([[-1.0, -2.0, -3.0, -float("inf")], [-1.0, -1.5, -2.0, -2.5], [-1.0, -2.0, -3.0, -4.0]],
+                          dtype=torch.float64)
+    torch.testing.assert_close(scale_costs(costs, scores, "bleu"), costs)
+    torch.testing.assert_close(scale_costs(costs, scores, "bleu_points"), costs * 100)
+    expected = []
+    for row_costs, row_scores in zip(costs.tolist(), scores.tolist()):
+        present = [c for c, s in zip(row_costs, row_scores) if math.isfinite(s)]
+        low, high = min(present), max(present)
+        expected.append([(c - low) / (high - low) if math.isfinite(s) and high > low else 0.0
+                         for c, s in zip(row_costs, row_scores)])
+    scaled = scale_costs(costs, scores, "minmax")
+    torch.testing.assert_close(scaled, torch.tensor(expected, dtype=torch.float64))
+    assert scaled[0].tolist() == [0.0, 1.0, pytest.approx(2 / 3), 0.0]  # the empty slot (cost 0.9) is left out
+    assert scaled[1].tolist() == [0.0] * 4
+    with pytest.raises(ValueError, match="cost must be one of"):
+        scale_costs(costs, scores, "chrf")

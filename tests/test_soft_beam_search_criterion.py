@@ -370,3 +370,87 @@ def test_topk_mixed_is_logged_for_the_gold_and_the_risk_search(dictionary, rng, 
             type(sparse).reduce_metrics([log])
         assert aggregated.get_smoothed_values()["topk_mixed"] == pytest.approx(
             float(log["topk_mixed_sum"]) / float(log["topk_mixed_count"]), abs=0.01)
+
+
+def test_risk_cost_units_scale_the_beam_term(dictionary, rng, monkeypatch):
+    """--beam-risk-cost: bleu_points makes the beam term exactly 100 x the bleu one; minmax is the risk of the
+    per-sentence min-max scaled costs of the same hypotheses (recomputed from the search's output)."""
+    from fairseq_softtopk.modules.search_losses import risk_loss
+    from fairseq_softtopk.modules.sequence_risk import expected_risk, scale_costs, sentence_bleu_costs
+
+    model = build_model(dictionary, scale=3.0).eval()
+    sample = make_sample(dictionary, rng, [5, 3, 4])
+    logs = {}
+    with torch.no_grad():
+        for unit in ("bleu", "bleu_points", "minmax"):
+            criterion = build_criterion(dictionary, beam_loss="risk", beam_risk_cost=unit, train_beam=3,
+                                        teacher_forcing_ratio=0.5)
+            _, _, logs[unit] = criterion(model, sample)
+    assert float(logs["bleu"]["beam_loss"]) > 0
+    assert float(logs["bleu_points"]["beam_loss"]) == pytest.approx(100 * float(logs["bleu"]["beam_loss"]), rel=1e-9)
+    assert float(logs["bleu_points"]["tf_loss"]) == float(logs["bleu"]["tf_loss"])
+    # minmax, recomputed from the search's hypotheses
+    import fairseq_softtopk.criterions.soft_beam_search as module
+    captured = {}
+
+    def capture(finished, target, eos, pad, temperature=1.0, cost="bleu"):
+        captured["finished"], captured["target"] = finished, target
+        return risk_loss(finished, target, eos, pad, temperature, cost)
+
+    monkeypatch.setattr(module, "risk_loss", capture)
+    criterion = build_criterion(dictionary, beam_loss="risk", beam_risk_cost="minmax", train_beam=3,
+                                teacher_forcing_ratio=0.5)
+    with torch.no_grad():
+        _, _, log = criterion(model, sample)
+    finished, target = captured["finished"], captured["target"]
+    costs = sentence_bleu_costs(finished.tokens, target, dictionary.eos(), dictionary.pad())
+    risk = expected_risk(finished.scores, scale_costs(costs, finished.scores, "minmax"))
+    mask = target.ne(dictionary.pad())
+    assert float(log["beam_loss"]) == pytest.approx(float((risk * mask.sum(-1)).sum()), rel=1e-9)
+    assert float(log["beam_loss"]) != pytest.approx(float(logs["bleu"]["beam_loss"]), rel=1e-3)
+
+
+@pytest.mark.parametrize("beam_loss", ["gold", "risk"])
+def test_term_gradient_norms_are_each_terms_gradient_and_change_nothing_else(dictionary, rng, beam_loss):
+    """--log-term-gnorm-interval: tf_gnorm is the norm of p x the gradient of the teacher-forcing loss alone (a
+    criterion with p = 1), beam_gnorm that of the rest of the full gradient, both divided by the sample size; the
+    parameters' gradient and the selection-gradient statistics are those of a run without it; measured on calls
+    1, 3, 5 of interval 2; reduce_metrics logs the means."""
+    from fairseq.logging import metrics
+
+    p = 0.4
+    sample = make_sample(dictionary, rng, [5, 3, 4])
+    common = dict(beam_loss=beam_loss, train_beam=3, teacher_forcing_ratio=p)
+
+    def gradient(criterion):
+        model = build_model(dictionary, scale=3.0)
+        loss, sample_size, log = criterion(model, sample)
+        loss.backward()
+        return [q.grad.clone() for q in model.parameters()], sample_size, log
+
+    plain, sample_size, plain_log = gradient(build_criterion(dictionary, **common))
+    measured = build_criterion(dictionary, **common, log_term_gnorm_interval=2)
+    full, _, log = gradient(measured)
+    for a, b in zip(plain, full):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+    for key in ("selgrad_count", "selgrad_log10_sum"):
+        assert float(log[key]) == float(plain_log[key]) and float(log[key]) != 0
+    tf_only, _, _ = gradient(build_criterion(dictionary, **{**common, "teacher_forcing_ratio": 1.0}))
+    tf_norm = p * torch.cat([g.flatten() for g in tf_only]).norm()
+    beam_norm = torch.cat([(g - p * t).flatten() for g, t in zip(full, tf_only)]).norm()
+    assert float(log["tf_gnorm_sum"]) == pytest.approx(float(tf_norm) / sample_size, rel=1e-9)
+    assert float(log["beam_gnorm_sum"]) == pytest.approx(float(beam_norm) / sample_size, rel=1e-9)
+    assert log["term_gnorm_count"] == 1 and float(log["beam_gnorm_sum"]) > 0
+    # calls 2 and 4 are not measured, 3 and 5 are
+    counts = [gradient(measured)[2].get("term_gnorm_count", 0) for _ in range(4)]
+    assert counts == [0, 1, 0, 1]
+    with metrics.aggregate() as aggregated:
+        type(measured).reduce_metrics([log, plain_log, log])
+    values = aggregated.get_smoothed_values()
+    assert values["tf_gnorm"] == pytest.approx(float(tf_norm) / sample_size, abs=1e-4)
+    assert values["beam_gnorm"] == pytest.approx(float(beam_norm) / sample_size, abs=1e-4)
+    # not measured in evaluation mode, nor without a gradient
+    model = build_model(dictionary).eval()
+    with torch.no_grad():
+        assert "term_gnorm_count" not in build_criterion(dictionary, **common, log_term_gnorm_interval=1)(
+            model, sample)[2]

@@ -23,6 +23,8 @@ TOPK_GRAD_CHOICES = ["capped", "full", "none"]
 
 #: the choices of --beam-loss
 BEAM_LOSS_CHOICES = ["gold", "risk"]
+#: the choices of --beam-risk-cost (sequence_risk.RISK_COSTS)
+RISK_COST_CHOICES = ["bleu", "bleu_points", "minmax"]
 #: the choices of --topk-regularizer
 TOPK_REGULARIZERS = ["entropic", "quadratic"]
 #: the choices of --topk-mode, --topk-cost and --topk-compile
@@ -62,6 +64,9 @@ class SoftBeamSearchConfig(FairseqDataclass):
                 "1 - sentence BLEU+1 of the final beams under a softmax of their scores)"})
     beam_loss_temperature: float = field(default=1.0, metadata=_advanced(
         "with --beam-loss risk: the temperature of the softmax over the final beams' scores"))
+    beam_risk_cost: ChoiceEnum(RISK_COST_CHOICES) = field(default="bleu", metadata={
+        "help": "with --beam-loss risk: the unit of the cost: bleu (1 - BLEU+1, in [0, 1]), bleu_points (100 x that, "
+                "Edunov et al. 2018's unit) or minmax (scaled per sentence over its hypotheses: best 0, worst 1)"})
     beam_lenpen: float = field(default=1.0, metadata={
         "help": "with --beam-loss risk: the training search's length penalty, as fairseq-generate's --lenpen"})
     beam_max_len_a: float = field(default=1.2, metadata=_advanced(
@@ -69,6 +74,10 @@ class SoftBeamSearchConfig(FairseqDataclass):
         "--max-len-a)"))
     beam_max_len_b: int = field(default=10, metadata=_advanced(
         "with --beam-loss risk: b of --beam-max-len-a (fairseq-generate's --max-len-b)"))
+    log_term_gnorm_interval: int = field(default=0, metadata=_advanced(
+        "every N-th training batch, log the gradient norms of the two weighted loss terms apart (tf_gnorm, "
+        "beam_gnorm; divided by the sample size, as fairseq's gnorm): two more backward passes on that batch; "
+        "0 = never"))
     topk_cost: ChoiceEnum(TOPK_COSTS) = field(default="linear", metadata=_advanced(
         "cost of the transport problem: linear (epsilon in score units), sqeuclidean or paper (the paper's "
         "normalised cost)"))
@@ -159,13 +168,14 @@ def _check_options(o: SimpleNamespace, vocab_size: Optional[int]) -> None:
     check_backend_option("topk_backend", o.topk_backend, o.cpu)
     for name, choices in (("topk_mode", TOPK_MODES), ("topk_cost", TOPK_COSTS), ("topk_grad", TOPK_GRAD_CHOICES),
                           ("topk_compile", TOPK_COMPILE_MODES), ("topk_regularizer", TOPK_REGULARIZERS),
-                          ("beam_loss", BEAM_LOSS_CHOICES)):
+                          ("beam_loss", BEAM_LOSS_CHOICES), ("beam_risk_cost", RISK_COST_CHOICES)):
         check_choice(name, getattr(o, name), choices)
     _check_beam(o, vocab_size)
     check_number("teacher_forcing_ratio", o.teacher_forcing_ratio, 0.0, 1.0)
     check_number("label_smoothing", o.label_smoothing, 0.0, 1.0, high_open=True)
     check_number("beam_loss_temperature", o.beam_loss_temperature, 0.0, low_open=True)
     check_number("beam_lenpen", o.beam_lenpen)
+    check_number("log_term_gnorm_interval", o.log_term_gnorm_interval, 0, integer=True, why="0 = never")
     check_max_len(o.beam_max_len_a, o.beam_max_len_b)
     check_epsilon("topk_epsilon", o.topk_epsilon)
     check_number("topk_tol", o.topk_tol, 0.0, 1.0, low_open=True, high_open=True,

@@ -28,8 +28,12 @@ class SelectionGradientStats:
     def __init__(self, cap: float, unit: float, device: torch.device, record: Optional[List[float]] = None):
         self.cap, self.unit, self.record = cap, unit, record
         self.sums = torch.zeros(len(SELGRAD_KEYS), dtype=torch.float64, device=device)
+        #: set while an extra backward pass runs (:mod:`.term_gradient_norms`): its norms are not counted
+        self.paused = False
 
     def __call__(self, norms: torch.Tensor, live: torch.Tensor) -> None:
+        if self.paused:
+            return
         norms = norms.detach().double()
         if self.record is not None:  # diagnostics only: reads the norms on the host
             self.record += (norms[live] / self.unit).tolist()

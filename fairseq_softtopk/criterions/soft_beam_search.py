@@ -25,7 +25,9 @@ the k + 1 best candidates are within epsilon), ``topk_newton`` (Newton iteration
 solve; soft mode), ``topk_mixed`` (candidates mixed into a step's new beams, per sentence: k in
 hard mode, the support with ``--topk-regularizer quadratic``), and, from the backward pass, ``selgrad_log10``
 (mean log10 norm of the gradient reaching a step's selection, per sentence), ``selgrad_capped``
-and ``selgrad_over100`` (shares of those above the cap and above 100 gold-token gradients).
+and ``selgrad_over100`` (shares of those above the cap and above 100 gold-token gradients), and with
+``--log-term-gnorm-interval N``, every N-th training batch, ``tf_gnorm`` and ``beam_gnorm``: the gradient
+norms of the two weighted terms apart (:mod:`.term_gradient_norms`).
 
 Models: the plugin's LSTM accepts ``beam_search=`` in ``forward``, and the unrolling runs inside
 it; a Transformer (the plugin's ``softtopk_transformer*``, fairseq's ``transformer*``) runs its
@@ -51,6 +53,7 @@ from ._soft_beam_search_config import SoftBeamSearchConfig, check_soft_beam_sear
 from .loss_terms import teacher_forcing_loss, weighted_risk
 from .model_unroll import forward_with_beam_search, training_search_max_len, unroll_kind
 from .selection_gradient_stats import SelectionGradientStats
+from .term_gradient_norms import TermGradientNorms
 
 
 @register_criterion("soft_beam_search", dataclass=SoftBeamSearchConfig)
@@ -61,7 +64,8 @@ class SoftBeamSearchCriterion(FairseqCriterion):
                  topk_epsilon_start=0.0, topk_epsilon_anneal_updates=0, topk_epsilon_relative=0.0,
                  candidate_pool=None, selection_grad=None, selection_grad_cap=None, sentence_avg=False,
                  beam_loss="gold", beam_loss_temperature=1.0, beam_lenpen=1.0, beam_max_len_a=1.2, beam_max_len_b=10,
-                 topk_regularizer="entropic", topk_backend="auto", bf16=False, cpu=False):
+                 topk_regularizer="entropic", topk_backend="auto", beam_risk_cost="bleu", log_term_gnorm_interval=0,
+                 bf16=False, cpu=False):
         # the keyword arguments (the config's fields, as build_criterion fills them): no other local exists yet
         given = SimpleNamespace(**{name: value for name, value in locals().items() if name not in ("self", "task")
                                    and not name.startswith("__")})
@@ -71,6 +75,8 @@ class SoftBeamSearchCriterion(FairseqCriterion):
         check_soft_beam_search_options(o, vocab_size=len(task.target_dictionary))
         self.lenpen, self.max_len_a, self.max_len_b = o.beam_lenpen, o.beam_max_len_a, o.beam_max_len_b
         self.beam_loss, self.beam_loss_temperature = str(o.beam_loss), o.beam_loss_temperature
+        self.risk_cost = str(o.beam_risk_cost)
+        self.term_gnorms = TermGradientNorms(o.log_term_gnorm_interval)
         self.eos = task.target_dictionary.eos()
         self.epsilon_schedule = (o.topk_epsilon_start, o.topk_epsilon_anneal_updates) if o.topk_epsilon_start > 0 \
             else None
@@ -134,19 +140,23 @@ class SoftBeamSearchCriterion(FairseqCriterion):
                                                             self.label_smoothing)
         risk = None
         if run_beam and self.beam_loss == "risk":  # the finished hypotheses, read up to their EOS
-            risk = risk_loss(beam, target, self.eos, self.padding_idx, self.beam_loss_temperature)  # (batch,)
+            risk = risk_loss(beam, target, self.eos, self.padding_idx, self.beam_loss_temperature,
+                             self.risk_cost)  # (batch,)
             beam_loss = weighted_risk(risk, mask, self.sentence_avg)
             beam_nll = beam_loss.new_zeros(())  # no gold path in a search that stops at EOS
         elif run_beam:
             beam_loss, beam_nll, _ = gold_token_loss(beam, target, self.padding_idx, self.label_smoothing, vocab)
         else:
             beam_loss = beam_nll = tf_loss.new_zeros(())
-        loss = self.p * tf_loss + (1.0 - self.p) * beam_loss
+        tf_term, beam_term = self.p * tf_loss, (1.0 - self.p) * beam_loss
         if run_beam and beam.scale_probe is not None:
             # a zero whose gradient is the loss scale (fp16/amp): the selection gradient's cap follows it
-            loss = loss + beam.scale_probe
+            beam_term = beam_term + beam.scale_probe
+        loss = tf_term + beam_term
         ntokens = sample["ntokens"]
         sample_size = target.size(0) if self.sentence_avg else ntokens
+        term_gnorms = self.term_gnorms(model, tf_term, beam_term, sample_size, stats) \
+            if run_beam and model.training else {}
         logging_output = {
             "loss": loss.data, "nll_loss": tf_nll.data, "tf_loss": tf_loss.data, "beam_loss": beam_loss.data,
             "beam_nll_loss": beam_nll.data, "ntokens": ntokens, "nsentences": target.size(0),
@@ -178,6 +188,7 @@ class SoftBeamSearchCriterion(FairseqCriterion):
                     logging_output["topk_epsilon_sum"] = search.epsilon * solves
         if stats is not None:
             logging_output.update(stats.logging_output())
+        logging_output.update(term_gnorms)
         return loss, sample_size, logging_output
 
     @staticmethod
@@ -210,6 +221,10 @@ class SoftBeamSearchCriterion(FairseqCriterion):
             metrics.log_scalar("topk_newton", total("topk_newton_iters") / solves, solves, round=1)
             if any("topk_epsilon_sum" in log for log in logging_outputs):
                 metrics.log_scalar("topk_epsilon", total("topk_epsilon_sum") / solves, solves, round=4)
+        measured = total("term_gnorm_count")
+        if measured:
+            for key in ("tf_gnorm", "beam_gnorm"):
+                metrics.log_scalar(key, total(key + "_sum") / measured, measured, round=4)
         observed = total("selgrad_count")
         if observed:
             metrics.log_scalar("selgrad_log10", total("selgrad_log10_sum") / observed, observed, round=2)

@@ -8,7 +8,7 @@ from torch import Tensor
 
 from .beam_search import BeamSearchOutput
 from .beam_search_to_eos import FinishedBeams
-from .sequence_risk import expected_risk, sentence_bleu_costs
+from .sequence_risk import expected_risk, scale_costs, sentence_bleu_costs
 
 __all__ = ["GoldTokenLoss", "gold_token_loss", "risk_loss", "smoothed_nll"]
 
@@ -54,13 +54,16 @@ def gold_token_loss(output: BeamSearchOutput, target: Tensor, pad: int, label_sm
     return GoldTokenLoss(loss, nll, mask.sum())
 
 
-def risk_loss(finished: FinishedBeams, target: Tensor, eos: int, pad: int, temperature: float = 1.0) -> Tensor:
+def risk_loss(finished: FinishedBeams, target: Tensor, eos: int, pad: int, temperature: float = 1.0,
+              cost: str = "bleu") -> Tensor:
     """``(batch,)`` expected ``1 - BLEU+1`` (on token ids) of each sentence's finished hypotheses under a softmax
-    of their length-normalised scores at ``temperature`` (differentiable through the scores).
+    of their length-normalised scores at ``temperature`` (differentiable through the scores), the cost in the
+    unit ``cost`` (:func:`~fairseq_softtopk.modules.sequence_risk.scale_costs`: ``bleu``, ``bleu_points``
+    or ``minmax``).
 
     Args:
         finished: the output of :func:`fairseq_softtopk.search.beam_search_to_eos`.
         target: ``(batch, T)`` the references, read up to their EOS or padding.
     """
-    costs = sentence_bleu_costs(finished.tokens, target, eos, pad)
+    costs = scale_costs(sentence_bleu_costs(finished.tokens, target, eos, pad), finished.scores, cost)
     return expected_risk(finished.scores, costs, temperature)

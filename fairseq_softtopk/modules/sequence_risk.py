@@ -10,7 +10,9 @@ precisions up to 4 with 1 added to the matches and to the n-grams of every order
 penalty of corpus BLEU, 0 without a matching unigram (sacrebleu's ``smooth_method="add-k"``,
 ``smooth_value=1``). It is computed on token ids (BPE pieces), the units the model predicts: no
 detokenisation inside the training step, and a cost every hypothesis gets exactly, whatever its
-surface form. The cost has no gradient; the gradient reaches the scores, and through them (in soft
+surface form. :func:`scale_costs` gives the cost in other units: BLEU points (``100 * (1 - BLEU+1)``, the
+unit of Edunov et al., NAACL 2018) or min-max scaled over each sentence's hypotheses (their best 0, their
+worst 1), which sizes the risk's gradient against a token loss's. The cost has no gradient; the gradient reaches the scores, and through them (in soft
 mode) the selections that built the beams.
 """
 
@@ -21,9 +23,11 @@ from typing import List, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["expected_risk", "sentence_bleu", "sentence_bleu_costs", "strip_sequence"]
+__all__ = ["RISK_COSTS", "expected_risk", "scale_costs", "sentence_bleu", "sentence_bleu_costs", "strip_sequence"]
 
 MAX_ORDER = 4
+#: the units of the cost (:func:`scale_costs`)
+RISK_COSTS = ("bleu", "bleu_points", "minmax")
 
 
 def _ngrams(tokens: Sequence[int], n: int) -> Counter:
@@ -72,6 +76,31 @@ def sentence_bleu_costs(hypotheses: Tensor, target: Tensor, eos: int, pad: int) 
     costs = [[1.0 - sentence_bleu(strip_sequence(beam, eos, pad), reference) for beam in beams]
              for beams, reference in zip(hypotheses.tolist(), references)]
     return torch.tensor(costs, dtype=torch.float64, device=hypotheses.device)
+
+
+def scale_costs(costs: Tensor, scores: Tensor, unit: str = "bleu") -> Tensor:
+    """``1 - BLEU+1`` costs in the unit ``unit``.
+
+    Args:
+        costs: ``(batch, beam)`` ``1 - BLEU+1`` of each hypothesis (:func:`sentence_bleu_costs`).
+        scores: ``(batch, beam)`` their scores: a ``-inf`` slot is no hypothesis (left out of the min-max).
+        unit: ``bleu`` (as given, in [0, 1]), ``bleu_points`` (times 100) or ``minmax`` (per sentence,
+            ``(cost - min) / (max - min)`` over its hypotheses; 0 where they all cost the same).
+    Returns:
+        ``(batch, beam)`` the costs (0 in empty slots with ``minmax``).
+    """
+    if unit == "bleu":
+        return costs
+    if unit == "bleu_points":
+        return costs * 100.0
+    if unit != "minmax":
+        raise ValueError(f"the risk's cost must be one of {RISK_COSTS}, got {unit!r}")
+    present = torch.isfinite(scores)
+    low = costs.masked_fill(~present, math.inf).min(-1, keepdim=True).values
+    high = costs.masked_fill(~present, -math.inf).max(-1, keepdim=True).values
+    spread = high - low
+    scaled = (costs - low) / spread.clamp_min(1e-12)
+    return torch.where(present & (spread > 0), scaled, torch.zeros_like(scaled))
 
 
 def expected_risk(scores: Tensor, costs: Tensor, temperature: float = 1.0) -> Tensor:
