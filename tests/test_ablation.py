@@ -20,6 +20,7 @@ from fairseq_softtopk.experiments.ablation_config import (apply_override, config
                                                           stage_flags)
 from fairseq_softtopk.experiments.ablation_plot import read_valid_curve
 from fairseq_softtopk.experiments.ablation_runner import run_ablation
+from fairseq_softtopk.experiments.checkpoint_integrity import checkpoint_digest
 from fairseq_softtopk.experiments.fairseq_commands import PACKAGE_DIR, fairseq_command, run_logged
 from fairseq_softtopk.experiments.scoring import paired_bootstrap
 
@@ -493,6 +494,9 @@ def test_micro_ablation_writes_results_table_and_curves(micro):
         assert "loading pretrained model from" in log
         assert read_valid_curve(work / "seed1" / arm / "train.log")[-1]["num_updates"] == 8
         assert len((work / "seed1" / arm / "test.hyp").read_text().splitlines()) == 30
+        # fairseq-train validated: its checkpoint_best is recorded too (eval.checkpoint best may score it)
+        done = json.loads((work / "seed1" / arm / "done.json").read_text())
+        assert done["checkpoint_best_sha256"] == checkpoint_digest(work / "seed1" / arm / "checkpoint_best.pt")
     markdown = (work / "results.md").read_text()
     for row in ("| pretrained (no fine-tuning) |", "| tf (baseline) |", "| hard |", "| soft |", "a test run",
                 "Against `hard` (test):"):

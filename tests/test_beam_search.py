@@ -98,19 +98,21 @@ def test_hard_mode_keeping_everything_is_exhaustive_search(rng):
 
 
 def test_hard_mode_equals_reference_beam_search(setup):
-    """Each step keeps the k best of the k x V extensions, rescored from scratch per sequence."""
+    """Each step keeps the k best of the k x V extensions, rescored from scratch per sequence; a sentence's final
+    beams are those after its own last step (the second sentence has 3 tokens of the batch's 4), padded after."""
     decoder, enc, target = setup
-    k, T = 3, target.shape[1]
+    k = 3
     with torch.no_grad():
         out = run(decoder, enc, target, beam=k, mode="hard")
-        for b in range(2):
+        for b, length in enumerate([4, 3]):
             beams = [((), 0.0)]
-            for _ in range(T):
+            for _ in range(length):
                 ext = [(seq + (j,), decoder.sequence_logprob(enc[b:b + 1], seq + (j,))) for seq, _ in beams
                        for j in range(decoder.out.out_features)]
                 beams = sorted(ext, key=lambda e: -e[1])[:k]
             torch.testing.assert_close(out.final_scores[b], torch.tensor([s for _, s in beams]), atol=1e-5, rtol=0)
-            assert [tuple(s) for s in out.tokens[b].tolist()] == [s for s, _ in beams]
+            assert [tuple(s) for s in out.tokens[b, :, :length].tolist()] == [s for s, _ in beams]
+            assert bool((out.tokens[b, :, length:] == PAD).all())
 
 
 def test_loss_follows_the_best_beam(setup):
@@ -343,9 +345,10 @@ def test_soft_mode_equals_the_papers_algorithm_written_out(rng, epsilon):
             gold, final, tokens = reference_soft_beam_search(decoder, enc[b:b + 1], target[b, :length].tolist(), k,
                                                              epsilon)
             torch.testing.assert_close(out.gold_lprobs[b, :length], gold, atol=1e-7, rtol=0)
-            if length == target.shape[1]:  # shorter sentences' final beams run on past their end
-                torch.testing.assert_close(out.final_scores[b], final, atol=1e-7, rtol=0)
-                assert out.tokens[b].tolist() == tokens
+            # a shorter sentence's final beams are those after its own last step, padded after it
+            torch.testing.assert_close(out.final_scores[b], final, atol=1e-7, rtol=0)
+            assert [row[:length] for row in out.tokens[b].tolist()] == tokens
+            assert bool((out.tokens[b, :, length:] == PAD).all())
 
 
 @pytest.mark.parametrize("relative", [0.5, 2.0])
@@ -491,9 +494,8 @@ def test_quadratic_soft_mode_equals_the_written_out_algorithm_with_the_sparse_op
             gold, final, tokens = reference_soft_beam_search(decoder, enc[b:b + 1], target[b, :length].tolist(), k,
                                                              regularization, quadratic=True)
             torch.testing.assert_close(out.gold_lprobs[b, :length], gold, atol=1e-9, rtol=0)
-            if length == target.shape[1]:
-                torch.testing.assert_close(out.final_scores[b], final, atol=1e-9, rtol=0)
-                assert out.tokens[b].tolist() == tokens
+            torch.testing.assert_close(out.final_scores[b], final, atol=1e-9, rtol=0)
+            assert [row[:length] for row in out.tokens[b].tolist()] == tokens
 
 
 @pytest.mark.parametrize("window_min", [None, 1], ids=["whole_row", "narrow_window"])

@@ -172,13 +172,18 @@ def test_observe_selections_sees_each_step_of_the_search_as_it_selects(mode):
                                                        torch.tanh(encoder_out["hidden"]))), -1)
     torch.testing.assert_close(seen[0].scores[:, :V], first)
     assert torch.isinf(seen[0].scores[:, V:]).all()  # only beam 0 is live at the first step
-    beam, tokens = torch.arange(k).expand(batch, k), []
+    # each sentence's final beams are those after its own last step: traced back from there
+    lengths = torch.tensor([5, 3, 4])
+    own = torch.arange(k).expand(batch, k)
+    beam, tokens = own, []
     for selection in reversed(seen):
+        beam = torch.where((lengths == selection.step + 1).unsqueeze(1), own, beam)
         followed = selection.followed.gather(1, beam)
-        tokens.append(followed % V)
+        tokens.append(torch.where((selection.step < lengths).unsqueeze(1), followed % V, -100))
         beam = followed // V
     assert torch.equal(torch.stack(tokens[::-1], -1), out.tokens)
-    torch.testing.assert_close(seen[-1].scores.gather(1, seen[-1].followed), out.final_scores)
+    final = torch.stack([seen[n - 1].scores.gather(1, seen[n - 1].followed)[b] for b, n in enumerate(lengths.tolist())])
+    torch.testing.assert_close(final, out.final_scores)
     torch.testing.assert_close(torch.stack([s.weights.amax(1) for s in seen], 1), out.sharpness)
     assert [s.live.tolist() for s in seen] == [[t < n - 1 for n in (5, 3, 4)] for t in range(T)]
     if mode == "hard":
@@ -193,6 +198,36 @@ def test_observe_selections_sees_each_step_of_the_search_as_it_selects(mode):
     with pytest.raises(TypeError, match="observe_selections needs a callable.*got list"):
         with observe_selections([]):
             pass
+
+
+@pytest.mark.parametrize("mode", ["hard", "soft"])
+def test_a_sentence_in_a_batch_gets_the_beams_of_its_own_search(mode):
+    """A sentence shorter than the batch's longest target: its final beams, their scores, the best beam and the
+    loss along it are those of a search over that sentence alone (the beams after its own last step), and
+    tokens[b, best_beam[b]] is the path whose gold-token log-probabilities the loss sums."""
+    decoder, k = GRUDecoder(seed=3), 3
+    encoder_out, target = _batch([5, 3, 4])
+    config = BeamSearchConfig(beam=k, mode=mode, epsilon=0.3, tol=1e-12)
+    with torch.no_grad():
+        out = beam_search(decoder, encoder_out, target, pad=-100, bos=BOS, config=config)
+        for b, n in enumerate([5, 3, 4]):
+            alone = beam_search(decoder, {"hidden": encoder_out["hidden"][b:b + 1]}, target[b:b + 1, :n], pad=-100,
+                                bos=BOS, config=config)
+            torch.testing.assert_close(out.final_scores[b], alone.final_scores[0], atol=1e-9, rtol=0)
+            assert out.tokens[b, :, :n].tolist() == alone.tokens[0].tolist()
+            assert bool((out.tokens[b, :, n:] == -100).all())
+            assert int(out.best_beam[b]) == int(alone.best_beam[0]) == int(out.final_scores[b].argmax())
+            torch.testing.assert_close(out.gold_lprobs[b, :n], alone.gold_lprobs[0], atol=1e-9, rtol=0)
+        if mode == "hard":  # the loss's path, fed to the decoder step by step, gives the loss's log-probabilities
+            for b, n in enumerate([5, 3, 4]):
+                path = out.tokens[b, out.best_beam[b], :n]
+                hidden, last, lprobs = torch.tanh(encoder_out["hidden"][b:b + 1]), BOS, []
+                for t in range(n):
+                    hidden = decoder.cell(decoder.emb.weight[last].unsqueeze(0), hidden)
+                    lprobs.append(float(torch.log_softmax(decoder.out(hidden), -1)[0, target[b, t]]))
+                    last = int(path[t])
+                torch.testing.assert_close(out.gold_lprobs[b, :n], torch.tensor(lprobs, dtype=torch.float64),
+                                           atol=1e-9, rtol=0)
 
 
 def test_a_decoder_without_the_protocol_is_named():

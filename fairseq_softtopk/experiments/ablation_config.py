@@ -18,6 +18,10 @@ BUDGET_FLAGS = ("max-update", "max-epoch", "seed", "max-tokens", "batch-size", "
 #: Flags the runner sets itself.
 MANAGED_FLAGS = ("save-dir", "finetune-from-model", "restore-file", "user-dir")
 EVAL_KEYS = ("beam", "batch_size", "subsets", "post_process", "detok_lang", "generate")
+#: Eval keys that enter a run's cached settings only where set (caches written before them stay valid):
+#: ``checkpoint`` (``last``, the default, or ``best``: fairseq's checkpoint_best.pt, by its
+#: ``--best-checkpoint-metric``) and ``lenpen_grid`` (the length penalties to choose from on valid, per run).
+OPTIONAL_EVAL_KEYS = ("checkpoint", "lenpen_grid")
 
 
 def _read_yaml(path: Path) -> dict:
@@ -104,9 +108,36 @@ def validate_config(config: dict, _nested: bool = False) -> None:
         managed = sorted(set(names) & set(MANAGED_FLAGS))
         if managed:
             raise ValueError(f"{where}: {section} sets {managed}; the runner sets these itself")
-    unknown_eval = sorted(set(config.get("eval") or {}) - set(EVAL_KEYS))
+    unknown_eval = sorted(set(config.get("eval") or {}) - set(EVAL_KEYS) - set(OPTIONAL_EVAL_KEYS))
     if unknown_eval:
-        raise ValueError(f"{where}: unknown eval keys {unknown_eval} (known: {EVAL_KEYS})")
+        raise ValueError(f"{where}: unknown eval keys {unknown_eval} (known: {EVAL_KEYS + OPTIONAL_EVAL_KEYS})")
+    _validate_eval(config.get("eval") or {}, where)
+
+
+def _validate_eval(eval_cfg: Mapping, where: str) -> None:
+    """``eval.checkpoint`` and ``eval.lenpen_grid`` (which needs ``valid`` among the subsets and no
+    ``generate.lenpen`` beside it)."""
+    if eval_cfg.get("checkpoint") not in (None, "last", "best"):
+        raise ValueError(f"{where}: eval.checkpoint must be last or best, got {eval_cfg['checkpoint']!r}")
+    grid = eval_cfg.get("lenpen_grid")
+    if grid is None:
+        return
+    if not isinstance(grid, list) or not grid or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) != float("inf")
+            for v in grid) or len(set(grid)) != len(grid):
+        raise ValueError(f"{where}: eval.lenpen_grid must be a non-empty list of distinct finite numbers, got {grid!r}")
+    if "valid" not in (eval_cfg.get("subsets") or ["valid", "test"]):
+        raise ValueError(f"{where}: eval.lenpen_grid is chosen on valid, which eval.subsets "
+                         f"({eval_cfg.get('subsets')}) leaves out")
+    if "lenpen" in (eval_cfg.get("generate") or {}):
+        raise ValueError(f"{where}: eval.lenpen_grid and eval.generate.lenpen both set the length penalty; keep one")
+
+
+def eval_settings(eval_cfg: Mapping) -> dict:
+    """What a cached score depends on: the :data:`EVAL_KEYS`, and the :data:`OPTIONAL_EVAL_KEYS` that are set."""
+    settings = {key: eval_cfg.get(key) for key in EVAL_KEYS}
+    settings.update({key: eval_cfg[key] for key in OPTIONAL_EVAL_KEYS if eval_cfg.get(key) is not None})
+    return settings
 
 
 def load_config(path, overrides: Sequence[str] = ()) -> dict:

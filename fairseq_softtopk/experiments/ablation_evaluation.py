@@ -1,13 +1,15 @@
 """Scoring the runs of the beam-search training ablation (:mod:`.ablation_runner`): each finished run's
-checkpoint on every eval subset, with the raw references where they are line-aligned; cached in the run's
-``eval.json``."""
+checkpoint (``eval.checkpoint``: last or best) on every eval subset, with the raw references where they are
+line-aligned, at the length penalty that scores best on valid where ``eval.lenpen_grid`` gives a choice;
+cached in the run's ``eval.json``."""
 
 import json
 import logging
+import shutil
 from pathlib import Path
 from typing import Mapping, Optional
 
-from .ablation_config import EVAL_KEYS, flags_to_args
+from .ablation_config import eval_settings, flags_to_args
 from .ablation_training import DONE, write_json_atomic
 from .checkpoint_integrity import checkpoint_digest, verify_run_checkpoint
 
@@ -55,27 +57,45 @@ def _score_subsets(checkpoint: Path, out_dir: Path, data_bin: Path, ref_dir: Opt
     """
     from .scoring import evaluate_checkpoint
 
-    subsets = {}
-    for subset in eval_cfg.get("subsets") or ["valid", "test"]:
+    generate = flags_to_args(eval_cfg.get("generate") or {})
+
+    def score(subset: str, lenpen=None, hyp_name: str = "") -> dict:
         n = subset_size(data_bin, subset, *pair)
-        logger.info("evaluating %s on %s (%d sentences)", name, subset, n)
-        subsets[subset] = evaluate_checkpoint(
+        at = "" if lenpen is None else f" at lenpen {lenpen}"
+        logger.info("evaluating %s on %s (%d sentences)%s", name, subset, n, at)
+        result = evaluate_checkpoint(
             str(data_bin), str(checkpoint), reference_file(ref_dir, subset, pair[1], n), subset=subset,
             beam=eval_cfg.get("beam", 5), batch_size=eval_cfg.get("batch_size"),
             post_process=eval_cfg.get("post_process"), detok_lang=eval_cfg.get("detok_lang"),
-            hyp_out=str(out_dir / f"{subset}.hyp"), extra_args=flags_to_args(eval_cfg.get("generate") or {}),
-            keep_hypotheses=True)
-        if subsets[subset]["n_sentences"] != n:  # the T- lines can miss dropped inputs too
-            raise RuntimeError(f"{name}: {subsets[subset]['n_sentences']} of the {n} {subset} sentences "
-                               f"were translated")
+            hyp_out=str(out_dir / (hyp_name or f"{subset}.hyp")),
+            extra_args=generate + ([] if lenpen is None else ["--lenpen", str(lenpen)]), keep_hypotheses=True)
+        if result["n_sentences"] != n:  # the T- lines can miss dropped inputs too
+            raise RuntimeError(f"{name}: {result['n_sentences']} of the {n} {subset} sentences were translated")
+        return result
+
+    grid = eval_cfg.get("lenpen_grid")
+    tuned, lenpen = {}, None
+    if grid:  # each length penalty on valid; the best BLEU wins, a tie going to the one nearest fairseq's 1.0
+        tuned = {value: score("valid", value, f"valid.lenpen{value}.hyp") for value in grid}
+        lenpen = max(grid, key=lambda value: (tuned[value]["bleu"], -abs(value - 1.0)))
+        logger.info("%s: lenpen %s scores best on valid (%s)", name, lenpen,
+                    ", ".join(f"{value}: {tuned[value]['bleu']:.2f}" for value in grid))
+        shutil.copyfile(out_dir / f"valid.lenpen{lenpen}.hyp", out_dir / "valid.hyp")
+    subsets = {}
+    for subset in eval_cfg.get("subsets") or ["valid", "test"]:
+        subsets[subset] = dict(tuned[lenpen]) if subset == "valid" and grid else score(subset, lenpen)
+        if grid:
+            subsets[subset]["lenpen"] = lenpen
+            subsets[subset]["lenpen_valid_bleu"] = {str(value): tuned[value]["bleu"] for value in grid}
     return subsets
 
 
 def evaluate_run(run_dir: Path, data_bin: Path, ref_dir: Optional[Path], eval_cfg: Mapping, pair: tuple) -> dict:
-    """Scores ``run_dir/checkpoint_last.pt`` on every eval subset; cached in ``eval.json`` (a cached
-    score needs no checkpoint). Before scoring, the checkpoint is checked against the digest in
-    ``done.json`` (``CheckpointChanged`` where it differs; :mod:`.checkpoint_integrity`)."""
-    settings = {key: eval_cfg.get(key) for key in EVAL_KEYS}
+    """Scores ``run_dir/checkpoint_last.pt`` (``checkpoint_best.pt`` with ``eval.checkpoint: best``) on every
+    eval subset; cached in ``eval.json`` (a cached score needs no checkpoint). Before scoring, the checkpoint
+    is checked against the digest in ``done.json`` (``CheckpointChanged`` where it differs;
+    :mod:`.checkpoint_integrity`)."""
+    settings = eval_settings(eval_cfg)
     cache = run_dir / EVAL
     # the training run it scores, by done.json's finishing time: a copy of the run directory
     # without checkpoints (results/ in git) keeps its scores
@@ -88,8 +108,8 @@ def evaluate_run(run_dir: Path, data_bin: Path, ref_dir: Optional[Path], eval_cf
             if "trained" not in cached:
                 write_json_atomic(cache, {"settings": settings, "trained": trained, "subsets": cached["subsets"]})
             return cached["subsets"]
-    verify_run_checkpoint(run_dir)  # the file scored is the one its run finished with
-    subsets = _score_subsets(run_dir / "checkpoint_last.pt", run_dir, data_bin, ref_dir, eval_cfg, pair, run_dir)
+    checkpoint = verify_run_checkpoint(run_dir, f"checkpoint_{eval_cfg.get('checkpoint') or 'last'}.pt")
+    subsets = _score_subsets(checkpoint, run_dir, data_bin, ref_dir, eval_cfg, pair, run_dir)
     write_json_atomic(cache, {"settings": settings, "trained": trained, "subsets": subsets})
     return subsets
 
@@ -99,7 +119,7 @@ def evaluate_pretrained(checkpoint: Path, out_dir: Path, data_bin: Path, ref_dir
     """Scores a given teacher-forcing checkpoint (``pretrained=``) as :func:`evaluate_run` scores a
     run: the scores are cached in ``out_dir/eval.json`` under the checkpoint's SHA-256 (a changed
     file is scored again). Returns ``{subset: scores}``."""
-    settings = {key: eval_cfg.get(key) for key in EVAL_KEYS}
+    settings = eval_settings(eval_cfg)
     digest = checkpoint_digest(checkpoint)
     cache = out_dir / EVAL
     if cache.exists():

@@ -1,6 +1,6 @@
 """The ablation report: ``results.json`` (scores per arm and seed, mean ± sd over seeds, paired
-bootstrap against the baseline and the ``compare_to`` arms) and its ``results.md`` tables
-(used by :mod:`.ablation_runner`)."""
+bootstrap against the baseline and the ``compare_to`` arms per seed, a paired t-test over the seeds)
+and its ``results.md`` tables (used by :mod:`.ablation_runner`)."""
 
 import json
 from pathlib import Path
@@ -10,6 +10,8 @@ from .ablation_config import flags_to_args, stage_flags
 from .fairseq_commands import PACKAGE_DIR
 
 TRAIN_STATS = ("wall_seconds", "cpu_seconds", "gnorm_median", "clipped_percent")
+#: further statistics of a run's log (ablation_training.read_train_stats), reported where logged
+LOG_STATS = ("tf_gnorm_median", "beam_gnorm_median", "updates", "valid_bleu")
 
 
 def display_path(path) -> str:
@@ -27,6 +29,22 @@ def _mean_sd(values: Sequence[float]) -> tuple:
     return round(statistics.fmean(values), 2), round(statistics.stdev(values), 2) if len(values) > 1 else 0.0
 
 
+def paired_ttest(base: Mapping[str, float], other: Mapping[str, float]) -> Optional[dict]:
+    """Paired t-test of ``other - base`` over the seeds both have (scipy's ``ttest_rel``, two-sided): the mean
+    and sd of the differences, t, p and the number of seeds; None with fewer than 2 seeds."""
+    seeds = [seed for seed in base if seed in other]
+    if len(seeds) < 2:
+        return None
+    from scipy import stats
+
+    deltas = [other[seed] - base[seed] for seed in seeds]
+    mean, sd = _mean_sd(deltas)
+    test = stats.ttest_rel([other[seed] for seed in seeds], [base[seed] for seed in seeds])
+    t, p = float(test.statistic), float(test.pvalue)
+    return {"delta_mean": mean, "delta_sd": sd, "t": round(t, 3) if t == t else None,
+            "p_value": round(p, 4) if p == p else None, "n_seeds": len(seeds)}
+
+
 def summarise(config: dict, runs: dict, arms: Sequence[str], seeds: Sequence[int], bootstrap_samples: int,
               skipped: Optional[Mapping[str, str]] = None) -> dict:
     """Scores per arm/seed/subset, mean and spread over seeds, and paired bootstrap of every
@@ -42,10 +60,12 @@ def summarise(config: dict, runs: dict, arms: Sequence[str], seeds: Sequence[int
     for arm, by_seed in runs.items():
         for seed, run in by_seed.items():
             train.setdefault(arm, {})[seed] = {k: run["train"].get(k) for k in TRAIN_STATS}
+            train[arm][seed].update({k: run["train"][k] for k in LOG_STATS if run["train"].get(k) is not None})
             for subset, ev in run["eval"].items():
                 signatures = {"bleu": ev["bleu_signature"], "chrf": ev["chrf_signature"]}
                 scores.setdefault(arm, {}).setdefault(seed, {})[subset] = {
-                    k: ev[k] for k in ("bleu", "chrf", "n_sentences", "reference")}
+                    k: ev[k] for k in ("bleu", "chrf", "n_sentences", "reference", "lenpen", "lenpen_valid_bleu")
+                    if k in ev}
                 for ref in references:
                     if arm in (ref, "pretrained"):
                         continue
@@ -63,6 +83,11 @@ def summarise(config: dict, runs: dict, arms: Sequence[str], seeds: Sequence[int
             summary.setdefault(arm, {})[subset] = {"bleu_mean": bleu, "bleu_sd": bleu_sd, "chrf_mean": chrf,
                                                    "chrf_sd": chrf_sd, "n_seeds": len(per_seed)}
     bootstrap = against.pop(baseline)
+    ttest = {ref: {arm: {subset: paired_ttest({seed: scores[ref][seed][subset]["bleu"] for seed in scores[ref]},
+                                              {seed: scores[arm][seed][subset]["bleu"] for seed in scores[arm]})
+                         for subset in summary[arm] if subset in summary[ref]}
+                   for arm in arms if arm != ref and arm in scores}
+             for ref in references}
     return {
         "description": " ".join(str(config.get("description", "")).split()), "config": display_path(config["path"]),
         "stage": config["stage"], "baseline": baseline, "arms": list(arms), "skipped": dict(skipped or {}),
@@ -70,7 +95,7 @@ def summarise(config: dict, runs: dict, arms: Sequence[str], seeds: Sequence[int
         "arm_flags": {arm: flags_to_args(config["arms"][arm]) for arm in arms},
         "common_flags": flags_to_args(stage_flags(config)), "eval": config.get("eval") or {},
         "signatures": signatures, "scores": scores, "summary": summary, "bootstrap": bootstrap,
-        "bootstrap_vs": against, "train": train,
+        "bootstrap_vs": against, "ttest": ttest, "train": train,
         "bootstrap_method": f"paired bootstrap resampling, {bootstrap_samples} resamples, numpy seed 12345, "
                             f"two-sided p, percentile 95% CI of the difference "
                             f"(fairseq_softtopk/experiments/scoring.py)",
@@ -98,6 +123,85 @@ def _fmt_delta(arm_boot: Dict[str, dict], subset: str, metric: str) -> tuple:
     return f"{mean:+.2f} ± {sd:.2f}", ", ".join(f"{r['p_value']:.3g}" for r in rows)
 
 
+def _scored_checkpoint(results: dict) -> str:
+    """What the report scores, in words (the eval settings' ``checkpoint`` and ``lenpen_grid``)."""
+    eval_cfg = results.get("eval") or {}
+    which = ("checkpoint_best (by the validation metric of fairseq-train) within the same update budget"
+             if eval_cfg.get("checkpoint") == "best" else "checkpoint_last after the same update budget")
+    if eval_cfg.get("lenpen_grid"):
+        which += (f", decoded at the length penalty of {eval_cfg['lenpen_grid']} that scores best on valid "
+                  f"(per run; valid's scores are at that choice)")
+    return which
+
+
+def _over_seeds_markdown(results: dict) -> list:
+    """The report's tables across seeds: paired t-tests against the baseline and the ``compare_to`` arms, the
+    length penalty chosen per run, the loss terms' gradient norms, the cost per update and the validation BLEU
+    during training; each where its numbers exist."""
+    lines, arms, seeds = [], results["arms"], [str(seed) for seed in results["seeds"]]
+    ttest = results.get("ttest") or {}
+    if any(test for by_arm in ttest.values() for by_subset in by_arm.values() for test in by_subset.values()):
+        refs = list(ttest)
+        lines += ["## Over the seeds", "", "Paired t-test of the per-seed BLEU (scipy `ttest_rel`, two-sided): "
+                  "mean ± sd of the differences, p.", "",
+                  "| arm | subset | " + " | ".join(f"ΔBLEU vs {ref} (p)" for ref in refs) + " |",
+                  "|---|---|" + "---|" * len(refs)]
+        for arm in arms:
+            for subset in results["summary"].get(arm, {}):
+                cells = []
+                for ref in refs:
+                    test = ttest[ref].get(arm, {}).get(subset)
+                    cells.append("" if not test else f"{test['delta_mean']:+.2f} ± {test['delta_sd']:.2f} "
+                                 f"({'-' if test['p_value'] is None else format(test['p_value'], '.3g')})")
+                if any(cells):
+                    lines.append(f"| {arm} | {subset} | {' | '.join(cells)} |")
+        lines.append("")
+    scores = results["scores"]
+    chosen = {arm: [scores[arm][seed][next(iter(scores[arm][seed]))].get("lenpen") for seed in seeds
+                    if seed in scores.get(arm, {})] for arm in arms}
+    if any(value is not None for values in chosen.values() for value in values):
+        lines += ["Length penalty chosen on valid, per seed:", "", "| arm | " + " | ".join(f"seed {s}" for s in seeds)
+                  + " |", "|---|" + "---|" * len(seeds)]
+        lines += [f"| {arm} | {' | '.join(str(v) for v in values)} |" for arm, values in chosen.items()]
+        lines.append("")
+    train = results["train"]
+
+    def mean_of(arm, key):
+        return _mean_or_none([train[arm][seed].get(key) for seed in train.get(arm, {})])
+
+    if any(mean_of(arm, "beam_gnorm_median") is not None for arm in arms):
+        lines += ["Gradient norms of the two weighted loss terms apart (medians over the measured batches, mean over "
+                  "seeds; divided by the sample size, as fairseq's gnorm):", "",
+                  "| arm | token term (tf_gnorm) | beam term (beam_gnorm) | beam / token |", "|---|---|---|---|"]
+        for arm in arms:
+            tf, beam = mean_of(arm, "tf_gnorm_median"), mean_of(arm, "beam_gnorm_median")
+            if beam is not None:
+                lines.append(f"| {arm} | {tf:.3g} | {beam:.3g} | {beam / tf:.2f} |" if tf else
+                             f"| {arm} | - | {beam:.3g} | - |")
+        lines.append("")
+    if any(mean_of(arm, "updates") for arm in arms):
+        lines += ["Cost: wall-clock seconds of training (validations included) per update, mean over seeds (runs side "
+                  "by side share the machine):", "", "| arm | updates | s / update |", "|---|---|---|"]
+        for arm in arms:
+            updates, wall = mean_of(arm, "updates"), mean_of(arm, "wall_seconds")
+            if updates:
+                lines.append(f"| {arm} | {updates:.0f} | {'-' if wall is None else format(wall / updates, '.2f')} |")
+        lines.append("")
+    curves = {arm: [train[arm][seed].get("valid_bleu") or [] for seed in train.get(arm, {})] for arm in arms}
+    points = sorted({u for runs in curves.values() for run in runs for u, _ in run})
+    if points:
+        lines += ["Validation BLEU during training (fairseq-train `--eval-bleu`, mean over seeds):", "",
+                  "| arm | " + " | ".join(f"update {u}" for u in points) + " |", "|---|" + "---|" * len(points)]
+        for arm, runs in curves.items():
+            cells = []
+            for u in points:
+                values = [b for run in runs for at, b in run if at == u]
+                cells.append(f"{sum(values) / len(values):.2f}" if values else "")
+            lines.append(f"| {arm} | {' | '.join(cells)} |")
+        lines.append("")
+    return lines
+
+
 def results_markdown(results: dict) -> str:
     """The ``results.md`` report: one table per evaluated subset, then settings and notes."""
     base, multi = results["baseline"], len(results["seeds"]) > 1
@@ -106,7 +210,7 @@ def results_markdown(results: dict) -> str:
     lines = [f"# Ablation: {Path(results['config']).stem}", "", results["description"], "",
              f"Seeds: {', '.join(map(str, results['seeds']))}" + (" (mean ± sd over seeds; one p per seed)"
                                                                    if multi else "")
-             + f". {pretraining}Baseline arm: `{base}`. Every arm: checkpoint_last after the same update budget.", ""]
+             + f". {pretraining}Baseline arm: `{base}`. Every arm: {_scored_checkpoint(results)}.", ""]
     skipped = results.get("skipped") or {}  # absent from results.json written before arms were skipped
     if skipped:
         lines += ["Skipped arms (requested, not run):", "", *(f"- `{arm}`: {why}" for arm, why in skipped.items()), ""]
@@ -141,6 +245,7 @@ def results_markdown(results: dict) -> str:
                     lines.append(f"| {arm} | {' | '.join(cells)} |")
         reference = results["scores"][base][str(results["seeds"][0])][subset]["reference"]
         lines += ["", f"Reference: `{reference}`.", ""]
+    lines += _over_seeds_markdown(results)
     lines += ["## Settings", ""]
     if results.get("command") or results.get("commit"):
         lines += [f"- command: `{results.get('command') or '(not recorded)'}` at commit "

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence
 
 from .ablation_config import flags_to_args
-from .checkpoint_integrity import KEY as DIGEST_KEY, LAST, check_resumable, checkpoint_digest, verify_run_checkpoint
+from .checkpoint_integrity import (BEST, KEY as DIGEST_KEY, LAST, check_resumable, checkpoint_digest, digest_key,
+                                   verify_run_checkpoint)
 from .fairseq_commands import fairseq_command, run_logged
 from .run_lock import run_lock
 
@@ -72,22 +73,39 @@ def differing_flags(earlier: Sequence[str], now: Sequence[str]) -> List[str]:
 
 
 _TRAIN_INNER = re.compile(r"\| train_inner \| .*\bgnorm=([^,]+), clip=([^,]+)")
+_TERM_GNORMS = re.compile(r"\btf_gnorm=([^,]+), beam_gnorm=([^,]+)")
+_UPDATES = re.compile(r"\bnum_updates=(\d+)")
 
 
 def read_train_stats(log_path: Path) -> dict:
-    """Median gradient norm (before clipping) and mean share of clipped updates over the
-    ``train_inner`` lines of a fairseq-train log (empty values when it logged none)."""
+    """From the ``train_inner`` lines of a fairseq-train log: the median gradient norm (before clipping),
+    the mean share of clipped updates, the medians of the two loss terms' gradient norms where the
+    criterion logged them (``--log-term-gnorm-interval``) and the last update; and the validation BLEU
+    per update where fairseq-train logged it (``--eval-bleu``). Empty values where it logged none."""
     import statistics
 
-    gnorms, clips = [], []
+    from .ablation_plot import read_valid_curve
+
+    gnorms, clips, terms, updates = [], [], [], None
     if Path(log_path).exists():
         for line in Path(log_path).read_text(encoding="utf-8", errors="replace").splitlines():
             match = _TRAIN_INNER.search(line)
             if match:
                 gnorms.append(float(match.group(1)))
                 clips.append(float(match.group(2)))
-    return {"gnorm_median": round(statistics.median(gnorms), 4) if gnorms else None,
-            "clipped_percent": round(statistics.fmean(clips), 1) if clips else None}
+                term = _TERM_GNORMS.search(line)
+                if term:
+                    terms.append((float(term.group(1)), float(term.group(2))))
+                update = _UPDATES.search(line)
+                updates = int(update.group(1)) if update else updates
+
+    def median(values):
+        return round(statistics.median(values), 4) if values else None
+
+    bleu = [[p["num_updates"], p["bleu"]] for p in read_valid_curve(log_path) if "bleu" in p]
+    return {"gnorm_median": median(gnorms), "clipped_percent": round(statistics.fmean(clips), 1) if clips else None,
+            "tf_gnorm_median": median([t for t, _ in terms]), "beam_gnorm_median": median([b for _, b in terms]),
+            "updates": updates, "valid_bleu": bleu or None}
 
 
 def _fairseq_finished(log_path: Path) -> bool:
@@ -112,7 +130,7 @@ def train_run(data_bin: Path, flags: Mapping[str, object], save_dir: Path,
     A ``finetune_from`` that is a finished run's ``checkpoint_last.pt`` is checked against the
     digest in that run's ``done.json`` first (:mod:`.checkpoint_integrity`).
     Returns the contents of ``done.json`` (arguments, wall and CPU seconds of this call, and the
-    SHA-256 of ``checkpoint_last.pt``).
+    SHA-256 of ``checkpoint_last.pt``, and of ``checkpoint_best.pt`` where fairseq-train wrote one).
 
     Raises:
         RunDirectoryInUse: another live process trains in ``save_dir``.
@@ -151,6 +169,8 @@ def train_run(data_bin: Path, flags: Mapping[str, object], save_dir: Path,
         if not (save_dir / LAST).exists():
             raise RuntimeError(f"fairseq-train finished without writing {save_dir / LAST}")
         done[DIGEST_KEY] = checkpoint_digest(save_dir / LAST)
+        if (save_dir / BEST).exists():  # written where fairseq-train validated: an evaluation may score it
+            done[digest_key(BEST)] = checkpoint_digest(save_dir / BEST)
         write_json_atomic(save_dir / DONE, done)
         return done
 

@@ -2,8 +2,9 @@
 
 A finished run's ``checkpoint_last.pt`` is read again later: fine-tuning starts from the
 pretraining run's, and evaluation scores each run's. :func:`checkpoint_digest` is recorded in
-the run's ``done.json`` (``checkpoint_sha256``) when the run finishes, and
-:func:`verify_run_checkpoint` compares it before each reuse: a file that changed on disk since
+the run's ``done.json`` (``checkpoint_sha256``; ``checkpoint_best_sha256`` for its ``checkpoint_best.pt``,
+which an evaluation may score instead) when the run finishes, and :func:`verify_run_checkpoint` compares it
+before each reuse: a file that changed on disk since
 (a flipped bit, a copy cut short, a file replaced by hand) is an error, not a silently different
 model. A ``done.json`` written before digests were recorded gets the digest of the file as it
 is then, with a log line.
@@ -24,7 +25,14 @@ logger = logging.getLogger("ablation")
 
 DONE = "done.json"
 LAST = "checkpoint_last.pt"
+BEST = "checkpoint_best.pt"
 KEY = "checkpoint_sha256"
+
+
+def digest_key(name: str) -> str:
+    """The ``done.json`` key of a checkpoint file's digest: :data:`KEY` for ``checkpoint_last.pt``,
+    ``<stem>_sha256`` for another (``checkpoint_best_sha256``)."""
+    return KEY if name == LAST else f"{Path(name).stem}_sha256"
 
 
 class CheckpointChanged(RuntimeError):
@@ -49,8 +57,8 @@ def _rewrite_keeping_mtime(path: Path, data: dict) -> None:
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
 
 
-def verify_run_checkpoint(run_dir: Path) -> Path:
-    """Checks a finished run's ``checkpoint_last.pt`` against the digest in its ``done.json``.
+def verify_run_checkpoint(run_dir: Path, name: str = LAST) -> Path:
+    """Checks a finished run's checkpoint ``name`` (``checkpoint_last.pt``) against the digest in its ``done.json``.
 
     Returns:
         the checkpoint's path.
@@ -60,15 +68,17 @@ def verify_run_checkpoint(run_dir: Path) -> Path:
             file, both digests and what to do).
     """
     run_dir = Path(run_dir)
-    done_path, checkpoint = run_dir / DONE, run_dir / LAST
+    done_path, checkpoint = run_dir / DONE, run_dir / name
     if not checkpoint.is_file():
-        raise FileNotFoundError(f"checkpoint not found: {checkpoint}")
+        hint = " (fairseq-train writes it only where it validates)" if name == BEST else ""
+        raise FileNotFoundError(f"checkpoint not found: {checkpoint}{hint}")
     done = json.loads(done_path.read_text(encoding="utf-8"))
     found = checkpoint_digest(checkpoint)
-    expected = done.get(KEY)
+    key = digest_key(name)
+    expected = done.get(key)
     if expected is None:  # finished before digests were recorded: trust the file as it is now
-        _rewrite_keeping_mtime(done_path, {**done, KEY: found})
-        logger.info("%s: recorded the SHA-256 of %s in done.json (written before checksums)", run_dir, LAST)
+        _rewrite_keeping_mtime(done_path, {**done, key: found})
+        logger.info("%s: recorded the SHA-256 of %s in done.json (written before checksums)", run_dir, name)
         return checkpoint
     if found != expected:
         raise CheckpointChanged(

@@ -58,10 +58,12 @@ class BeamSearchOutput(NamedTuple):
             backtracked best beam (0 at padding).
         smooth_lprobs: ``(batch, T)`` sum over the vocabulary of the log-probabilities along
             the same path (for label smoothing; 0 at padding).
-        final_scores: ``(batch, beam)`` cumulative log-likelihoods of the final beams.
-        best_beam: ``(batch,)`` index of the final beam the loss follows.
+        final_scores: ``(batch, beam)`` cumulative log-likelihoods of each sentence's final beams: those after
+            its own last step (its target's length; a shorter sentence's beams run on past it, unused).
+        best_beam: ``(batch,)`` index of the final beam the loss follows (the best of ``final_scores``).
         tokens: ``(batch, beam, T)`` token sequence of each final beam (argmax candidates,
-            backtracked; undefined after a sentence's length).
+            backtracked from the sentence's last step; padding after its length): ``tokens[b, best_beam[b]]``
+            is the path of the loss.
         sharpness: ``(batch, T, beam)`` largest weight in each column of A (1 = hard selection).
         near_tie: ``(batch, T)`` bool: two of the k + 1 best candidates of the step are less than
             the (effective, linear-cost) epsilon apart, i.e. a rank boundary is soft there.
@@ -195,7 +197,10 @@ def unroll_beam_search(decoder, encoder_out, reorder_encoder_out: Callable, targ
                                       step.sharpness, step.near_tie))
             inputs, state = step.inputs, step.state
     gold, smooth, best_beam = _backtrack(records, lengths)
-    return BeamSearchOutput(gold, smooth, cum, best_beam, _beam_tokens(records),
+    # a sentence's final beams are those after its own last step (a shorter one's run on past its end)
+    last_step = (lengths - 1).clamp_min(0)
+    final_scores = torch.stack([r.cum_score for r in records], 1)[torch.arange(batch, device=device), last_step]
+    return BeamSearchOutput(gold, smooth, final_scores, best_beam, _beam_tokens(records, lengths, pad),
                             torch.stack([r.sharpness for r in records], 1),
                             torch.stack([r.near_tie for r in records], 1), counts.n_unconverged, counts.newton_iters,
                             counts.scale_probe, counts.mixed_sum, counts.mixed_count)
@@ -297,13 +302,16 @@ def _observe_step(grad_observer: GradientObserver, live: Tensor, norms: Tensor) 
     grad_observer(norms, live)
 
 
-def _beam_tokens(records: List[StepRecord]) -> Tensor:
-    """``(batch, beam, T)`` sequences of the final beams, following argmax predecessors."""
-    last = records[-1].predecessor
-    beam = torch.arange(last.shape[1], device=last.device).expand_as(last)
-    out = []
-    for record in reversed(records):
-        out.append(record.token.gather(1, beam))
+def _beam_tokens(records: List[StepRecord], lengths: Tensor, pad: int) -> Tensor:
+    """``(batch, beam, T)`` sequences of each sentence's final beams (those after its step ``length - 1``),
+    following argmax predecessors; ``pad`` after the sentence's length."""
+    batch, k = records[-1].predecessor.shape
+    own = torch.arange(k, device=lengths.device).expand(batch, k)
+    beam, out = own, []
+    for t in range(len(records) - 1, -1, -1):
+        record = records[t]
+        beam = torch.where((lengths == t + 1).unsqueeze(1), own, beam)  # the sentence's own last step: start
+        out.append(torch.where((t < lengths).unsqueeze(1), record.token.gather(1, beam), pad))
         beam = record.predecessor.gather(1, beam)
     return torch.stack(out[::-1], -1)
 

@@ -1,0 +1,193 @@
+"""The ablation runner's longer protocol: scoring checkpoint_best (by its digest), the length penalty chosen on valid
+per run, the loss terms' gradient norms and the validation BLEU read from the training log, and the report's paired
+t-test over seeds (fairseq_softtopk.experiments: ablation_config, ablation_evaluation, ablation_training,
+ablation_report). fairseq-generate is replaced by a fake whose BLEU depends on the length penalty."""
+
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+
+from fairseq_softtopk.experiments import ablation_evaluation, ablation_report, scoring
+from fairseq_softtopk.experiments.ablation_config import eval_settings, load_config
+from fairseq_softtopk.experiments.ablation_training import read_train_stats
+from fairseq_softtopk.experiments.checkpoint_integrity import CheckpointChanged, checkpoint_digest
+
+REPO = Path(__file__).resolve().parents[1]
+LONG = REPO / "configs" / "multi30k_en_de_long_finetune.yaml"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("eval.checkpoint=first", "eval.checkpoint must be last or best"),
+    ("eval.lenpen_grid=[]", "non-empty list"),
+    ("eval.lenpen_grid=[1.0, 1.0]", "distinct"),
+    ("eval.lenpen_grid=[0.5, .inf]", "finite"),
+    ("eval.lenpen_grid=0.6", "list"),
+    ("eval.subsets=[test]", "chosen on valid"),
+    ("eval.generate={lenpen: 0.6}", "both set the length penalty"),
+])
+def test_bad_eval_checkpoint_and_lenpen_grid_are_refused(override, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(LONG, ["eval.lenpen_grid=[0.6, 1.0]", override] if "lenpen_grid" not in override
+                    else [override])
+
+
+def test_the_long_protocol_scores_checkpoint_best_at_a_length_penalty_chosen_on_valid():
+    config = load_config(LONG)
+    assert config["eval"]["checkpoint"] == "best" and 1.0 in config["eval"]["lenpen_grid"]
+    assert config["train"]["best-checkpoint-metric"] == "bleu" and config["train"]["eval-bleu"] is True
+    assert set(config["default_arms"]) == {"tf", "hard", "soft", "soft_risk"}
+    risk = config["arms"]["soft_risk"]
+    assert risk["beam-loss"] == "risk" and risk["beam-risk-cost"] == "bleu_points"
+
+
+def test_eval_settings_leave_unset_optional_keys_out():
+    """A cache written before checkpoint and lenpen_grid existed has the same settings as a config without them."""
+    before = {"beam": 5, "batch_size": None, "subsets": ["test"], "post_process": None, "detok_lang": None,
+              "generate": None}
+    assert eval_settings({"beam": 5, "subsets": ["test"]}) == before
+    assert eval_settings({"beam": 5, "subsets": ["test"], "checkpoint": "best"}) == {**before, "checkpoint": "best"}
+
+
+def _bleu_at(lenpen: float, subset: str) -> float:
+    """The fake decoder's BLEU: best at lenpen 1.2 on both subsets, 1.0 and 1.4 level on valid."""
+    return 40.0 - 5 * abs(lenpen - 1.2) + (2.0 if subset == "test" else 0.0)
+
+
+@pytest.fixture
+def fake_generate(monkeypatch):
+    """evaluate_checkpoint replaced: records (checkpoint, subset, --lenpen) and writes the hypothesis file."""
+    calls = []
+
+    def evaluate(data_bin, checkpoint, ref, subset="test", beam=5, batch_size=None, post_process=None,
+                 detok_lang=None, hyp_out=None, extra_args=(), keep_hypotheses=False):
+        args = list(extra_args)
+        lenpen = float(args[args.index("--lenpen") + 1]) if "--lenpen" in args else 1.0
+        calls.append((Path(checkpoint).name, subset, lenpen))
+        Path(hyp_out).write_text(f"{subset} at {lenpen}\n")
+        return {"bleu": _bleu_at(lenpen, subset), "chrf": 60.0, "n_sentences": 3, "reference": "ref",
+                "bleu_signature": "b", "chrf_signature": "c", "hypotheses": ["h"] * 3, "references": ["r"] * 3}
+
+    monkeypatch.setattr(scoring, "evaluate_checkpoint", evaluate)
+    monkeypatch.setattr(ablation_evaluation, "subset_size", lambda *args: 3)
+    return calls
+
+
+def _finished_run(run_dir: Path) -> Path:
+    run_dir.mkdir()
+    for name in ("checkpoint_last.pt", "checkpoint_best.pt"):
+        (run_dir / name).write_bytes(name.encode())
+    (run_dir / "done.json").write_text(json.dumps({
+        "finished": "then", "checkpoint_sha256": checkpoint_digest(run_dir / "checkpoint_last.pt"),
+        "checkpoint_best_sha256": checkpoint_digest(run_dir / "checkpoint_best.pt")}))
+    return run_dir
+
+
+def test_lenpen_is_chosen_on_valid_and_test_decoded_at_it_from_checkpoint_best(tmp_path, fake_generate):
+    run = _finished_run(tmp_path / "run")
+    eval_cfg = {"beam": 5, "subsets": ["valid", "test"], "checkpoint": "best", "lenpen_grid": [0.6, 1.0, 1.2, 1.4]}
+    subsets = ablation_evaluation.evaluate_run(run, tmp_path, None, eval_cfg, ("src", "tgt"))
+    assert fake_generate == [("checkpoint_best.pt", "valid", v) for v in (0.6, 1.0, 1.2, 1.4)] + \
+        [("checkpoint_best.pt", "test", 1.2)]
+    assert subsets["valid"]["lenpen"] == subsets["test"]["lenpen"] == 1.2
+    assert subsets["valid"]["bleu"] == _bleu_at(1.2, "valid") and subsets["test"]["bleu"] == _bleu_at(1.2, "test")
+    assert subsets["test"]["lenpen_valid_bleu"] == {str(v): _bleu_at(v, "valid") for v in (0.6, 1.0, 1.2, 1.4)}
+    assert (run / "valid.hyp").read_text() == "valid at 1.2\n" and (run / "valid.lenpen0.6.hyp").exists()
+    # cached: nothing decoded again; a changed grid is scored again
+    ablation_evaluation.evaluate_run(run, tmp_path, None, eval_cfg, ("src", "tgt"))
+    assert len(fake_generate) == 5
+    # a tie goes to the value nearest 1.0: 1.0 and 1.4 score the same on valid
+    fake_generate.clear()
+    tied = ablation_evaluation.evaluate_run(run, tmp_path, None, {**eval_cfg, "lenpen_grid": [1.4, 1.0]},
+                                            ("src", "tgt"))
+    assert _bleu_at(1.0, "valid") == _bleu_at(1.4, "valid") and tied["test"]["lenpen"] == 1.0
+    assert fake_generate[-1] == ("checkpoint_best.pt", "test", 1.0)
+
+
+def test_checkpoint_best_is_checked_against_its_digest_and_its_absence_is_explained(tmp_path, fake_generate):
+    run = _finished_run(tmp_path / "run")
+    (run / "checkpoint_best.pt").write_bytes(b"another model")
+    eval_cfg = {"beam": 5, "subsets": ["test"], "checkpoint": "best"}
+    with pytest.raises(CheckpointChanged, match="checkpoint_best.pt changed"):
+        ablation_evaluation.evaluate_run(run, tmp_path, None, eval_cfg, ("src", "tgt"))
+    # checkpoint_last is unchanged and still scores
+    assert ablation_evaluation.evaluate_run(run, tmp_path, None, {**eval_cfg, "checkpoint": "last"},
+                                            ("src", "tgt"))["test"]["bleu"] == _bleu_at(1.0, "test")
+    (run / "checkpoint_best.pt").unlink()
+    with pytest.raises(FileNotFoundError, match="only where it validates"):
+        ablation_evaluation.evaluate_run(run, tmp_path, None, eval_cfg, ("src", "tgt"))
+    assert fake_generate == [("checkpoint_last.pt", "test", 1.0)]
+
+
+def test_train_stats_read_the_term_gradient_norms_updates_and_validation_bleu(tmp_path):
+    inner = ("2026-01-01 00:00:00 | INFO | train_inner | epoch 001:     {n} / 486 loss=1{extra}, ppl=3, "
+             "num_updates={n}, lr=0.0001, gnorm={g}, clip={c}, train_wall=5")
+    valid = ("2026-01-01 00:00:00 | INFO | valid | epoch 001 | valid on 'valid' subset | loss 4 | nll_loss 2 | "
+             "bleu {b} | num_updates {n} | best_bleu 41")
+    log = tmp_path / "train.log"
+    log.write_text("\n".join([
+        inner.format(n=10, extra=", tf_gnorm=0.3, beam_gnorm=1.1", g=1.2, c=100),
+        inner.format(n=20, extra="", g=0.5, c=0),
+        inner.format(n=30, extra=", tf_gnorm=0.5, beam_gnorm=0.9", g=1.0, c=0),
+        inner.format(n=40, extra=", tf_gnorm=0.4, beam_gnorm=1.3", g=1.4, c=100),
+        valid.format(b=40.5, n=243), valid.format(b=41.0, n=486)]) + "\n")
+    stats = read_train_stats(log)
+    assert stats["tf_gnorm_median"] == 0.4 and stats["beam_gnorm_median"] == 1.1
+    assert stats["gnorm_median"] == pytest.approx(1.1) and stats["clipped_percent"] == 50.0
+    assert stats["updates"] == 40 and stats["valid_bleu"] == [[243, 40.5], [486, 41.0]]
+    assert read_train_stats(tmp_path / "missing.log")["valid_bleu"] is None
+
+
+def test_paired_ttest_is_the_t_statistic_of_the_differences():
+    """t = mean(d) / (sd(d) / sqrt(n)), p = 2 * (1 - F_t(|t|; n - 1)), computed here from the t distribution."""
+    from scipy import stats
+
+    base = {"1": 38.1, "2": 38.4, "3": 38.0, "4": 38.3, "5": 38.2}
+    other = {"1": 38.6, "2": 38.5, "3": 38.4, "4": 38.9, "5": 38.3, "6": 50.0}  # seed 6 has no pair
+    test = ablation_report.paired_ttest(base, other)
+    d = [other[s] - base[s] for s in base]
+    mean = sum(d) / 5
+    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / 4)
+    t = mean / (sd / math.sqrt(5))
+    assert test["n_seeds"] == 5 and test["t"] == pytest.approx(t, abs=1e-3)
+    assert test["p_value"] == pytest.approx(2 * stats.t.sf(abs(t), 4), abs=1e-4)
+    assert test["delta_mean"] == pytest.approx(mean, abs=0.01) and test["delta_sd"] == pytest.approx(sd, abs=0.01)
+    assert ablation_report.paired_ttest({"1": 1.0}, {"1": 2.0}) is None
+
+
+def test_report_has_the_ttests_lenpens_gradient_norms_cost_and_validation_bleu():
+    rng = random.Random(3)
+    refs = [" ".join(f"w{rng.randrange(30)}" for _ in range(10)) for _ in range(60)]
+
+    def system(p, lenpen):
+        hyps = [" ".join(w if rng.random() > p else "x" for w in r.split()) for r in refs]
+        out = {**scoring.score(hyps, refs), "reference": "ref", "hypotheses": hyps, "references": refs}
+        return {**out, "lenpen": lenpen}
+
+    config = {"path": "long.yaml", "stage": "scratch", "baseline": "tf", "compare_to": ["hard"],
+              "model": {"arch": "a"}, "train": {"lr": 1},
+              "arms": {"tf": {}, "hard": {"topk-mode": "hard"}, "soft": {}},
+              "eval": {"checkpoint": "best", "lenpen_grid": [0.6, 1.0]}}
+    runs = {}
+    for arm, p, gnorms in (("tf", 0.5, {}), ("hard", 0.4, {"tf_gnorm_median": 0.3, "beam_gnorm_median": 0.15}),
+                           ("soft", 0.3, {"tf_gnorm_median": 0.3, "beam_gnorm_median": 0.6})):
+        for seed in ("1", "2", "3"):
+            train = {"wall_seconds": 300.0, "cpu_seconds": None, "gnorm_median": 0.5, "clipped_percent": 0.0,
+                     "updates": 100, "valid_bleu": [[50, 30.0 + int(seed)], [100, 31.0]], **gnorms}
+            runs.setdefault(arm, {})[seed] = {"train": train, "eval": {"test": system(p, 0.6 if seed == "2" else 1.0)}}
+    results = ablation_report.summarise(config, runs, ["tf", "hard", "soft"], [1, 2, 3], bootstrap_samples=50)
+    soft = results["ttest"]["tf"]["soft"]["test"]
+    per_seed = [results["scores"]["soft"][s]["test"]["bleu"] - results["scores"]["tf"][s]["test"]["bleu"]
+                for s in ("1", "2", "3")]
+    assert soft["delta_mean"] == pytest.approx(sum(per_seed) / 3, abs=0.01) and soft["delta_mean"] > 5
+    assert set(results["ttest"]) == {"tf", "hard"} and "hard" not in results["ttest"]["hard"]
+    markdown = ablation_report.results_markdown({**results, "data_bin": "bin"})
+    assert "checkpoint_best (by the validation metric of fairseq-train)" in markdown
+    row = next(line for line in markdown.splitlines() if line.startswith("| soft | test |"))
+    assert row.count("±") == 2  # against tf and against hard
+    assert "| hard | 1.0 | 0.6 | 1.0 |" in markdown  # the length penalty per seed
+    assert "| soft | 0.3 | 0.6 | 2.00 |" in markdown  # beam / token gradient norm
+    assert "| hard | 100 | 3.00 |" in markdown  # seconds per update
+    assert "| tf | 32.00 | 31.00 |" in markdown  # validation BLEU at updates 50 and 100, mean over seeds
