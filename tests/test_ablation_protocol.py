@@ -191,3 +191,23 @@ def test_report_has_the_ttests_lenpens_gradient_norms_cost_and_validation_bleu()
     assert "| soft | 0.3 | 0.6 | 2.00 |" in markdown  # beam / token gradient norm
     assert "| hard | 100 | 3.00 |" in markdown  # seconds per update
     assert "| tf | 32.00 | 31.00 |" in markdown  # validation BLEU at updates 50 and 100, mean over seeds
+
+
+def test_score_pretrained_needs_the_checkpoint_and_reaches_the_runner(tmp_path, monkeypatch, capsys):
+    from fairseq_softtopk.cli import ablation as ablation_cli
+
+    with pytest.raises(SystemExit) as exit_info:
+        ablation_cli.main([str(LONG), "--data-dir", str(tmp_path), "--work-dir", str(tmp_path / "w"),
+                           "--score-pretrained"])
+    assert exit_info.value.code == 2 and "--score-pretrained scores the --pretrained checkpoint" in capsys.readouterr().err
+    seen = {}
+
+    def fake_run(*args, **kwargs):
+        seen.update(kwargs, pretrained=args[6])
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(ablation_cli, "run_ablation", fake_run)
+    with pytest.raises(SystemExit):
+        ablation_cli.main([str(LONG), "--data-dir", str(tmp_path), "--work-dir", str(tmp_path / "w"),
+                           "--pretrained", "tf.pt", "--score-pretrained"])
+    assert seen["score_pretrained"] is True and seen["pretrained"] == "tf.pt"

@@ -5,7 +5,10 @@ A ``finetune`` config (``configs/*_finetune.yaml``) names its ``pretrain`` confi
 pretrained checkpoint is trained first if it is missing (or given with ``--pretrained``);
 every arm (teacher forcing continued = the baseline, beam ``hard``, beam ``soft``, ...) is
 then fine-tuned from it with ``--finetune-from-model``, the same update budget, batch size
-and seed, and its ``checkpoint_last.pt`` is translated and scored as by ``fairseq-softtopk-bleu``. A
+and seed, and its ``checkpoint_last.pt`` (the config's ``eval: checkpoint: best``: its ``checkpoint_best.pt``) is
+translated and scored as by ``fairseq-softtopk-bleu`` (``eval: lenpen_grid``: at the length penalty that scores
+best on valid). ``--score-pretrained`` scores the ``--pretrained`` checkpoint the same way (the report's first
+row). A
 ``scratch`` config (attention normalisers) trains every arm from scratch instead.
 The runner writes ``results.md``, ``results.json`` (BLEU, chrF, sacrebleu signatures,
 paired bootstrap against the baseline, mean and spread over ``--seeds``) and ``curves.png``.
@@ -60,6 +63,9 @@ def main(argv=None) -> int:
     parser.add_argument("--work-dir", required=True, help="checkpoints, logs, results.{md,json}, curves.png")
     parser.add_argument("--pretrained", help="teacher-forcing checkpoint to fine-tune (default: train the "
                                              "config's pretrain stage into WORK_DIR/pretrain if missing)")
+    parser.add_argument("--score-pretrained", action="store_true",
+                        help="also score the --pretrained checkpoint with the config's eval settings (the report's "
+                             "'pretrained' row)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1], help="fine-tuning seeds (default: 1)")
     parser.add_argument("--arms", nargs="+", help="arms to run (default: the config's default_arms)")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.FLAG=VALUE",
@@ -78,6 +84,8 @@ def main(argv=None) -> int:
             check(value)
         except ValueError as error:
             parser.exit(2, f"{parser.prog}: error: {flag}: {error}\n")
+    if args.score_pretrained and not args.pretrained:
+        parser.exit(2, f"{parser.prog}: error: --score-pretrained scores the --pretrained checkpoint: pass one\n")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s | %(levelname)s | %(name)s | %(message)s")
     with stop_on_signals():
         try:
@@ -88,7 +96,7 @@ def main(argv=None) -> int:
             ref_dir = args.ref_dir or (Path(args.data_dir) / "raw" if args.data_dir else None)
             results = run_ablation(config, data_bin, args.work_dir, ref_dir, args.seeds, args.arms, args.pretrained,
                                    args.bootstrap_samples, verbose=not args.quiet, jobs=args.jobs,
-                                   command=command)
+                                   command=command, score_pretrained=args.score_pretrained)
         except (FileNotFoundError, ValueError, RuntimeError) as error:
             parser.exit(1 if isinstance(error, RuntimeError) else 2, f"{parser.prog}: error: {error}\n")
         except RunStopped as stop:
