@@ -211,3 +211,21 @@ def test_score_pretrained_needs_the_checkpoint_and_reaches_the_runner(tmp_path, 
         ablation_cli.main([str(LONG), "--data-dir", str(tmp_path), "--work-dir", str(tmp_path / "w"),
                            "--pretrained", "tf.pt", "--score-pretrained"])
     assert seen["score_pretrained"] is True and seen["pretrained"] == "tf.pt"
+
+
+def test_a_failed_pretrained_scoring_is_logged_when_it_fails(caplog):
+    """The pretrained checkpoint is scored in a thread beside the runs: its error is logged at once (the report
+    raises it only after every run has trained)."""
+    import logging
+    from concurrent.futures import Future
+
+    from fairseq_softtopk.experiments.ablation_runner import _log_failure
+
+    ok, failed = Future(), Future()
+    with caplog.at_level(logging.INFO, logger="ablation"):
+        ok.add_done_callback(_log_failure)
+        ok.set_result({})
+        assert "failed" not in caplog.text
+        failed.add_done_callback(_log_failure)
+        failed.set_exception(RuntimeError("fairseq-generate failed: Missing key attention_topk_backend"))
+    assert "scoring the pretrained checkpoint failed" in caplog.text and "Missing key" in caplog.text

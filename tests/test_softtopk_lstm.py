@@ -459,3 +459,28 @@ def test_attention_sparsity_statistics_match_one_sentence_at_a_time(dictionary, 
             assert stats["outside_topk"] == pytest.approx(0.0, abs=1e-6) and stats["nonzero"] <= 2.0
         else:
             assert stats["outside_topk"] > 0.01 and stats["nonzero"] > 3
+
+
+def test_a_checkpoint_config_without_a_newer_option_still_builds(dictionary, rng):
+    """fairseq-generate builds the model from the config stored in the checkpoint, through the architecture
+    function: a config saved before an option existed (here without attention_topk_backend and
+    attention_topk_epsilon) gets the options' defaults, and the model it builds computes what the same weights
+    compute in a model built with every option given."""
+    from omegaconf import OmegaConf
+    from fairseq.models import build_model
+
+    task = SimpleNamespace(source_dictionary=dictionary, target_dictionary=dictionary)
+    full = {"_name": "softtopk_lstm_tiny", "attention_normalizer": "soft_topk", "attention_topk": 2,
+            "attention_topk_epsilon": 0.1, "attention_topk_backend": "auto", "max_source_positions": 64,
+            "max_target_positions": 64, "bf16": False, "cpu": True}
+    old = {key: value for key, value in full.items() if key not in ("attention_topk_backend", "attention_topk_epsilon")}
+    stored = OmegaConf.create(old)
+    OmegaConf.set_struct(stored, True)  # as a loaded checkpoint's config: a missing key raises on access
+    model = build_model(stored, task)
+    reference = build_model(OmegaConf.create(full), task)
+    assert model.decoder.attention.normalizer.epsilon == reference.decoder.attention.normalizer.epsilon == 0.1
+    reference.load_state_dict(model.state_dict())
+    src = torch.randint(4, len(dictionary), (2, 5), generator=rng)
+    prev = torch.randint(4, len(dictionary), (2, 4), generator=rng)
+    model.eval(), reference.eval()
+    torch.testing.assert_close(model(src, torch.tensor([5, 5]), prev)[0], reference(src, torch.tensor([5, 5]), prev)[0])

@@ -197,6 +197,7 @@ def run_ablation(config: dict, data_bin, work_dir, ref_dir=None, seeds: Sequence
                                                    eval_cfg, pair)
 
                 scored = ThreadPoolExecutor(max_workers=1).submit(score)
+                scored.add_done_callback(_log_failure)  # now, not when every run has trained and result() raises
             runs = _schedule(config, work_dir, seeds, arms, jobs, per_seed, shared_pretrain, start_ckpt,
                              train_and_score)
             if scored is not None:
@@ -213,6 +214,14 @@ def run_ablation(config: dict, data_bin, work_dir, ref_dir=None, seeds: Sequence
             raise RunStopped(stop.signum, describe_runs(plan)) from None
     logger.info("wrote %s, %s and %s", work_dir / "results.md", work_dir / "results.json", work_dir / "curves.png")
     return results
+
+
+def _log_failure(future) -> None:
+    """Logs the error of the pretrained checkpoint's scoring as soon as it fails (the report needs it)."""
+    if not future.cancelled() and future.exception() is not None:
+        error = future.exception()
+        logger.error("scoring the pretrained checkpoint failed (the report will stop on it once the runs have "
+                     "trained; they go on meanwhile): %s: %s", type(error).__name__, error)
 
 
 def _schedule(config: dict, work_dir: Path, seeds: Sequence[int], arms: Sequence[str], jobs: int, per_seed: bool,

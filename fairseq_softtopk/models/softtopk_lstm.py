@@ -7,6 +7,7 @@ Registered with fairseq as model ``softtopk_lstm`` and architectures ``softtopk_
 ``fairseq-generate`` decodes the same checkpoints with ordinary beam search.
 """
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from fairseq.models import FairseqEncoderDecoderModel, register_model, register_model_architecture
@@ -135,9 +136,18 @@ class SoftTopKLSTMModel(FairseqEncoderDecoderModel):
 
 
 def _set_defaults(args, **defaults) -> None:
-    """Sets each option not given on the command line (architecture functions)."""
+    """Sets each option not given on the command line (architecture functions), then each other option of
+    :class:`SoftTopKLSTMConfig` that ``args`` lacks to its default: a checkpoint saved before an option existed
+    (its stored config lacks it; fairseq-generate builds the model from that config through this function)
+    still builds, as it trained (a new option's default is the behaviour from before it)."""
     for name, value in defaults.items():
         setattr(args, name, safe_getattr(args, name, value))
+    for option in dataclasses.fields(SoftTopKLSTMConfig):
+        default = option.default
+        if default is dataclasses.MISSING or (isinstance(default, str) and default.startswith("${")):
+            continue  # interpolations (II): fairseq fills them from the other config groups
+        if safe_getattr(args, option.name, None) is None:
+            setattr(args, option.name, default)
 
 
 @register_model_architecture("softtopk_lstm", "softtopk_lstm_tiny")
