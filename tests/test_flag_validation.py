@@ -86,6 +86,7 @@ BAD = [
     (S, "--beam-lenpen nan", "--beam-lenpen", "a finite number", "got nan"),
     (S, "--beam-max-len-a -1", "--beam-max-len-a", "a finite number >= 0", "got -1.0"),
     (S, "--beam-max-len-b -1", "--beam-max-len-b", "an integer >= 0", "got -1"),
+    (S, "--log-term-gnorm-interval -1", "--log-term-gnorm-interval", "an integer >= 0 (0 = never)", "got -1"),
     (S, "--beam-max-len-a 0 --beam-max-len-b 0", "--beam-max-len-a", "+ --beam-max-len-b must be >= 1", "got 0.0 + 0"),
     (S, "--candidate-pool 2", "--topk-candidate-pool", "an integer >= --train-beam (5), got 2",
      "(given as --candidate-pool, its deprecated name)"),
@@ -128,7 +129,8 @@ def test_a_bad_value_is_refused_when_built_naming_the_flag_and_the_range(data_di
 
 #: the choices: fairseq's parser refuses a value outside them (exit status 2, naming the flag)
 CHOICES = [(S, "--topk-mode"), (S, "--topk-cost"), (S, "--topk-grad"), (S, "--topk-compile"),
-           (S, "--topk-regularizer"), (S, "--beam-loss"), (S, "--topk-backend"), (L, "--attention-normalizer"),
+           (S, "--topk-regularizer"), (S, "--beam-loss"), (S, "--beam-risk-cost"), (S, "--topk-backend"),
+           (L, "--attention-normalizer"),
            (L, "--attention-topk-backend"), (T, "--attention-topk-backend")]
 
 
