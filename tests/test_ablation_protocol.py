@@ -129,7 +129,7 @@ def test_train_stats_read_the_term_gradient_norms_updates_and_validation_bleu(tm
     log = tmp_path / "train.log"
     log.write_text("\n".join([
         inner.format(n=10, extra=", tf_gnorm=0.3, beam_gnorm=1.1", g=1.2, c=100),
-        inner.format(n=20, extra="", g=0.5, c=0),
+        inner.format(n=20, extra=", tf_gnorm=None, beam_gnorm=None", g=0.5, c=0),  # nothing measured then
         inner.format(n=30, extra=", tf_gnorm=0.5, beam_gnorm=0.9", g=1.0, c=0),
         inner.format(n=40, extra=", tf_gnorm=0.4, beam_gnorm=1.3", g=1.4, c=100),
         valid.format(b=40.5, n=243), valid.format(b=41.0, n=486)]) + "\n")

@@ -73,7 +73,8 @@ def differing_flags(earlier: Sequence[str], now: Sequence[str]) -> List[str]:
 
 
 _TRAIN_INNER = re.compile(r"\| train_inner \| .*\bgnorm=([^,]+), clip=([^,]+)")
-_TERM_GNORMS = re.compile(r"\btf_gnorm=([^,]+), beam_gnorm=([^,]+)")
+# an interval without a measured batch logs "tf_gnorm=None, beam_gnorm=None": not matched
+_TERM_GNORMS = re.compile(r"\btf_gnorm=([0-9.eE+-]+), beam_gnorm=([0-9.eE+-]+)")
 _UPDATES = re.compile(r"\bnum_updates=(\d+)")
 
 
