@@ -103,7 +103,10 @@ def read_train_stats(log_path: Path) -> dict:
     def median(values):
         return round(statistics.median(values), 4) if values else None
 
-    bleu = [[p["num_updates"], p["bleu"]] for p in read_valid_curve(log_path) if "bleu" in p]
+    curve = read_valid_curve(log_path)
+    if curve:  # the last update is validated, the train_inner lines come every --log-interval updates
+        updates = max(updates or 0, curve[-1]["num_updates"])
+    bleu = [[p["num_updates"], p["bleu"]] for p in curve if "bleu" in p]
     return {"gnorm_median": median(gnorms), "clipped_percent": round(statistics.fmean(clips), 1) if clips else None,
             "tf_gnorm_median": median([t for t, _ in terms]), "beam_gnorm_median": median([b for _, b in terms]),
             "updates": updates, "valid_bleu": bleu or None}
