@@ -19,7 +19,7 @@ TERM_GNORM_KEYS = ("tf_gnorm_sum", "beam_gnorm_sum", "term_gnorm_count")
 
 def gradient_norm(term: torch.Tensor, params) -> torch.Tensor:
     """The 2-norm of the gradient of the scalar ``term`` with respect to ``params`` (float64; the graph is
-    kept; a parameter ``term`` does not reach counts 0)."""
+    kept; a parameter that ``term`` does not reach adds 0)."""
     grads = torch.autograd.grad(term, params, retain_graph=True, allow_unused=True)
     squares = [g.detach().double().pow(2).sum() for g in grads if g is not None]
     return torch.stack(squares).sum().sqrt() if squares else term.new_zeros((), dtype=torch.float64)
@@ -59,5 +59,4 @@ class TermGradientNorms:
             if selection_stats is not None:
                 selection_stats.paused = False
         size = float(sample_size) or 1.0
-        return {"tf_gnorm_sum": norms[0] / size, "beam_gnorm_sum": norms[1] / size,
-                "term_gnorm_count": 1}
+        return dict(zip(TERM_GNORM_KEYS, (norms[0] / size, norms[1] / size, 1)))

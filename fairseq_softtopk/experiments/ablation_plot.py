@@ -36,11 +36,12 @@ def plot_curves(work_dir: Path, arms: Sequence[str], seeds: Sequence[int], png: 
 
     shared_start = read_valid_curve(work_dir / "pretrain" / "train.log")[-1:]
     fig, (ax_nll, ax_loss) = plt.subplots(1, 2, figsize=(11, 4))
-    with_bleu = any("bleu" in p for arm in arms for seed in seeds
-                    for p in read_valid_curve(work_dir / f"seed{seed}" / arm / "train.log"))
+    curves = {(arm, seed): read_valid_curve(work_dir / f"seed{seed}" / arm / "train.log")
+              for arm in arms for seed in seeds}
+    with_bleu = any("bleu" in p for points in curves.values() for p in points)
     for i, arm in enumerate(arms):
         for j, seed in enumerate(seeds):
-            points = read_valid_curve(work_dir / f"seed{seed}" / arm / "train.log")
+            points = curves[arm, seed]
             # the seed's own pretrained model (pretrain_per_seed), else the shared one
             start = read_valid_curve(work_dir / f"seed{seed}" / "pretrain" / "train.log")[-1:] or shared_start
             label = f"{arm} (seed {seed})" if len(seeds) > 1 else arm
