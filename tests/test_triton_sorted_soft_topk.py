@@ -283,7 +283,7 @@ def test_kernel_widens_an_uncertified_window(rng, windows, monkeypatch):
     assert_matches_torch(x, 5, rng, epsilon=0.03)
     from fairseq_softtopk.ops._common import prepare_scores
 
-    z = prepare_scores(x, 5, -1, True, 0.03, None, "linear", 5).z
+    z = prepare_scores(x.to(DEVICE), 5, -1, True, 0.03, None, "linear", 5).z  # the device the kernel's floors are on
     floor, margin, eps = first[0]
     widened = floor + (margin - 2.0) * eps
     assert windows.widths() == [(z >= widened[:, None]).sum(-1).tolist()]
