@@ -141,3 +141,14 @@ def test_the_test_steps_report_pytests_summary():
     assert summary("cuda_tests", "==== 2 failed, 130 passed in 99.0s ====\n") == "2 failed, 130 passed"
     assert summary("bench_ops", "| case | method |\n| a | ours |\n") == "1 table rows"
 
+
+
+def test_the_callers_commit_comes_before_the_checkouts(monkeypatch):
+    """A checkout copied to a GPU machine can carry a stale .git (an H200 check reported a commit two behind):
+    GPU_CHECK_COMMIT, where given, is the report's commit; without it, git's HEAD."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=gpu_check.REPO, capture_output=True,
+                          text=True).stdout.strip()
+    monkeypatch.setenv("GPU_CHECK_COMMIT", "abc1234")
+    assert gpu_check.environment()["commit"] == "abc1234"
+    monkeypatch.delenv("GPU_CHECK_COMMIT")
+    assert gpu_check.environment()["commit"].split(" ")[0] == (head or "unknown")

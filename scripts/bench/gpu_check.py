@@ -110,14 +110,17 @@ def environment() -> Dict[str, str]:
         info["fairseq"] = fairseq.__version__
     except ImportError:
         info["fairseq"] = "not installed"
+    if os.environ.get("GPU_CHECK_COMMIT"):  # the caller's word first: a copied checkout's .git can be stale
+        info["commit"] = os.environ["GPU_CHECK_COMMIT"]
+        return info
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
                                capture_output=True, text=True)
     except OSError:  # no git on the GPU machine: the commit can still be given by the caller
-        info["commit"] = os.environ.get("GPU_CHECK_COMMIT", "unknown (no git)")
+        info["commit"] = "unknown (no git)"
         return info
-    info["commit"] = ((commit.stdout.strip() or os.environ.get("GPU_CHECK_COMMIT", "unknown"))
+    info["commit"] = ((commit.stdout.strip() or "unknown")
                       + (" (with uncommitted changes)" if dirty.stdout.strip() else ""))
     return info
 
