@@ -27,6 +27,10 @@ LONG = REPO / "configs" / "multi30k_en_de_long_finetune.yaml"
     ("eval.lenpen_grid=0.6", "list"),
     ("eval.subsets=[test]", "chosen on valid"),
     ("eval.generate={lenpen: 0.6}", "both set the length penalty"),
+    ("eval.fixed_lenpens=[]", "fixed_lenpens must be a non-empty list"),
+    ("eval.fixed_lenpens=[1.0, 1.0]", "distinct"),
+    ("eval.fixed_lenpens=[true]", "finite numbers"),
+    ("eval.subsets=[valid]", "decodes the subsets other than valid"),
 ])
 def test_bad_eval_checkpoint_and_lenpen_grid_are_refused(override, message):
     with pytest.raises(ValueError, match=message):
@@ -41,6 +45,10 @@ def test_the_long_protocol_scores_checkpoint_best_at_a_length_penalty_chosen_on_
     assert set(config["default_arms"]) == {"tf", "hard", "soft", "soft_risk"}
     risk = config["arms"]["soft_risk"]
     assert risk["beam-loss"] == "risk" and risk["beam-risk-cost"] == "bleu_points"
+
+
+def test_the_long_protocol_also_decodes_test_at_the_default_length_penalty():
+    assert load_config(LONG)["eval"]["fixed_lenpens"] == [1.0]
 
 
 def test_eval_settings_leave_unset_optional_keys_out():
@@ -104,6 +112,26 @@ def test_lenpen_is_chosen_on_valid_and_test_decoded_at_it_from_checkpoint_best(t
                                             ("src", "tgt"))
     assert _bleu_at(1.0, "valid") == _bleu_at(1.4, "valid") and tied["test"]["lenpen"] == 1.0
     assert fake_generate[-1] == ("checkpoint_best.pt", "test", 1.0)
+
+
+def test_fixed_lenpens_decode_test_at_each_untuned_value_reusing_the_chosen_one(tmp_path, fake_generate):
+    run = _finished_run(tmp_path / "run")
+    eval_cfg = {"beam": 5, "subsets": ["valid", "test"], "checkpoint": "best", "lenpen_grid": [0.6, 1.0, 1.2, 1.4],
+                "fixed_lenpens": [1.0, 1.2, 2.0]}
+    subsets = ablation_evaluation.evaluate_run(run, tmp_path, None, eval_cfg, ("src", "tgt"))
+    # valid at every grid value, test at the chosen 1.2, then at 1.0 and 2.0 (1.2 is not decoded twice)
+    assert fake_generate[4:] == [("checkpoint_best.pt", "test", v) for v in (1.2, 1.0, 2.0)]
+    assert subsets["test"]["bleu"] == _bleu_at(1.2, "test") and "at_lenpen" not in subsets["valid"]
+    assert subsets["test"]["at_lenpen"] == {str(v): {"bleu": _bleu_at(v, "test"), "chrf": 60.0}
+                                            for v in (1.0, 1.2, 2.0)}
+    assert (run / "test.lenpen2.0.hyp").read_text() == "test at 2.0\n"
+    assert (run / "test.hyp").read_text() == "test at 1.2\n"
+    # without a grid, test is decoded at fairseq's default (1.0), which the fixed 1.0 reuses
+    fake_generate.clear()
+    plain = ablation_evaluation.evaluate_run(run, tmp_path, None, {"beam": 5, "subsets": ["test"],
+                                                                   "fixed_lenpens": [1.0, 0.6]}, ("src", "tgt"))
+    assert fake_generate == [("checkpoint_last.pt", "test", 1.0), ("checkpoint_last.pt", "test", 0.6)]
+    assert plain["test"]["at_lenpen"]["1.0"]["bleu"] == plain["test"]["bleu"] == _bleu_at(1.0, "test")
 
 
 def test_checkpoint_best_is_checked_against_its_digest_and_its_absence_is_explained(tmp_path, fake_generate):
@@ -176,7 +204,11 @@ def test_report_has_the_ttests_lenpens_gradient_norms_cost_and_validation_bleu()
         for seed in ("1", "2", "3"):
             train = {"wall_seconds": 300.0, "cpu_seconds": None, "gnorm_median": 0.5, "clipped_percent": 0.0,
                      "updates": 100, "valid_bleu": [[50, 30.0 + int(seed)], [100, 31.0]], **gnorms}
-            runs.setdefault(arm, {})[seed] = {"train": train, "eval": {"test": system(p, 0.6 if seed == "2" else 1.0)}}
+            test = system(p, 0.6 if seed == "2" else 1.0)
+            test["at_lenpen"] = {"1.0": {"bleu": 30.0 + 0.5 * int(seed) + {"tf": 0.0, "hard": 0.2 * (int(seed) - 2),
+                                                                   "soft": 1.0 + 0.1 * int(seed)}[arm],
+                                          "chrf": 50.0}}
+            runs.setdefault(arm, {})[seed] = {"train": train, "eval": {"test": test}}
     results = ablation_report.summarise(config, runs, ["tf", "hard", "soft"], [1, 2, 3], bootstrap_samples=50)
     soft = results["ttest"]["tf"]["soft"]["test"]
     per_seed = [results["scores"]["soft"][s]["test"]["bleu"] - results["scores"]["tf"][s]["test"]["bleu"]
@@ -191,6 +223,13 @@ def test_report_has_the_ttests_lenpens_gradient_norms_cost_and_validation_bleu()
     assert "| soft | 0.3 | 0.6 | 2.00 |" in markdown  # beam / token gradient norm
     assert "| hard | 100 | 3.00 |" in markdown  # seconds per update
     assert "| tf | 32.00 | 31.00 |" in markdown  # validation BLEU at updates 50 and 100, mean over seeds
+    # untuned lenpen 1.0: soft is 1.1, 1.2, 1.3 above tf and 1.3, 1.2, 1.1 above hard (t = 1.2 / (0.1 / sqrt(3)),
+    # 2 degrees of freedom)
+    from scipy import stats
+
+    p = format(round(2 * stats.t.sf(1.2 / (0.1 / math.sqrt(3)), 2), 4), ".3g")
+    assert "| test | 1.0 | tf | 31.00 ± 0.50 | 50.00 ± 0.00 |  |" in markdown
+    assert f"| test | 1.0 | soft | 32.20 ± 0.60 | 50.00 ± 0.00 | +1.20 ± 0.10 ({p}) | +1.20 ± 0.10 ({p}) |" in markdown
 
 
 def test_score_pretrained_needs_the_checkpoint_and_reaches_the_runner(tmp_path, monkeypatch, capsys):

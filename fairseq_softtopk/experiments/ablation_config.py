@@ -21,7 +21,7 @@ EVAL_KEYS = ("beam", "batch_size", "subsets", "post_process", "detok_lang", "gen
 #: Eval keys that enter a run's cached settings only where set (caches written before them stay valid):
 #: ``checkpoint`` (``last``, the default, or ``best``: fairseq's checkpoint_best.pt, by its
 #: ``--best-checkpoint-metric``) and ``lenpen_grid`` (the length penalties to choose from on valid, per run).
-OPTIONAL_EVAL_KEYS = ("checkpoint", "lenpen_grid")
+OPTIONAL_EVAL_KEYS = ("checkpoint", "lenpen_grid", "fixed_lenpens")
 
 
 def _read_yaml(path: Path) -> dict:
@@ -115,22 +115,27 @@ def validate_config(config: dict, _nested: bool = False) -> None:
 
 
 def _validate_eval(eval_cfg: Mapping, where: str) -> None:
-    """``eval.checkpoint`` and ``eval.lenpen_grid`` (which needs ``valid`` among the subsets and no
-    ``generate.lenpen`` beside it)."""
+    """``eval.checkpoint``, ``eval.lenpen_grid`` (which needs ``valid`` among the subsets) and
+    ``eval.fixed_lenpens`` (which needs a subset besides ``valid``); neither beside ``generate.lenpen``."""
     if eval_cfg.get("checkpoint") not in (None, "last", "best"):
         raise ValueError(f"{where}: eval.checkpoint must be last or best, got {eval_cfg['checkpoint']!r}")
-    grid = eval_cfg.get("lenpen_grid")
-    if grid is None:
-        return
-    if not isinstance(grid, list) or not grid or not all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) != float("inf")
-            for v in grid) or len(set(grid)) != len(grid):
-        raise ValueError(f"{where}: eval.lenpen_grid must be a non-empty list of distinct finite numbers, got {grid!r}")
-    if "valid" not in (eval_cfg.get("subsets") or ["valid", "test"]):
+    subsets = eval_cfg.get("subsets") or ["valid", "test"]
+    for key in ("lenpen_grid", "fixed_lenpens"):
+        values = eval_cfg.get(key)
+        if values is None:
+            continue
+        if not isinstance(values, list) or not values or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) != float("inf")
+                for v in values) or len(set(values)) != len(values):
+            raise ValueError(f"{where}: eval.{key} must be a non-empty list of distinct finite numbers, got {values!r}")
+        if "lenpen" in (eval_cfg.get("generate") or {}):
+            raise ValueError(f"{where}: eval.{key} and eval.generate.lenpen both set the length penalty; keep one")
+    if eval_cfg.get("lenpen_grid") is not None and "valid" not in subsets:
         raise ValueError(f"{where}: eval.lenpen_grid is chosen on valid, which eval.subsets "
                          f"({eval_cfg.get('subsets')}) leaves out")
-    if "lenpen" in (eval_cfg.get("generate") or {}):
-        raise ValueError(f"{where}: eval.lenpen_grid and eval.generate.lenpen both set the length penalty; keep one")
+    if eval_cfg.get("fixed_lenpens") is not None and not set(subsets) - {"valid"}:
+        raise ValueError(f"{where}: eval.fixed_lenpens decodes the subsets other than valid, and eval.subsets "
+                         f"({eval_cfg.get('subsets')}) has none")
 
 
 def eval_settings(eval_cfg: Mapping) -> dict:

@@ -1,7 +1,8 @@
 """Scoring the runs of the beam-search training ablation (:mod:`.ablation_runner`): each finished run's
 checkpoint (``eval.checkpoint``: last or best) on every eval subset, with the raw references where they are
-line-aligned, at the length penalty that scores best on valid where ``eval.lenpen_grid`` gives a choice;
-cached in the run's ``eval.json``."""
+line-aligned, at the length penalty that scores best on valid where ``eval.lenpen_grid`` gives a choice (and,
+with ``eval.fixed_lenpens``, the subsets other than valid also at each of those, untuned); cached in the run's
+``eval.json``."""
 
 import json
 import logging
@@ -87,6 +88,12 @@ def _score_subsets(checkpoint: Path, out_dir: Path, data_bin: Path, ref_dir: Opt
         if grid:
             subsets[subset]["lenpen"] = lenpen
             subsets[subset]["lenpen_valid_bleu"] = {str(value): tuned[value]["bleu"] for value in grid}
+        if subset != "valid" and eval_cfg.get("fixed_lenpens"):  # untuned: does the comparison hang on the choice?
+            chosen = 1.0 if lenpen is None else lenpen  # fairseq-generate's default when none is chosen
+            at = {value: subsets[subset] if value == chosen else score(subset, value, f"{subset}.lenpen{value}.hyp")
+                  for value in eval_cfg["fixed_lenpens"]}
+            subsets[subset]["at_lenpen"] = {str(value): {metric: result[metric] for metric in ("bleu", "chrf")}
+                                            for value, result in at.items()}
     return subsets
 
 

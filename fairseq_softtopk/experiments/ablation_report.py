@@ -64,7 +64,8 @@ def summarise(config: dict, runs: dict, arms: Sequence[str], seeds: Sequence[int
             for subset, ev in run["eval"].items():
                 signatures = {"bleu": ev["bleu_signature"], "chrf": ev["chrf_signature"]}
                 scores.setdefault(arm, {}).setdefault(seed, {})[subset] = {
-                    k: ev[k] for k in ("bleu", "chrf", "n_sentences", "reference", "lenpen", "lenpen_valid_bleu")
+                    k: ev[k] for k in ("bleu", "chrf", "n_sentences", "reference", "lenpen", "lenpen_valid_bleu",
+                                      "at_lenpen")
                     if k in ev}
                 for ref in references:
                     if arm in (ref, "pretrained"):
@@ -164,6 +165,7 @@ def _over_seeds_markdown(results: dict) -> list:
                   + " |", "|---|" + "---|" * len(seeds)]
         lines += [f"| {arm} | {' | '.join(str(v) for v in values)} |" for arm, values in chosen.items()]
         lines.append("")
+    lines += _fixed_lenpen_markdown(results)
     train = results["train"]
 
     def mean_of(arm, key):
@@ -200,6 +202,43 @@ def _over_seeds_markdown(results: dict) -> list:
             lines.append(f"| {arm} | {' | '.join(cells)} |")
         lines.append("")
     return lines
+
+
+def _fixed_lenpen_markdown(results: dict) -> list:
+    """The table of ``eval.fixed_lenpens``: each subset other than valid decoded at each of those length penalties
+    (untuned), mean ± sd over seeds, and the paired t-test of the per-seed BLEU against the baseline and the
+    ``compare_to`` arms."""
+    scores, arms = results["scores"], [arm for arm in ["pretrained"] + results["arms"] if arm in results["scores"]]
+    refs = list(results.get("ttest") or {}) or [results["baseline"]]
+    rows = []
+    for subset in dict.fromkeys(s for arm in arms for seed in scores[arm] for s in scores[arm][seed]):
+        values = list(dict.fromkeys(v for arm in arms for seed in scores[arm]
+                                    for v in scores[arm][seed].get(subset, {}).get("at_lenpen") or {}))
+        for value in values:
+            def bleu_by_seed(arm, metric="bleu"):
+                return {seed: by_subset[subset]["at_lenpen"][value][metric] for seed, by_subset in scores[arm].items()
+                        if value in (by_subset.get(subset, {}).get("at_lenpen") or {})}
+
+            for arm in arms:
+                bleu = bleu_by_seed(arm)
+                if not bleu:
+                    continue
+                (mean, sd), (chrf, chrf_sd) = (_mean_sd(list(bleu.values())),
+                                               _mean_sd(list(bleu_by_seed(arm, "chrf").values())))
+                cells = []
+                for ref in refs:
+                    paired = arm not in (ref, "pretrained") and ref in scores
+                    test = paired_ttest(bleu_by_seed(ref), bleu) if paired else None
+                    cells.append("" if not test else f"{test['delta_mean']:+.2f} ± {test['delta_sd']:.2f} "
+                                 f"({'-' if test['p_value'] is None else format(test['p_value'], '.3g')})")
+                rows.append(f"| {subset} | {value} | {arm} | {mean:.2f} ± {sd:.2f} | {chrf:.2f} ± {chrf_sd:.2f} | "
+                            + " | ".join(cells) + " |")
+    if not rows:
+        return []
+    return ["Untuned length penalties (`eval.fixed_lenpens`: decoded at each whatever valid chose; mean ± sd over "
+            "seeds, and the paired t-test of the per-seed BLEU: mean ± sd of the differences, p):", "",
+            "| subset | lenpen | arm | BLEU | chrF | " + " | ".join(f"ΔBLEU vs {ref} (p)" for ref in refs) + " |",
+            "|---|---|---|---|---|" + "---|" * len(refs), *rows, ""]
 
 
 def results_markdown(results: dict) -> str:
