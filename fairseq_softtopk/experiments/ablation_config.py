@@ -20,7 +20,8 @@ MANAGED_FLAGS = ("save-dir", "finetune-from-model", "restore-file", "user-dir")
 EVAL_KEYS = ("beam", "batch_size", "subsets", "post_process", "detok_lang", "generate")
 #: Eval keys that enter a run's cached settings only where set (caches written before them stay valid):
 #: ``checkpoint`` (``last``, the default, or ``best``: fairseq's checkpoint_best.pt, by its
-#: ``--best-checkpoint-metric``) and ``lenpen_grid`` (the length penalties to choose from on valid, per run).
+#: ``--best-checkpoint-metric``), ``lenpen_grid`` (the length penalties to choose from on valid, per run) and
+#: ``fixed_lenpens`` (length penalties at which the subsets other than valid are also decoded, untuned).
 OPTIONAL_EVAL_KEYS = ("checkpoint", "lenpen_grid", "fixed_lenpens")
 
 
