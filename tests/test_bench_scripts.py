@@ -2,6 +2,8 @@
 
 import re
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -490,3 +492,39 @@ def test_bench_attention_computes_the_kernel_row_with_the_skip_lifted(toy_data_b
     # ms, launches, CUDA launches and syncs (n/a off CUDA), fallbacks per update
     assert float(row[1]) > 0 and int(row[4]) > 0 and row[5:] == ["n/a", "n/a", "0"]
     assert asked and set(asked) == {"triton"}  # every attention call asked for the kernels
+
+
+def test_kernel_specialisations_names_the_variants_triton_compiles():
+    """scripts/diagnostics/kernel_specialisations.py: a variant is (block, n % 16 == 0, n == 1, windowed), the block
+    the row length's next power of two within [16, MAX_TILE / KP] (64 at k = 5, 32 at k = 20 where KP = 32)."""
+    diag = script_module("diagnostics/kernel_specialisations.py")
+    assert diag.specialisation(40, 5) == (64, False, False, False)
+    assert diag.specialisation(48, 5) == (64, True, False, False)
+    assert diag.specialisation(20, 5) == (32, False, False, False)
+    assert diag.specialisation(9, 5) == (16, False, False, False)
+    assert diag.specialisation(1, 5) == (16, False, True, False)
+    assert diag.specialisation(5000, 5) == (64, False, False, True)
+    assert diag.specialisation(100, 20) == (32, False, False, False)
+    per_update = [({(64, False, False, False)}, [40, 41]), ({(64, False, False, False)}, [41]),
+                  ({(32, True, False, False), (64, False, False, False)}, [32, 40])]
+    table = diag.variants_table(per_update, warmup=1)
+    assert "| 2 | yes | 2 | 32-40 | 2 | (32, True, False, False) |" in table and "| 1 | yes | 1 | 41-41 | 1 |  |" in table
+    assert table.endswith("2 variants in all; updates timed after 1 untimed that first need one: 2")
+
+
+def test_kernel_specialisations_records_every_solve_of_each_update_and_restores_the_search():
+    diag = script_module("diagnostics/kernel_specialisations.py")
+    from fairseq_softtopk.modules import beam_selection
+
+    solve = beam_selection.sorted_soft_topk
+    opts = diag.bench_train.build_parser().parse_args(["--arch", "softtopk_lstm_tiny", "--max-tokens", "200",
+                                                       "--beam", "3", "--threads", "1", "--updates", "1",
+                                                       "--warmup", "1"])
+    with tempfile.TemporaryDirectory() as tmp:
+        opts.data = diag.binarize_generated_corpus(Path(tmp), splits=diag.bench_train.TOY_SPLITS,
+                                                   joined_dictionary=True)
+        per_update = diag.record_variants(opts, "beam_soft")
+    assert beam_selection.sorted_soft_topk is solve
+    assert len(per_update) == 2 and all(lengths for _, lengths in per_update)  # a solve per decoding step
+    for variants, lengths in per_update:
+        assert variants == {diag.specialisation(n, 3) for n in lengths}

@@ -21,9 +21,11 @@ from ..ops._common import effective_epsilon
 from .beam_search_config import BeamSearchConfig
 
 #: what ``backend="auto"`` runs in the adaptive search (the window, the solve to ``tol``, the dropping): the torch
-#: path. Timed on an H200 (``make gpu-check``, 10 updates of the Multi30k-sized LSTM), the Triton kernels made
-#: that search slower (524 ms an update against 222 ms), while with ``fixed_iterations`` they halved it (127 ms
-#: against 252 ms), so "auto" keeps the kernels there; ``"triton"`` still sends both searches to the kernels.
+#: path. On an H200 (``make gpu-check``) the sorted kernel alone was no faster than the torch path at the beam
+#: shape (6.46 against 6.70 ms), and over 10 updates of the Multi30k-sized LSTM, which may have held kernel
+#: compiles for new window widths, it made this search slower (524 ms an update against 222 ms); with
+#: ``fixed_iterations`` the kernels halved the update (127 ms against 252 ms), so "auto" keeps them there.
+#: ``"triton"`` still sends both searches to the kernels.
 ADAPTIVE_AUTO_BACKEND = "torch"
 
 
