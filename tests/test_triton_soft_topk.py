@@ -316,8 +316,8 @@ def test_resolve_backend_picks_the_kernels_only_where_they_run(monkeypatch):
 def test_bench_ops_lists_the_kernels_row_and_skips_it_off_cuda(monkeypatch, capsys):
     bench_ops = script_module("bench/bench_ops.py")
     monkeypatch.setattr(bench_ops, "MIN_TIMED_SECONDS", 0.0)
-    assert bench_ops.main(["--device", "cpu", "--n", "300", "--k", "3", "--eps", "0.1", "--repeats", "1", "--threads", "1",
-                           "--cost", "linear", "--batch", "2", "--triton", "--sparse"]) == 0
+    assert bench_ops.main(["--device", "cpu", "--n", "300", "--k", "3", "--eps", "0.1", "--repeats", "1",
+                           "--threads", "1", "--cost", "linear", "--batch", "2", "--triton", "--sparse"]) == 0
     rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines()
             if line.startswith(("| topk n=", "| sorted n="))]
     methods = [r[1].strip() for r in rows]
