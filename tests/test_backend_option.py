@@ -63,8 +63,8 @@ def test_the_criterion_passes_its_backend_to_every_solve_of_the_search(monkeypat
 @pytest.mark.parametrize("regularizer", ["entropic", "quadratic"])
 def test_select_beams_passes_the_configured_backend(monkeypatch, regularizer, fixed_iterations):
     """``triton`` too (the config does not look at devices: the operator decides, here on the torch path); ``auto``
-    reaches the operator as it is, except in the adaptive entropic search, which runs the torch path (measured
-    faster there on a GPU: beam_selection.ADAPTIVE_AUTO_BACKEND)."""
+    reaches the operator as it is, except in the adaptive entropic search, which runs the torch path (the kernels
+    measured no faster there on a GPU: beam_selection.ADAPTIVE_AUTO_BACKEND)."""
     calls = record_backends(monkeypatch, beam_selection, SEARCH_OPERATORS)
     scores = torch.randn(2, 30, dtype=torch.float64)
     for backend in ("triton", "auto", "torch"):

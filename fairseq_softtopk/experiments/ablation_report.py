@@ -135,6 +135,14 @@ def _scored_checkpoint(results: dict) -> str:
     return which
 
 
+def _ttest_cell(test: Optional[dict]) -> str:
+    """A :func:`paired_ttest` as a table cell: mean ± sd of the differences (p); empty without a test."""
+    if not test:
+        return ""
+    return (f"{test['delta_mean']:+.2f} ± {test['delta_sd']:.2f} "
+            f"({'-' if test['p_value'] is None else format(test['p_value'], '.3g')})")
+
+
 def _over_seeds_markdown(results: dict) -> list:
     """The report's tables across seeds: paired t-tests against the baseline and the ``compare_to`` arms, the
     length penalty chosen per run, the loss terms' gradient norms, the cost per update and the validation BLEU
@@ -149,11 +157,7 @@ def _over_seeds_markdown(results: dict) -> list:
                   "|---|---|" + "---|" * len(refs)]
         for arm in arms:
             for subset in results["summary"].get(arm, {}):
-                cells = []
-                for ref in refs:
-                    test = ttest[ref].get(arm, {}).get(subset)
-                    cells.append("" if not test else f"{test['delta_mean']:+.2f} ± {test['delta_sd']:.2f} "
-                                 f"({'-' if test['p_value'] is None else format(test['p_value'], '.3g')})")
+                cells = [_ttest_cell(ttest[ref].get(arm, {}).get(subset)) for ref in refs]
                 if any(cells):
                     lines.append(f"| {arm} | {subset} | {' | '.join(cells)} |")
         lines.append("")
@@ -210,29 +214,23 @@ def _fixed_lenpen_markdown(results: dict) -> list:
     ``compare_to`` arms."""
     scores, arms = results["scores"], [arm for arm in ["pretrained"] + results["arms"] if arm in results["scores"]]
     refs = list(results.get("ttest") or {}) or [results["baseline"]]
+    # (subset, lenpen) -> arm -> seed -> {"bleu", "chrf"}
+    at: Dict[tuple, Dict[str, dict]] = {}
+    for arm in arms:
+        for seed, by_subset in scores[arm].items():
+            for subset, entry in by_subset.items():
+                for value, result in (entry.get("at_lenpen") or {}).items():
+                    at.setdefault((subset, value), {}).setdefault(arm, {})[seed] = result
     rows = []
-    for subset in dict.fromkeys(s for arm in arms for seed in scores[arm] for s in scores[arm][seed]):
-        values = list(dict.fromkeys(v for arm in arms for seed in scores[arm]
-                                    for v in scores[arm][seed].get(subset, {}).get("at_lenpen") or {}))
-        for value in values:
-            def bleu_by_seed(arm, metric="bleu"):
-                return {seed: by_subset[subset]["at_lenpen"][value][metric] for seed, by_subset in scores[arm].items()
-                        if value in (by_subset.get(subset, {}).get("at_lenpen") or {})}
-
-            for arm in arms:
-                bleu = bleu_by_seed(arm)
-                if not bleu:
-                    continue
-                (mean, sd), (chrf, chrf_sd) = (_mean_sd(list(bleu.values())),
-                                               _mean_sd(list(bleu_by_seed(arm, "chrf").values())))
-                cells = []
-                for ref in refs:
-                    paired = arm not in (ref, "pretrained") and ref in scores
-                    test = paired_ttest(bleu_by_seed(ref), bleu) if paired else None
-                    cells.append("" if not test else f"{test['delta_mean']:+.2f} ± {test['delta_sd']:.2f} "
-                                 f"({'-' if test['p_value'] is None else format(test['p_value'], '.3g')})")
-                rows.append(f"| {subset} | {value} | {arm} | {mean:.2f} ± {sd:.2f} | {chrf:.2f} ± {chrf_sd:.2f} | "
-                            + " | ".join(cells) + " |")
+    for (subset, value), by_arm in at.items():
+        bleu = {arm: {seed: r["bleu"] for seed, r in by_seed.items()} for arm, by_seed in by_arm.items()}
+        for arm, by_seed in by_arm.items():
+            (mean, sd), (chrf, chrf_sd) = (_mean_sd([r[metric] for r in by_seed.values()])
+                                           for metric in ("bleu", "chrf"))
+            cells = [_ttest_cell(paired_ttest(bleu[ref], bleu[arm]) if arm not in (ref, "pretrained") and ref in bleu
+                                 else None) for ref in refs]
+            rows.append(f"| {subset} | {value} | {arm} | {mean:.2f} ± {sd:.2f} | {chrf:.2f} ± {chrf_sd:.2f} | "
+                        + " | ".join(cells) + " |")
     if not rows:
         return []
     return ["Untuned length penalties (`eval.fixed_lenpens`: decoded at each whatever valid chose; mean ± sd over "

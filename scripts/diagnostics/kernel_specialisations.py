@@ -83,8 +83,7 @@ def variants_table(per_update: Sequence[Tuple[Set[Variant], List[int]]], warmup:
         lines.append(f"| {update} | {'yes' if timed else 'no'} | {len(lengths)} | {span} | {len(variants)} | "
                      f"{', '.join(map(str, new))} |")
     lines.append(f"\n{len(seen)} variant{'' if len(seen) == 1 else 's'} in all; updates timed after {warmup} "
-                 f"untimed that first need one: "
-                 f"{', '.join(map(str, late)) or 'none'}")
+                 f"untimed that first need one: {', '.join(map(str, late)) or 'none'}")
     return "\n".join(lines)
 
 
