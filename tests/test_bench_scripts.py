@@ -70,7 +70,7 @@ def test_beam_sparse_is_the_sparse_arm_and_its_operator_time_is_counted(toy_data
     assert "sparse_lambda=0.5" in out
     timing, counting = out.split("launches (dispatched ATen operations)")
     row = next(line for line in timing.splitlines() if line.startswith("| beam_sparse |")).split("|")[2:-1]
-    fwd, bwd, select, mix = (float(row[i].strip().rstrip("%")) for i in (3, 4, 5, 6))
+    fwd, bwd, select, mix = (float(row[i].strip().rstrip("%")) for i in (5, 6, 7, 8))
     assert 0 < fwd < select < 100 and 0 < bwd < 100 and 0 < mix < 100
     header = next(line for line in counting.splitlines() if line.startswith("| config |"))
     names = [cell.strip() for cell in header.split("|")[2:-1]]
@@ -126,6 +126,18 @@ def test_summarize_takes_the_fastest_run_of_each_update():
     assert summary["peak_mib"] == 120.0 and summary["growth_mib"] == 10.0
 
 
+def test_summarize_reports_the_median_and_the_slowest_update():
+    # one slow update among fast ones (a kernel compiled while timed) lifts the mean, not the median
+    seconds = [0.1, 0.1, 2.5, 0.1, 0.2]
+    run = {"updates": [{"seconds": s, "tokens": 10, "newton_iters": 0.0, "solves": 0.0} for s in seconds],
+           "peak_mib": 1.0, "growth_mib": 0.0,
+           "profile": {"profiled_seconds": 1.0, "topk_fwd": 0.0, "topk_bwd": 0.0, "select": 0.0, "mix": 0.0}}
+    summary = bench_train.summarize([run])
+    assert summary["ms_per_update"] == pytest.approx(600.0)  # 3.0 s / 5
+    assert summary["median_ms"] == pytest.approx(100.0)
+    assert summary["slowest_ms"] == pytest.approx(2500.0)
+
+
 def test_range_seconds_reads_the_named_ranges_of_a_profile():
     """The package's ranges, as torch.profiler records them, timed against a known sleep."""
     import time
@@ -165,8 +177,8 @@ def test_bench_train_has_transformer_rows(toy_data_bin, capsys):
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in timing.splitlines()
             if re.match(r"\| (teacher_forcing|beam_\w+) \|", line)}
     assert set(rows) == {"teacher_forcing", "beam_hard", "beam_soft"}
-    assert float(rows["beam_soft"][6].rstrip("%")) > 0 and float(rows["beam_hard"][6].rstrip("%")) > 0  # mix
-    assert float(rows["beam_soft"][3].rstrip("%")) > 0 and rows["beam_hard"][3] == "0.0%"  # top-k forward
+    assert float(rows["beam_soft"][8].rstrip("%")) > 0 and float(rows["beam_hard"][8].rstrip("%")) > 0  # mix
+    assert float(rows["beam_soft"][5].rstrip("%")) > 0 and rows["beam_hard"][5] == "0.0%"  # top-k forward
     assert float(rows["beam_soft"][1]) > float(rows["teacher_forcing"][1])
 
 
@@ -198,7 +210,9 @@ def test_bench_train_prints_a_row_per_config(toy_data_bin, capsys):
         rounding = ratio * (0.05 / ms[name] + 0.05 / ms["beam_hard"]) + 0.005
         assert float(row[-1].strip().rstrip("x")) == pytest.approx(ratio, abs=rounding + 1e-9)
     assert ms["teacher_forcing"] < ms["beam_hard"]  # no search at all
-    share = {name: [float(row[i].strip().rstrip("%")) for i in (3, 4, 5, 6)] for name, row in rows.items()}
+    for row in rows.values():  # median and slowest update beside the mean
+        assert float(row[2]) <= float(row[3]) and float(row[1]) <= float(row[3])
+    share = {name: [float(row[i].strip().rstrip("%")) for i in (5, 6, 7, 8)] for name, row in rows.items()}
     assert share["teacher_forcing"] == [0.0, 0.0, 0.0, 0.0]  # no top-k and no mixing without the beam
     assert share["beam_hard"][:2] == [0.0, 0.0] and share["beam_hard"][2] > 0  # hard: topk only
     for name in ("beam_hard", "beam_soft", "beam_soft_pool", "beam_soft_fixed"):
@@ -206,9 +220,9 @@ def test_bench_train_prints_a_row_per_config(toy_data_bin, capsys):
     for name in ("beam_soft", "beam_soft_pool", "beam_soft_fixed"):
         fwd, bwd, select, _ = share[name]
         assert 0 < fwd < select < 100 and 0 < bwd < 100  # the selection contains the operator's forward
-        assert float(rows[name][7]) >= 1  # Newton iterations per solve, from the criterion's logging
-    assert rows["beam_hard"][7].strip() == "-" and rows["teacher_forcing"][7].strip() == "-"
-    assert float(rows["beam_soft_fixed"][7]) == 15  # exactly --fixed-iter (default 15) per solve
+        assert float(rows[name][9]) >= 1  # Newton iterations per solve, from the criterion's logging
+    assert rows["beam_hard"][9].strip() == "-" and rows["teacher_forcing"][9].strip() == "-"
+    assert float(rows["beam_soft_fixed"][9]) == 15  # exactly --fixed-iter (default 15) per solve
     assert "target <= 1.25x" in out
 
     # launches and syncs per decoding step (columns as format_count_table's header)

@@ -1,6 +1,7 @@
 """The training benchmark's summary (``scripts/bench/bench_train.py``): each update's fastest run, and the
 Markdown tables of times and shares, and of launches and syncs per decoding step."""
 
+import statistics
 from typing import Dict, List
 
 from .bench_passes import RANGE_KEYS
@@ -18,7 +19,11 @@ def summarize(results: List[dict]) -> dict:
     peaks = [r["peak_mib"] for r in results if r["peak_mib"] is not None]
     growths = [r["growth_mib"] for r in results if r["growth_mib"] is not None]
     solves = sum(r["solves"] for r in fastest)
+    # the median and the slowest update tell a steady cost from one-off costs inside the timed updates (a Triton
+    # kernel compiled for a newly met specialisation takes seconds once)
     return {"tokens_per_s": sum(r["tokens"] for r in fastest) / seconds, "ms_per_update": 1e3 * seconds / len(fastest),
+            "median_ms": 1e3 * statistics.median(r["seconds"] for r in fastest),
+            "slowest_ms": 1e3 * max(r["seconds"] for r in fastest),
             "peak_mib": max(peaks, default=float("nan")), "growth_mib": max(growths, default=float("nan")),
             "newton_per_call": sum(r["newton_iters"] for r in fastest) / solves if solves else float("nan"),
             **{f"{key}_share": profile[key] / profile["profiled_seconds"] for key in RANGE_KEYS},
@@ -29,14 +34,15 @@ def summarize(results: List[dict]) -> dict:
 def format_table(summary: Dict[str, dict], memory: str) -> str:
     """Markdown table; ``time vs hard`` is the time per update over that of :data:`BASELINE`."""
     base = summary.get(BASELINE, {}).get("ms_per_update", float("nan"))
-    lines = [f"| config | target tokens/s | ms/update | {memory} | top-k fwd | top-k bwd | select | mix | "
-             "Newton it. | time vs hard |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [f"| config | target tokens/s | ms/update | median ms | slowest ms | {memory} | top-k fwd | top-k bwd | "
+             "select | mix | Newton it. | time vs hard |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, r in summary.items():
         if "skipped" in r:
-            lines.append(f"| {name} | {r['skipped']} |" + " - |" * 8)
+            lines.append(f"| {name} | {r['skipped']} |" + " - |" * 10)
             continue
         newton = "-" if r["newton_per_call"] != r["newton_per_call"] else f"{r['newton_per_call']:.1f}"  # nan: none
-        lines.append(f"| {name} | {r['tokens_per_s']:.0f} | {r['ms_per_update']:.1f} | "
+        lines.append(f"| {name} | {r['tokens_per_s']:.0f} | {r['ms_per_update']:.1f} | {r['median_ms']:.1f} | "
+                     f"{r['slowest_ms']:.1f} | "
                      f"{r['peak_mib']:.0f} (+{r['growth_mib']:.0f}) | {100 * r['topk_fwd_share']:.1f}% | "
                      f"{100 * r['topk_bwd_share']:.1f}% | {100 * r['select_share']:.1f}% | {100 * r['mix_share']:.1f}% | {newton} | "
                      f"{r['ms_per_update'] / base:.2f}x |")

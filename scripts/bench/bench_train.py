@@ -23,8 +23,10 @@ ones, with the ``soft_beam_search`` criterion as
   beamgrad's search and minimum risk on the same model (``--criterion beamgrad_risk``; needs the optional
   beamgrad): the cost columns of the risk ablation's table; not in the default ``--configs``,
 
-and prints target tokens/s, ms per update, peak memory, the share of the update spent in the
-sorted soft top-k operator and the time per update relative to ``beam_hard``.
+and prints target tokens/s, ms per update (the mean, the median and the slowest update: a one-off cost
+inside the timed updates, such as a Triton kernel compiled for a newly met shape, lifts the mean and the
+slowest, not the median), peak memory, the share of the update spent in the sorted soft top-k operator and
+the time per update relative to ``beam_hard`` (of the means).
 
 How things are measured:
 
