@@ -156,9 +156,8 @@ def assert_criterion_gives_the_cpu_loss_and_gradients(build, dictionary, sample,
     torch.testing.assert_close(gpu_loss, cpu_loss, atol=1e-8, rtol=1e-8)
     assert gpu_grads.keys() == cpu_grads.keys()
     # to 1e-8 of the largest gradient entry (at least 1e-7): the kernels match the torch path's gradients to 1e-10
-    # of the largest per call (tests/test_triton_*), and a search composes one call per decoding step; on an H200,
-    # when "auto" still ran every search on the kernels, the Transformer's uncapped selection gradient (largest
-    # entry about 60) put one entry 1.4e-7 from the CPU's
+    # of the largest per call (tests/test_triton_*), and a search composes one call per decoding step; on an H200
+    # the Transformer's uncapped selection gradient (largest entry about 60) put one entry 1.4e-7 from the CPU's
     scale = max(float(grad.abs().max()) for grad in cpu_grads.values())
     for name in cpu_grads:
         torch.testing.assert_close(gpu_grads[name], cpu_grads[name], atol=max(1e-7, 1e-8 * scale), rtol=1e-5,

@@ -150,5 +150,11 @@ def test_the_callers_commit_comes_before_the_checkouts(monkeypatch):
                           text=True).stdout.strip()
     monkeypatch.setenv("GPU_CHECK_COMMIT", "abc1234")
     assert gpu_check.environment()["commit"] == "abc1234"
+    # the benchmarks gpu_check runs inherit it: their header names it too (an H100 check's bench_train said
+    # "ba12a94-dirty", the copied .git's, for a tree at 5578db5)
+    from fairseq_softtopk.experiments.bench_harness import header
+
+    assert "\ncommit: abc1234 (given by GPU_CHECK_COMMIT)\n" in header([], 1, "cpu")
     monkeypatch.delenv("GPU_CHECK_COMMIT")
     assert gpu_check.environment()["commit"].split(" ")[0] == (head or "unknown")
+    assert "(given by GPU_CHECK_COMMIT)" not in header([], 1, "cpu")

@@ -102,8 +102,7 @@ class SoftBeamSearchConfig(FairseqDataclass):
         "per step, epsilon at least this times the mean gap of the k+1 best scores (--topk-cost linear); 0 = off"))
     topk_backend: ChoiceEnum(BACKEND_CHOICES) = field(default="auto", metadata=_advanced(
         "the soft top-k's implementation: auto (the fused Triton kernels on a GPU where triton is installed and an "
-        "operator has them, the torch code otherwise; the adaptive search without --topk-fixed-iterations runs the "
-        "torch code: the kernels measured no faster there on a GPU), torch, or triton (the kernels; needs a GPU)"))
+        "operator has them, the torch code otherwise), torch, or triton (the kernels; needs a GPU)"))
     # deprecated aliases (renamed_options): None = not given
     candidate_pool: Optional[int] = field(default=None, metadata=alias_metadata("candidate_pool"))
     selection_grad: Optional[str] = field(default=None, metadata=alias_metadata("selection_grad"))

@@ -221,10 +221,14 @@ def header(argv: Sequence[str], threads: int, device: str) -> str:
     """The exact command line and the torch / thread / machine information."""
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     gpu = f" gpu={torch.cuda.get_device_name()}" if device.startswith("cuda") else ""
-    git = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
-                         cwd=PACKAGE_DIR)
+    if os.environ.get("GPU_CHECK_COMMIT"):  # gpu_check's caller's word: a copied checkout's .git can be stale
+        commit = f"{os.environ['GPU_CHECK_COMMIT']} (given by GPU_CHECK_COMMIT)"
+    else:
+        git = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
+                             cwd=PACKAGE_DIR)
+        commit = f"{git.stdout.strip() or 'unknown'} (working tree as run)"
     text = (f"command: {shlex.join([sys.executable, sys.argv[0], *argv])}\n"
-            f"commit: {git.stdout.strip() or 'unknown'} (working tree as run)\n"
+            f"commit: {commit}\n"
             f"torch={torch.__version__} threads={threads} (interop {torch.get_num_interop_threads()}) "
             f"cpus={os.cpu_count()} device={device}{gpu} python={platform.python_version()} "
             f"load avg={' '.join(f'{x:.2f}' for x in load) if load else 'n/a'}")

@@ -20,14 +20,6 @@ from ..ops import (candidate_window, cap_row_grad_norm, sorted_soft_topk, sorted
 from ..ops._common import effective_epsilon
 from .beam_search_config import BeamSearchConfig
 
-#: what ``backend="auto"`` runs in the adaptive search (the window, the solve to ``tol``, the dropping): the torch
-#: path. On an H200 (``make gpu-check``) the sorted kernel alone was no faster than the torch path at the beam
-#: shape (6.46 against 6.70 ms), and over 10 updates of the Multi30k-sized LSTM, which may have held kernel
-#: compiles for new window widths, it made this search slower (524 ms an update against 222 ms); with
-#: ``fixed_iterations`` the kernels halved the update (127 ms against 252 ms), so "auto" keeps them there.
-#: ``"triton"`` still sends both searches to the kernels.
-ADAPTIVE_AUTO_BACKEND = "torch"
-
 
 class Selection(NamedTuple):
     """One step's choice of the next beams among the candidates ``c = i * V + j`` (beam i, token j).
@@ -183,9 +175,8 @@ def select_beams(scores: Tensor, beam: int, config: BeamSearchConfig, kth: Tenso
                                  config.cost, config.tol, config.max_iter, config.backend)
             return Selection(ids, A, converged, config.max_iter, probe)
         # no warning per step: the search counts the unconverged solves (BeamSearchOutput.n_unconverged)
-        backend = ADAPTIVE_AUTO_BACKEND if config.backend == "auto" else config.backend
         A, info = sorted_soft_topk(pool_scores, beam, epsilon=config.epsilon, cost=config.cost, tol=config.tol,
-                                   max_iter=config.max_iter, return_info=True, warn=False, backend=backend)
+                                   max_iter=config.max_iter, return_info=True, warn=False, backend=config.backend)
         if ids.shape[1] < n:
             # the same budget as candidate_window's: all but tol / 100 of every rank is kept
             A, ids = drop_negligible(A, ids, config.tol / 100)

@@ -264,9 +264,13 @@ def run_benchmark(opts: argparse.Namespace, argv: Sequence[str], configs: Sequen
     kernel row that is not timed here (:func:`triton_skip_reason`) is ``{"skipped": why}``."""
     skipped = {name: triton_skip_reason(opts.device) for name in configs if name.endswith(TRITON)}
     runs: Dict[str, List[dict]] = {name: [] for name in configs if not skipped.get(name)}
-    for _ in range(opts.repeats):
+    for repeat in range(opts.repeats):
         for name in runs:
             runs[name].append(run_config(opts, name) if opts.in_process else run_isolated(opts, argv, name))
+            # each run's times as it ends: a run stopped part-way (a GPU lease's time limit) keeps them
+            done = summarize(runs[name][-1:])
+            print(f"run {repeat + 1}/{opts.repeats} of {name}: {done['ms_per_update']:.1f} ms/update (median "
+                  f"{done['median_ms']:.1f}, slowest {done['slowest_ms']:.1f})", flush=True)
     return {name: {"skipped": skipped[name]} if skipped.get(name) else summarize(runs[name]) for name in configs}
 
 
