@@ -1,8 +1,10 @@
 #!/usr/bin/env python
 """Writes a fairseq checkpoint without its optimizer state: the file to publish or fine-tune from.
 
-The model's weights, its config and the rest of the checkpoint are kept; ``last_optimizer_state`` (Adam's two
-moments: twice the model's size) is dropped, so ``--restore-file`` cannot resume the optimizer from it, while
+The model's weights, its config and the rest of the checkpoint are kept, the config's absolute paths cut to what a
+reader can resolve (``/home/me/runs/x/bin`` -> ``runs/x/bin``, as results/ are: fairseq reads none of them when it
+loads a checkpoint; the training data and save directory were the training machine's); ``last_optimizer_state``
+(Adam's two moments: twice the model's size) is dropped, so ``--restore-file`` cannot resume the optimizer from it, while
 ``--finetune-from-model`` and ``fairseq-softtopk-ablation --pretrained`` (which reset the optimizer) and
 ``fairseq-generate`` use it as they would the original. Loaded with weights-only unpickling (the package's
 allowlist of what fairseq checkpoints carry); an existing output is not overwritten. Prints the output's
@@ -22,6 +24,21 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's package
 from fairseq_softtopk.checkpoint_safety import allow_fairseq_checkpoint_globals  # noqa: E402
+from fairseq_softtopk.experiments.publish import absolute_paths, strip_absolute_paths  # noqa: E402
+
+
+def without_machine_paths(value):
+    """``value`` (a checkpoint's ``cfg`` or ``args``: dicts, lists, namespaces of plain values) with every string
+    that names an absolute path cut by :func:`strip_absolute_paths`; nothing else changes."""
+    if isinstance(value, str):
+        return strip_absolute_paths(value) if absolute_paths(value) else value
+    if isinstance(value, dict):
+        return {key: without_machine_paths(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(without_machine_paths(item) for item in value)
+    if isinstance(value, argparse.Namespace):
+        return argparse.Namespace(**without_machine_paths(vars(value)))
+    return value
 
 
 def strip_checkpoint(source: Path, target: Path) -> dict:
@@ -40,6 +57,9 @@ def strip_checkpoint(source: Path, target: Path) -> dict:
     if not isinstance(state, dict) or "model" not in state:
         raise ValueError(f"{source} is not a fairseq checkpoint (no 'model' entry)")
     state.pop("last_optimizer_state", None)
+    for key in ("cfg", "args"):
+        if state.get(key) is not None:
+            state[key] = without_machine_paths(state[key])
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(target.name + ".partial")
     torch.save(state, partial)

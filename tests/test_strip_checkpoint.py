@@ -37,6 +37,29 @@ def test_strips_the_optimizer_state_and_keeps_the_rest(checkpoint, tmp_path, cap
     assert not list(target.parent.glob("*.partial"))
 
 
+def test_cuts_the_configs_machine_paths(tmp_path):
+    """A shipped checkpoint's config named the training machine's directories (``task.data``, ``save_dir``, a
+    worktree's ``user_dir``): cut as results/ are; every other value, and the model, unchanged."""
+    from fairseq_softtopk.experiments.publish import absolute_paths
+
+    cfg = {"common": {"user_dir": "/work/wt_t28/fairseq_softtopk", "seed": 3, "log_format": "simple"},
+           "task": {"data": "/home/me/data/multi30k_en_de/bin", "source_lang": "en"},
+           "checkpoint": {"save_dir": "/work/main/runs/transformer_ablation/pretrain", "keep_last_epochs": -1},
+           "generation": {"lenpen": 1.0, "print_alignment": None}, "model": {"layers": [256, 256]}}
+    state = {"cfg": cfg, "args": None, "model": {"w": torch.ones(2)}, "extra_state": {"epoch": 1}}
+    torch.save(state, tmp_path / "source.pt")
+    script_module("strip_checkpoint.py").strip_checkpoint(tmp_path / "source.pt", tmp_path / "target.pt")
+    stripped = torch.load(tmp_path / "target.pt", weights_only=False)
+    assert stripped["cfg"]["common"] == {"user_dir": "fairseq_softtopk", "seed": 3, "log_format": "simple"}
+    assert stripped["cfg"]["task"] == {"data": "data/multi30k_en_de/bin", "source_lang": "en"}
+    assert stripped["cfg"]["checkpoint"] == {"save_dir": "runs/transformer_ablation/pretrain", "keep_last_epochs": -1}
+    assert stripped["cfg"]["generation"] == cfg["generation"] and stripped["cfg"]["model"] == cfg["model"]
+    assert stripped["args"] is None and not absolute_paths(repr(stripped["cfg"]))
+    namespace = script_module("strip_checkpoint.py").without_machine_paths(
+        argparse.Namespace(data="/srv/x/runs/bin", arch="lstm", lr=[0.1]))
+    assert vars(namespace) == {"data": "runs/bin", "arch": "lstm", "lr": [0.1]}
+
+
 def test_refuses_to_overwrite_and_names_bad_input(checkpoint, tmp_path):
     module = script_module("strip_checkpoint.py")
     source, _ = checkpoint
