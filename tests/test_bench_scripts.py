@@ -224,6 +224,9 @@ def test_bench_train_prints_a_row_per_config(toy_data_bin, capsys):
     assert rows["beam_hard"][9].strip() == "-" and rows["teacher_forcing"][9].strip() == "-"
     assert float(rows["beam_soft_fixed"][9]) == 15  # exactly --fixed-iter (default 15) per solve
     assert "target <= 1.25x" in out
+    for name, value in ms.items():  # each run's times printed as it ended (a stopped benchmark keeps them)
+        line = next(line for line in out.splitlines() if line.startswith(f"run 1/1 of {name}: "))
+        assert float(line.split(": ")[1].split(" ms/update")[0]) == pytest.approx(value, abs=0.051)
 
     # launches and syncs per decoding step (columns as format_count_table's header)
     header = next(line for line in counting.splitlines() if line.startswith("| config |"))
