@@ -151,21 +151,26 @@ def test_checkpoint_best_is_checked_against_its_digest_and_its_absence_is_explai
 
 def test_train_stats_read_the_term_gradient_norms_updates_and_validation_bleu(tmp_path):
     inner = ("2026-01-01 00:00:00 | INFO | train_inner | epoch 001:     {n} / 486 loss=1{extra}, ppl=3, "
-             "num_updates={n}, lr=0.0001, gnorm={g}, clip={c}, train_wall=5")
+             "num_updates={n}, lr=0.0001, gnorm={g}, clip={c}, train_wall={w}, wall=0")
     valid = ("2026-01-01 00:00:00 | INFO | valid | epoch 001 | valid on 'valid' subset | loss 4 | nll_loss 2 | "
              "bleu {b} | num_updates {n} | best_bleu 41")
     log = tmp_path / "train.log"
     log.write_text("\n".join([
-        inner.format(n=10, extra=", tf_gnorm=0.3, beam_gnorm=1.1", g=1.2, c=100),
-        inner.format(n=20, extra=", tf_gnorm=None, beam_gnorm=None", g=0.5, c=0),  # nothing measured then
-        inner.format(n=30, extra=", tf_gnorm=0.5, beam_gnorm=0.9", g=1.0, c=0),
-        inner.format(n=40, extra=", tf_gnorm=0.4, beam_gnorm=1.3", g=1.4, c=100),
+        inner.format(n=10, extra=", tf_gnorm=0.3, beam_gnorm=1.1", g=1.2, c=100, w=5),
+        inner.format(n=20, extra=", tf_gnorm=None, beam_gnorm=None", g=0.5, c=0, w=6),  # nothing measured then
+        inner.format(n=30, extra=", tf_gnorm=9.0, beam_gnorm=9.0", g=9.0, c=100, w=90),  # redone after the resume
+        "2026-01-01 00:00:00 | INFO | fairseq.trainer | Loaded checkpoint checkpoint_last.pt (epoch 1 @ 20 updates)",
+        inner.format(n=30, extra=", tf_gnorm=0.5, beam_gnorm=0.9", g=1.0, c=0, w=7),
+        inner.format(n=40, extra=", tf_gnorm=0.4, beam_gnorm=1.3", g=1.4, c=100, w=8),
         valid.format(b=40.5, n=243), valid.format(b=41.0, n=486)]) + "\n")
     stats = read_train_stats(log)
+    # each interval once, as last logged: the killed process's line at 30 does not count
     assert stats["tf_gnorm_median"] == 0.4 and stats["beam_gnorm_median"] == 1.1
     assert stats["gnorm_median"] == pytest.approx(1.1) and stats["clipped_percent"] == 50.0
+    assert stats["train_seconds"] == 5 + 6 + 7 + 8 and stats["train_seconds_updates"] == 40
     assert stats["updates"] == 486 and stats["valid_bleu"] == [[243, 40.5], [486, 41.0]]  # the last validation
-    assert read_train_stats(tmp_path / "missing.log")["valid_bleu"] is None
+    missing = read_train_stats(tmp_path / "missing.log")
+    assert missing["valid_bleu"] is None and missing["train_seconds"] is None
 
 
 def test_paired_ttest_is_the_t_statistic_of_the_differences():
@@ -202,8 +207,9 @@ def test_report_has_the_ttests_lenpens_gradient_norms_cost_and_validation_bleu()
     for arm, p, gnorms in (("tf", 0.5, {}), ("hard", 0.4, {"tf_gnorm_median": 0.3, "beam_gnorm_median": 0.15}),
                            ("soft", 0.3, {"tf_gnorm_median": 0.3, "beam_gnorm_median": 0.6})):
         for seed in ("1", "2", "3"):
-            train = {"wall_seconds": 300.0, "cpu_seconds": None, "gnorm_median": 0.5, "clipped_percent": 0.0,
-                     "updates": 100, "valid_bleu": [[50, 30.0 + int(seed)], [100, 31.0]], **gnorms}
+            # wall_seconds: the last call's only (a resumed run); the cost comes from the log's train_wall
+            train = {"wall_seconds": 30.0, "cpu_seconds": None, "gnorm_median": 0.5, "clipped_percent": 0.0,
+                     "updates": 100, "train_seconds": 270.0 + 30 * int(seed), "train_seconds_updates": 90, "valid_bleu": [[50, 30.0 + int(seed)], [100, 31.0]], **gnorms}
             test = system(p, 0.6 if seed == "2" else 1.0)
             test["at_lenpen"] = {"1.0": {"bleu": 30.0 + 0.5 * int(seed) + {"tf": 0.0, "hard": 0.2 * (int(seed) - 2),
                                                                    "soft": 1.0 + 0.1 * int(seed)}[arm],
@@ -221,7 +227,8 @@ def test_report_has_the_ttests_lenpens_gradient_norms_cost_and_validation_bleu()
     assert row.count("±") == 2  # against tf and against hard
     assert "| hard | 1.0 | 0.6 | 1.0 |" in markdown  # the length penalty per seed
     assert "| soft | 0.3 | 0.6 | 2.00 |" in markdown  # beam / token gradient norm
-    assert "| hard | 100 | 3.00 |" in markdown  # seconds per update
+    assert "| hard | 100 | 3.67 |" in markdown  # seconds per update: 300, 330, 360 s over 90 updates
+    assert "| hard | " in markdown and "| 330 (-) |" in markdown  # train s (no CPU s beside other runs)
     assert "| tf | 32.00 | 31.00 |" in markdown  # validation BLEU at updates 50 and 100, mean over seeds
     # untuned lenpen 1.0: soft is 1.1, 1.2, 1.3 above tf and 1.3, 1.2, 1.1 above hard (t = 1.2 / (0.1 / sqrt(3)),
     # 2 degrees of freedom)

@@ -11,7 +11,7 @@ from .fairseq_commands import PACKAGE_DIR
 
 TRAIN_STATS = ("wall_seconds", "cpu_seconds", "gnorm_median", "clipped_percent")
 #: further statistics of a run's log (ablation_training.read_train_stats), reported where logged
-LOG_STATS = ("tf_gnorm_median", "beam_gnorm_median", "updates", "valid_bleu")
+LOG_STATS = ("tf_gnorm_median", "beam_gnorm_median", "train_seconds", "train_seconds_updates", "updates", "valid_bleu")
 
 
 def display_path(path) -> str:
@@ -110,7 +110,7 @@ def _mean_or_none(values: Sequence[Optional[float]]) -> Optional[float]:
 
 
 def _seconds(value) -> str:
-    """Seconds as a whole number; ``-`` where not measured (runs trained side by side)."""
+    """Seconds as a whole number; ``-`` where not measured (CPU seconds of runs trained side by side)."""
     return "-" if value is None else f"{value:.0f}"
 
 
@@ -185,13 +185,18 @@ def _over_seeds_markdown(results: dict) -> list:
                 lines.append(f"| {arm} | {tf:.3g} | {beam:.3g} | {beam / tf:.2f} |" if tf else
                              f"| {arm} | - | {beam:.3g} | - |")
         lines.append("")
-    if any(mean_of(arm, "updates") for arm in arms):
-        lines += ["Cost: wall-clock seconds of training (validations included) per update, mean over seeds (runs side "
-                  "by side share the machine):", "", "| arm | updates | s / update |", "|---|---|---|"]
+    def seconds_per_update(arm):
+        return _mean_or_none([t["train_seconds"] / t["train_seconds_updates"] for t in train.get(arm, {}).values()
+                              if t.get("train_seconds") is not None and t.get("train_seconds_updates")])
+
+    if any(seconds_per_update(arm) is not None for arm in arms):
+        lines += ["Cost: seconds of training per update (fairseq's train_wall: validation and saving excluded; an "
+                  "interval redone after a resume counted once), mean over seeds (runs side by side share the "
+                  "machine):", "", "| arm | updates | s / update |", "|---|---|---|"]
         for arm in arms:
-            updates, wall = mean_of(arm, "updates"), mean_of(arm, "wall_seconds")
-            if updates:
-                lines.append(f"| {arm} | {updates:.0f} | {'-' if wall is None else format(wall / updates, '.2f')} |")
+            cost = seconds_per_update(arm)
+            if cost is not None:
+                lines.append(f"| {arm} | {mean_of(arm, 'updates'):.0f} | {cost:.2f} |")
         lines.append("")
     curves = {arm: [train[arm][seed].get("valid_bleu") or [] for seed in train.get(arm, {})] for arm in arms}
     points = sorted({u for runs in curves.values() for run in runs for u, _ in run})
@@ -268,11 +273,12 @@ def results_markdown(results: dict) -> str:
             if arm in results["bootstrap"]:
                 cells[0:2], cells[2:4] = _fmt_delta(results["bootstrap"][arm], subset, "bleu"), \
                     _fmt_delta(results["bootstrap"][arm], subset, "chrf")
-            stats = {key: _mean_or_none([t.get(key) for t in results["train"][arm].values()]) for key in TRAIN_STATS}
+            stats = {key: _mean_or_none([t.get(key) for t in results["train"][arm].values()])
+                     for key in (*TRAIN_STATS, "train_seconds")}
             grad = "" if stats["gnorm_median"] is None else f"{stats['gnorm_median']:.3g} ({stats['clipped_percent']:.0f}%)"
             name = {"pretrained": "pretrained (no fine-tuning)", base: f"{base} (baseline)"}.get(arm, arm)
             lines.append(f"| {name} | {bleu} | {chrf} | {' | '.join(cells)} | {grad} | "
-                         f"{stats['wall_seconds'] or 0:.0f} ({_seconds(stats['cpu_seconds'])}) |")
+                         f"{_seconds(stats['train_seconds'])} ({_seconds(stats['cpu_seconds'])}) |")
         for ref, arms_vs in (results.get("bootstrap_vs") or {}).items():
             lines += ["", f"Against `{ref}` ({subset}):", "",
                       f"| arm | ΔBLEU vs {ref} {spread} | {p} | ΔchrF vs {ref} {spread} | {p} |", "|---|---|---|---|---|"]
@@ -294,8 +300,9 @@ def results_markdown(results: dict) -> str:
               f"- BLEU: `{results['signatures'].get('bleu')}`", f"- chrF: `{results['signatures'].get('chrf')}`",
               f"- significance: {results['bootstrap_method']}",
               "- grad norm: median over fairseq's logging intervals of the gradient norm before clipping, with the "
-              "share of updates clipped (--clip-norm); train s: wall-clock seconds of training (the machine may be "
-              "shared), CPU s: CPU seconds of its processes; both means over seeds", "", "## Notes", ""]
+              "share of updates clipped (--clip-norm); train s: seconds of training (fairseq's train_wall summed over "
+              "the logged intervals: validation and saving excluded; the machine may be shared), CPU s: CPU seconds "
+              "of its processes (where the run trained alone); both means over seeds", "", "## Notes", ""]
     lines += [f"- {note}" for note in results["notes"]] or ["- (none)"]
     lines += ["", "![validation curves](curves.png)", ""]
     return "\n".join(lines)

@@ -76,39 +76,53 @@ _TRAIN_INNER = re.compile(r"\| train_inner \| .*\bgnorm=([^,]+), clip=([^,]+)")
 # an interval without a measured batch logs "tf_gnorm=None, beam_gnorm=None": not matched
 _TERM_GNORMS = re.compile(r"\btf_gnorm=([0-9.eE+-]+), beam_gnorm=([0-9.eE+-]+)")
 _UPDATES = re.compile(r"\bnum_updates=(\d+)")
+_TRAIN_WALL = re.compile(r"\btrain_wall=([0-9.]+)")
 
 
 def read_train_stats(log_path: Path) -> dict:
     """From the ``train_inner`` lines of a fairseq-train log: the median gradient norm (before clipping),
     the mean share of clipped updates, the medians of the two loss terms' gradient norms where the
-    criterion logged them (``--log-term-gnorm-interval``) and the last update; and the validation BLEU
-    per update where fairseq-train logged it (``--eval-bleu``). Empty values where it logged none."""
+    criterion logged them (``--log-term-gnorm-interval``), the training seconds (fairseq's ``train_wall``
+    summed: validation and saving excluded) with the updates they cover, and the last update; and the
+    validation BLEU per update where fairseq-train logged it (``--eval-bleu``). Empty values where it
+    logged none.
+
+    A resumed run logs again the intervals it redoes after its last save: each interval counts once,
+    as last logged (fairseq restores the interval's meters from the checkpoint, so the line after a
+    resume covers the whole interval)."""
     import statistics
 
     from .ablation_plot import read_valid_curve
 
-    gnorms, clips, terms, updates = [], [], [], None
+    intervals: Dict[int, dict] = {}  # num_updates -> the last train_inner line logged at it
     if Path(log_path).exists():
         for line in Path(log_path).read_text(encoding="utf-8", errors="replace").splitlines():
             match = _TRAIN_INNER.search(line)
-            if match:
-                gnorms.append(float(match.group(1)))
-                clips.append(float(match.group(2)))
-                term = _TERM_GNORMS.search(line)
-                if term:
-                    terms.append((float(term.group(1)), float(term.group(2))))
-                update = _UPDATES.search(line)
-                updates = int(update.group(1)) if update else updates
+            update = _UPDATES.search(line) if match else None
+            if update:
+                term, wall = _TERM_GNORMS.search(line), _TRAIN_WALL.search(line)
+                intervals[int(update.group(1))] = {
+                    "gnorm": float(match.group(1)), "clip": float(match.group(2)),
+                    "terms": (float(term.group(1)), float(term.group(2))) if term else None,
+                    "train_wall": float(wall.group(1)) if wall else None}
+    logged = [intervals[n] for n in sorted(intervals)]
+    terms = [i["terms"] for i in logged if i["terms"]]
+    walls = [i["train_wall"] for i in logged]
 
     def median(values):
         return round(statistics.median(values), 4) if values else None
 
+    updates = max(intervals) if intervals else None
     curve = read_valid_curve(log_path)
     if curve:  # the last update is validated, the train_inner lines come every --log-interval updates
         updates = max(updates or 0, curve[-1]["num_updates"])
     bleu = [[p["num_updates"], p["bleu"]] for p in curve if "bleu" in p]
-    return {"gnorm_median": median(gnorms), "clipped_percent": round(statistics.fmean(clips), 1) if clips else None,
+    timed = bool(walls) and None not in walls
+    return {"gnorm_median": median([i["gnorm"] for i in logged]),
+            "clipped_percent": round(statistics.fmean(i["clip"] for i in logged), 1) if logged else None,
             "tf_gnorm_median": median([t for t, _ in terms]), "beam_gnorm_median": median([b for _, b in terms]),
+            "train_seconds": round(sum(walls), 1) if timed else None,
+            "train_seconds_updates": max(intervals) if timed else None,
             "updates": updates, "valid_bleu": bleu or None}
 
 
