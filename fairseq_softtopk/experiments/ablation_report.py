@@ -238,7 +238,7 @@ def _fixed_lenpen_markdown(results: dict) -> list:
                         + " | ".join(cells) + " |")
     if not rows:
         return []
-    return ["Untuned length penalties (`eval.fixed_lenpens`: decoded at each whatever valid chose; mean ± sd over "
+    return ["Untuned length penalties (`eval.fixed_lenpens`: decoded at each, whatever valid chose; mean ± sd over "
             "seeds, and the paired t-test of the per-seed BLEU: mean ± sd of the differences, p):", "",
             "| subset | lenpen | arm | BLEU | chrF | " + " | ".join(f"ΔBLEU vs {ref} (p)" for ref in refs) + " |",
             "|---|---|---|---|---|" + "---|" * len(refs), *rows, ""]
