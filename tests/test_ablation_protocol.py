@@ -173,6 +173,21 @@ def test_train_stats_read_the_term_gradient_norms_updates_and_validation_bleu(tm
     assert missing["valid_bleu"] is None and missing["train_seconds"] is None
 
 
+def test_best_checkpoint_update_follows_fairseqs_save_rule():
+    """fairseq's save_checkpoint: ``best = max(score, best)``, then checkpoint_best is written where ``score >= best``;
+    replayed here over the validations, against the function's max-then-latest reading."""
+    curves = [[[243, 40.1], [486, 40.5], [729, 40.3]], [[243, 41.0], [486, 40.2], [729, 41.0], [972, 40.9]],
+              [[243, 39.0]], [[243, 40.0], [486, 40.01]]]
+    for curve in curves:
+        best = kept = None
+        for update, score in curve:
+            best = score if best is None else max(score, best)
+            if score >= best:
+                kept = update
+        assert ablation_report.best_checkpoint_update(curve) == kept
+    assert ablation_report.best_checkpoint_update(None) is None
+
+
 def test_paired_ttest_is_the_t_statistic_of_the_differences():
     """t = mean(d) / (sd(d) / sqrt(n)), p = 2 * (1 - F_t(|t|; n - 1)), computed here from the t distribution."""
     from scipy import stats
@@ -230,6 +245,8 @@ def test_report_has_the_ttests_lenpens_gradient_norms_cost_and_validation_bleu()
     assert "| hard | 100 | 3.67 |" in markdown  # seconds per update: 300, 330, 360 s over 90 updates
     assert "| hard | " in markdown and "| 330 (-) |" in markdown  # train s (no CPU s beside other runs)
     assert "| tf | 32.00 | 31.00 |" in markdown  # validation BLEU at updates 50 and 100, mean over seeds
+    # checkpoint_best: seed 1 validates 31.0 twice (the later kept), seeds 2 and 3 best at update 50
+    assert "| tf | 100 | 50 | 50 |" in markdown
     # untuned lenpen 1.0: soft is 1.1, 1.2, 1.3 above tf and 1.3, 1.2, 1.1 above hard (t = 1.2 / (0.1 / sqrt(3)),
     # 2 degrees of freedom)
     from scipy import stats

@@ -143,9 +143,19 @@ def _ttest_cell(test: Optional[dict]) -> str:
             f"({'-' if test['p_value'] is None else format(test['p_value'], '.3g')})")
 
 
+def best_checkpoint_update(valid_bleu: Optional[Sequence[Sequence[float]]]) -> Optional[int]:
+    """The update whose validation fairseq-train kept as checkpoint_best from ``[[update, BLEU], ...]``
+    (``read_train_stats``'s ``valid_bleu``): the highest BLEU, the later one on a tie (fairseq's
+    ``save_checkpoint`` replaces the best when a score is at least the best; its BLEU is rounded as logged)."""
+    if not valid_bleu:
+        return None
+    top = max(bleu for _, bleu in valid_bleu)
+    return max(int(update) for update, bleu in valid_bleu if bleu == top)
+
+
 def _over_seeds_markdown(results: dict) -> list:
     """The report's tables across seeds: paired t-tests against the baseline and the ``compare_to`` arms, the
-    length penalty chosen per run, the loss terms' gradient norms, the cost per update and the validation BLEU
+    length penalty chosen per run, the update of the scored checkpoint_best, the loss terms' gradient norms, the cost per update and the validation BLEU
     during training; each where its numbers exist."""
     lines, arms, seeds = [], results["arms"], [str(seed) for seed in results["seeds"]]
     ttest = results.get("ttest") or {}
@@ -169,8 +179,17 @@ def _over_seeds_markdown(results: dict) -> list:
                   + " |", "|---|" + "---|" * len(seeds)]
         lines += [f"| {arm} | {' | '.join(str(v) for v in values)} |" for arm, values in chosen.items()]
         lines.append("")
-    lines += _fixed_lenpen_markdown(results)
     train = results["train"]
+    best = {arm: [best_checkpoint_update(train[arm][seed].get("valid_bleu")) for seed in seeds
+                  if seed in train.get(arm, {})] for arm in arms}
+    if (results.get("eval") or {}).get("checkpoint") == "best" and any(u is not None for v in best.values() for u in v):
+        lines += ["The update of the scored checkpoint_best (fairseq-train's best validation BLEU; the later one on a "
+                  "tie, as fairseq), per seed:", "", "| arm | " + " | ".join(f"seed {s}" for s in seeds) + " |",
+                  "|---|" + "---|" * len(seeds)]
+        lines += [f"| {arm} | {' | '.join('-' if u is None else str(u) for u in values)} |"
+                  for arm, values in best.items()]
+        lines.append("")
+    lines += _fixed_lenpen_markdown(results)
 
     def mean_of(arm, key):
         return _mean_or_none([train[arm][seed].get(key) for seed in train.get(arm, {})])
