@@ -150,21 +150,35 @@ def stopped(toy_data_bin, tmp_path_factory):
     runner = Watched(cmd)
     try:
         runner.wait_for(r"Saved checkpoint \S+seed1/tf/checkpoint_1_4\.pt")
-        record["sigint"] = {**runner.stop(signal.SIGINT, group=True), "seed2": (work / "seed2").exists()}
+        record["sigint"] = {**runner.stop(signal.SIGINT, group=True), "seed2": (work / "seed2").exists(),
+                            "state": _status(cmd)}
 
         runner = Watched(cmd)
         runner.wait_for(r"Saved checkpoint", runner.wait_for(r"Loaded checkpoint \S+seed1/tf"))
         lock = record["run"] / "run.lock"
+        state = _status(cmd)  # beside the live runner
         record["sigkill"] = {**runner.stop(signal.SIGKILL), "pid": runner.proc.pid,
-                             "lock": json.loads(lock.read_text()) if lock.exists() else None}
+                             "lock": json.loads(lock.read_text()) if lock.exists() else None, "state": state}
 
         runner = Watched(cmd)
         runner.wait_for(r"evaluating \S+seed1/tf on test")
         runner.child_running("fairseq_cli.generate")
-        record["sigterm"] = {**runner.stop(signal.SIGTERM), "seed2": (work / "seed2").exists()}
+        record["sigterm"] = {**runner.stop(signal.SIGTERM), "seed2": (work / "seed2").exists(),
+                             "state": _status(cmd)}
     finally:
         runner.kill()
     return record
+
+
+def _status(cmd) -> str:
+    """What ``fairseq-softtopk-ablation ... --status`` prints for the runner command ``cmd``."""
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert ablation_cli.main([*cmd[3:], "--status"]) == 0
+    return out.getvalue()
 
 
 def _assert_stopped_cleanly(stop: dict, status: int):
@@ -209,6 +223,44 @@ def test_the_resumed_run_kept_every_part_of_its_log_and_ended_at_the_exact_budge
     assert f"@ {MAX_UPDATE} updates" in re.findall(r"Saved checkpoint .*", log)[-1]
     done = json.loads((run / "done.json").read_text())
     assert done["checkpoint_sha256"] == checkpoint_digest(run / "checkpoint_last.pt")
+
+
+def test_status_names_each_runs_state_beside_the_runner_and_after_each_stop(stopped):
+    """``--status`` beside a live runner names its process and the run's last logged update and save; after a
+    stop, what the rerun will do (as the stop message says)."""
+    live = stopped["sigkill"]["state"].splitlines()
+    pid = stopped["sigkill"]["pid"]
+    assert re.fullmatch(rf"  seed1/tf  training \(process {pid} on \S+\): epoch 1, update \d+, last save at update "
+                        r"\d+", live[1]), live
+    assert live[2:] == ["  seed2/tf  not started", "0 of 2 runs finished"]
+    after_sigint = stopped["sigint"]["state"].splitlines()
+    resume_at = re.search(r"will resume: seed1/tf \(from update (\d+)\)", stopped["sigint"]["output"]).group(1)
+    assert after_sigint[1] == f"  seed1/tf  stopped: resumes from update {resume_at} on the rerun"
+    assert "  seed1/tf  trained, not scored (scored on the rerun)" in stopped["sigterm"]["state"].splitlines()
+
+
+def test_status_of_finished_unstarted_and_cut_short_runs(tmp_path, capsys):
+    """A finished run's line carries its scores and chosen length penalty; a directory without a checkpoint starts
+    again; the pretrained scoring and the report are named where they exist; a missing work dir is an error."""
+    (tmp_path / "scratch.yaml").write_text(SCRATCH.replace("  tf: {}", "  tf: {}\n  soft: {topk-mode: soft}"))
+    work = tmp_path / "work"
+    argv = [str(tmp_path / "scratch.yaml"), "--work-dir", str(work), "--seeds", "1", "--arms", "tf", "soft",
+            "--pretrained", "tf.pt", "--score-pretrained", "--status"]
+    with pytest.raises(SystemExit) as exit_info:
+        ablation_cli.main(argv)
+    assert exit_info.value.code == 2 and "does not exist: nothing has run there yet" in capsys.readouterr().err
+    (work / "seed1" / "tf").mkdir(parents=True)
+    (work / "seed1" / "soft").mkdir()
+    (work / "seed1" / "tf" / "done.json").write_text("{}")
+    (work / "seed1" / "tf" / "eval.json").write_text(json.dumps(
+        {"subsets": {"valid": {"bleu": 41.117, "lenpen": 1.4}, "test": {"bleu": 38.5, "lenpen": 1.4}}}))
+    (work / "results.md").write_text("")
+    assert ablation_cli.main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1:] == ["  pretrained checkpoint: not scored yet",
+                         "  seed1/tf    finished: valid 41.12, test 38.50 BLEU (lenpen 1.4)",
+                         "  seed1/soft  stopped before its first checkpoint: starts again on the rerun",
+                         "1 of 2 runs finished", f"report: {work / 'results.md'}"]
 
 
 def test_a_changed_finished_checkpoint_is_refused_before_scoring(stopped, capsys):

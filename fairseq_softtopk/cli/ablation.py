@@ -27,7 +27,8 @@ further run, keeps every finished run and prints what finished, what will resume
 command to rerun; the exit status is 130 (SIGINT) or 143 (SIGTERM). Each run directory is
 locked while a process trains in it (``run.lock``): a second runner on the same directory is
 refused. A finished run's ``checkpoint_last.pt`` is checked against the SHA-256 recorded in its
-``done.json`` before it is fine-tuned from or scored.
+``done.json`` before it is fine-tuned from or scored. The same command with ``--status`` prints what
+each of its runs has done (also while it runs) and exits.
 
 Example (``DIR`` as written by ``data_prep/prepare_multi30k.sh --out DIR``: ``DIR/bin``
 and ``DIR/raw``)::
@@ -48,7 +49,9 @@ from typing import Sequence
 
 from fairseq_softtopk.experiments.ablation_config import load_config
 from fairseq_softtopk.experiments.ablation_report import results_markdown
-from fairseq_softtopk.experiments.ablation_runner import check_seeds, check_work_dir, run_ablation
+from fairseq_softtopk.experiments.ablation_runner import (check_seeds, check_work_dir, run_ablation, run_plan,
+                                                           select_arms)
+from fairseq_softtopk.experiments.run_status import status_lines
 from fairseq_softtopk.experiments.child_processes import RunStopped, stop_on_signals
 from fairseq_softtopk.extras import exit_unless_installed
 
@@ -75,6 +78,9 @@ def main(argv=None) -> int:
                         help="fine-tuning runs at the same time (e.g. one per core with OMP_NUM_THREADS=1)")
     parser.add_argument("--quiet", action="store_true",
                         help="print one line per validation instead of fairseq's logs (kept in each train.log)")
+    parser.add_argument("--status", action="store_true",
+                        help="print what each run of this command has done (finished with its BLEU, training at "
+                             "update N, stopped, not started) and exit; safe beside the running command")
     args = parser.parse_args(argv)
     exit_unless_installed(parser, "experiments")  # one line naming the extra, before anything imports it
     typed = ["fairseq-softtopk-ablation", *(sys.argv[1:] if argv is None else argv)]
@@ -86,6 +92,12 @@ def main(argv=None) -> int:
             parser.exit(2, f"{parser.prog}: error: {flag}: {error}\n")
     if args.score_pretrained and not args.pretrained:
         parser.exit(2, f"{parser.prog}: error: --score-pretrained scores the --pretrained checkpoint: pass one\n")
+    if args.status:
+        try:
+            print("\n".join(status_report(load_config(args.config, args.set), Path(args.work_dir), args)))
+        except (FileNotFoundError, ValueError) as error:
+            parser.exit(2, f"{parser.prog}: error: {error}\n")
+        return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s | %(levelname)s | %(name)s | %(message)s")
     with stop_on_signals():
         try:
@@ -104,6 +116,22 @@ def main(argv=None) -> int:
             return stop.exit_status
     print(results_markdown(results))
     return 0
+
+
+def status_report(config: dict, work_dir: Path, args: argparse.Namespace) -> list:
+    """``--status``: the lines of :func:`~fairseq_softtopk.experiments.run_status.status_lines` for the runs
+    these arguments schedule (with the pretrained checkpoint's scoring where ``--score-pretrained``)."""
+    if not work_dir.is_dir():
+        raise FileNotFoundError(f"--work-dir {work_dir} does not exist: nothing has run there yet")
+    arms, _ = select_arms(config, args.arms)
+    lines = [f"{work_dir}: {config['path']}, seeds {' '.join(map(str, args.seeds))}, arms {' '.join(arms)}"]
+    if args.score_pretrained and args.pretrained:
+        scored = (work_dir / "pretrained" / "eval.json").exists()
+        lines.append(f"  pretrained checkpoint: {'scored' if scored else 'not scored yet'}")
+    lines += status_lines(run_plan(config, work_dir, args.seeds, arms, args.pretrained))
+    if (work_dir / "results.md").exists():
+        lines.append(f"report: {work_dir / 'results.md'}")
+    return lines
 
 
 def stopped_message(prog: str, stop: RunStopped, typed: Sequence[str]) -> str:

@@ -179,13 +179,10 @@ def run_ablation(config: dict, data_bin, work_dir, ref_dir=None, seeds: Sequence
             return {"train": {**train, **read_train_stats(run_dir / "train.log")},
                     "eval": evaluate_run(run_dir, data_bin, ref_dir, eval_cfg, pair)}
 
-    per_seed = config["stage"] == "finetune" and pretrained is None and bool(config.get("pretrain_per_seed"))
-    shared_pretrain = config["stage"] == "finetune" and pretrained is None and not per_seed
+    per_seed, shared_pretrain = _pretraining(config, pretrained)
     start_ckpt = None if config["stage"] != "finetune" else \
         Path(pretrained) if pretrained is not None else work_dir / "pretrain" / LAST if shared_pretrain else None
-    plan = [("pretrain", work_dir / "pretrain")] if shared_pretrain else []
-    plan += [(f"seed{seed}/pretrain", work_dir / f"seed{seed}" / "pretrain") for seed in seeds if per_seed]
-    plan += [(f"seed{seed}/{arm}", work_dir / f"seed{seed}" / arm) for seed in seeds for arm in arms]
+    plan = run_plan(config, work_dir, seeds, arms, pretrained)
     with stop_on_signals():
         try:
             scored = None
@@ -214,6 +211,22 @@ def run_ablation(config: dict, data_bin, work_dir, ref_dir=None, seeds: Sequence
             raise RunStopped(stop.signum, describe_runs(plan)) from None
     logger.info("wrote %s, %s and %s", work_dir / "results.md", work_dir / "results.json", work_dir / "curves.png")
     return results
+
+
+def _pretraining(config: dict, pretrained) -> Tuple[bool, bool]:
+    """(each seed pretrains its own model, one pretrained model is trained for every seed)."""
+    per_seed = config["stage"] == "finetune" and pretrained is None and bool(config.get("pretrain_per_seed"))
+    return per_seed, config["stage"] == "finetune" and pretrained is None and not per_seed
+
+
+def run_plan(config: dict, work_dir, seeds: Sequence[int], arms: Sequence[str], pretrained=None) -> List[tuple]:
+    """The runs of :func:`run_ablation` in schedule order: ``[(label, run directory)]``, label
+    ``pretrain``, ``seedS/pretrain`` or ``seedS/ARM``."""
+    work_dir = Path(work_dir)
+    per_seed, shared_pretrain = _pretraining(config, pretrained)
+    plan = [("pretrain", work_dir / "pretrain")] if shared_pretrain else []
+    plan += [(f"seed{seed}/pretrain", work_dir / f"seed{seed}" / "pretrain") for seed in seeds if per_seed]
+    return plan + [(f"seed{seed}/{arm}", work_dir / f"seed{seed}" / arm) for seed in seeds for arm in arms]
 
 
 def _log_failure(future) -> None:

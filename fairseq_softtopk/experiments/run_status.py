@@ -1,4 +1,5 @@
-"""What a stopped schedule leaves behind, run by run: the lines of the runner's stop message.
+"""What a schedule's runs have done: the lines of the runner's stop message (:func:`describe_runs`) and of
+``fairseq-softtopk-ablation --status`` (:func:`status_lines`, also while the runs train).
 
 A run directory is finished when it has ``done.json`` (written once training ended) and
 ``eval.json`` (its scores); a ``checkpoint_last.pt`` without ``done.json`` resumes from that
@@ -6,11 +7,15 @@ checkpoint on a rerun (the update is read from fairseq's ``Saved checkpoint`` li
 ``train.log``); a directory without either starts again; no directory: not started.
 """
 
+import json
 import re
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from .run_lock import RunDirectoryInUse, lock_owner
+
 _SAVED = re.compile(r"Saved checkpoint \S+ \(epoch \d+ @ (\d+) updates")
+_LOGGED = re.compile(r"\| train_inner \| epoch (\d+):.*\bnum_updates=(\d+)")
 
 
 def last_saved_update(log_path: Path) -> Optional[int]:
@@ -37,3 +42,59 @@ def describe_runs(plan: Sequence[Tuple[str, Path]]) -> List[str]:
         else:
             groups["not started"].append(label)
     return [f"  {state}: {', '.join(labels)}" for state, labels in groups.items() if labels]
+
+
+def _last_logged(log_path: Path) -> Optional[Tuple[int, int]]:
+    """(epoch, update) of the last ``train_inner`` line of ``log_path``, or None."""
+    if not Path(log_path).is_file():
+        return None
+    found = _LOGGED.findall(Path(log_path).read_text(encoding="utf-8", errors="replace"))
+    return (int(found[-1][0]), int(found[-1][1])) if found else None
+
+
+def _scores(run_dir: Path) -> str:
+    """``valid 41.12, test 38.29 BLEU (lenpen 1.6)`` from the run's ``eval.json`` (the length penalty where one
+    was chosen on valid)."""
+    try:
+        subsets = json.loads((run_dir / "eval.json").read_text(encoding="utf-8"))["subsets"]
+    except (OSError, ValueError, KeyError):
+        return "scores unreadable"
+    lenpens = {entry["lenpen"] for entry in subsets.values() if "lenpen" in entry}
+    return (", ".join(f"{name} {entry['bleu']:.2f}" for name, entry in subsets.items() if "bleu" in entry) + " BLEU"
+            + (f" (lenpen {lenpens.pop()})" if len(lenpens) == 1 else ""))
+
+
+def run_state(run_dir: Path) -> str:
+    """What one run has done, in words: finished (with its BLEU), trained and not yet scored, training now
+    (the live process of its ``run.lock``, the last logged update and save), stopped (resumes from its last
+    save), stopped before its first checkpoint, or not started."""
+    run_dir = Path(run_dir)
+    try:
+        owner = lock_owner(run_dir)
+    except RunDirectoryInUse:
+        owner = {"pid": "?", "host": "another host"}
+    saved = last_saved_update(run_dir / "train.log")
+    since = f", last save at update {saved}" if saved is not None else ", no save yet"
+    if (run_dir / "done.json").exists():
+        if (run_dir / "eval.json").exists():
+            return f"finished: {_scores(run_dir)}"
+        return "trained, being scored" if owner else "trained, not scored (scored on the rerun)"
+    if owner:
+        logged = _last_logged(run_dir / "train.log")
+        at = f"epoch {logged[0]}, update {logged[1]}" if logged else "starting"
+        return f"training (process {owner.get('pid')} on {owner.get('host')}): {at}{since}"
+    if (run_dir / "checkpoint_last.pt").exists():
+        return f"stopped: resumes from update {saved} on the rerun" if saved is not None else \
+            "stopped: resumes from its checkpoint_last.pt on the rerun"
+    if run_dir.exists():
+        return "stopped before its first checkpoint: starts again on the rerun"
+    return "not started"
+
+
+def status_lines(plan: Sequence[Tuple[str, Path]]) -> List[str]:
+    """One line per run of ``plan`` (``(label, run directory)`` in schedule order, :func:`run_state`), then
+    how many have finished."""
+    states = [(label, run_state(run_dir)) for label, run_dir in plan]
+    width = max((len(label) for label, _ in states), default=0)
+    done = sum(state.startswith("finished") for _, state in states)
+    return [f"  {label.ljust(width)}  {state}" for label, state in states] + [f"{done} of {len(states)} runs finished"]
