@@ -224,7 +224,8 @@ def test_report_has_the_ttests_lenpens_gradient_norms_cost_and_validation_bleu()
         for seed in ("1", "2", "3"):
             # wall_seconds: the last call's only (a resumed run); the cost comes from the log's train_wall
             train = {"wall_seconds": 30.0, "cpu_seconds": None, "gnorm_median": 0.5, "clipped_percent": 0.0,
-                     "updates": 100, "train_seconds": 270.0 + 30 * int(seed), "train_seconds_updates": 90, "valid_bleu": [[50, 30.0 + int(seed)], [100, 31.0]], **gnorms}
+                     "updates": 100, "train_seconds": 270.0 + 30 * int(seed), "train_seconds_updates": 90,
+                     "valid_bleu": [[50, 30.0 + int(seed)], [100, 31.0]], **gnorms}
             test = system(p, 0.6 if seed == "2" else 1.0)
             test["at_lenpen"] = {"1.0": {"bleu": 30.0 + 0.5 * int(seed) + {"tf": 0.0, "hard": 0.2 * (int(seed) - 2),
                                                                    "soft": 1.0 + 0.1 * int(seed)}[arm],

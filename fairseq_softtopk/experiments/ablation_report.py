@@ -11,7 +11,8 @@ from .fairseq_commands import PACKAGE_DIR
 
 TRAIN_STATS = ("wall_seconds", "cpu_seconds", "gnorm_median", "clipped_percent")
 #: further statistics of a run's log (ablation_training.read_train_stats), reported where logged
-LOG_STATS = ("tf_gnorm_median", "beam_gnorm_median", "train_seconds", "train_seconds_updates", "updates", "valid_bleu")
+LOG_STATS = ("tf_gnorm_median", "beam_gnorm_median", "train_seconds", "train_seconds_updates", "updates",
+             "valid_bleu")
 
 
 def display_path(path) -> str:
@@ -155,8 +156,8 @@ def best_checkpoint_update(valid_bleu: Optional[Sequence[Sequence[float]]]) -> O
 
 def _over_seeds_markdown(results: dict) -> list:
     """The report's tables across seeds: paired t-tests against the baseline and the ``compare_to`` arms, the
-    length penalty chosen per run, the update of the scored checkpoint_best, the loss terms' gradient norms, the cost per update and the validation BLEU
-    during training; each where its numbers exist."""
+    length penalty chosen per run, the update of the scored checkpoint_best, the loss terms' gradient norms, the
+    cost per update and the validation BLEU during training; each where its numbers exist."""
     lines, arms, seeds = [], results["arms"], [str(seed) for seed in results["seeds"]]
     ttest = results.get("ttest") or {}
     if any(test for by_arm in ttest.values() for by_subset in by_arm.values() for test in by_subset.values()):
@@ -182,7 +183,8 @@ def _over_seeds_markdown(results: dict) -> list:
     train = results["train"]
     best = {arm: [best_checkpoint_update(train[arm][seed].get("valid_bleu")) for seed in seeds
                   if seed in train.get(arm, {})] for arm in arms}
-    if (results.get("eval") or {}).get("checkpoint") == "best" and any(u is not None for v in best.values() for u in v):
+    scored_best = (results.get("eval") or {}).get("checkpoint") == "best"
+    if scored_best and any(u is not None for values in best.values() for u in values):
         lines += ["The update of the scored checkpoint_best (fairseq-train's best validation BLEU; the later one on a "
                   "tie, as fairseq), per seed:", "", "| arm | " + " | ".join(f"seed {s}" for s in seeds) + " |",
                   "|---|" + "---|" * len(seeds)]
