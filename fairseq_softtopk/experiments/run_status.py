@@ -26,22 +26,31 @@ def last_saved_update(log_path: Path) -> Optional[int]:
     return int(found[-1]) if found else None
 
 
+FINISHED, TRAINED, RESUMES, RESTARTS, NOT_STARTED = "finished", "trained", "resumes", "restarts", "not started"
+
+
+def stored_state(run_dir: Path) -> str:
+    """What ``run_dir``'s files say, whether or not a process works in it: :data:`FINISHED` (``done.json``
+    and ``eval.json``), :data:`TRAINED` (``done.json`` only: scored on the rerun), :data:`RESUMES` (a
+    ``checkpoint_last.pt``), :data:`RESTARTS` (a directory without one) or :data:`NOT_STARTED`."""
+    if (run_dir / "done.json").exists():
+        return FINISHED if (run_dir / "eval.json").exists() else TRAINED
+    if (run_dir / "checkpoint_last.pt").exists():
+        return RESUMES
+    return RESTARTS if run_dir.exists() else NOT_STARTED
+
+
 def describe_runs(plan: Sequence[Tuple[str, Path]]) -> List[str]:
     """One line per state (finished, to be scored, will resume, will start again, not started)
     listing the runs of ``plan`` (``(label, run directory)`` in schedule order) in it."""
-    groups: Dict[str, List[str]] = {"finished": [], "trained, scored on the rerun": [], "will resume": [],
-                                    "will start again (stopped before its first checkpoint)": [], "not started": []}
+    names = {FINISHED: "finished", TRAINED: "trained, scored on the rerun", RESUMES: "will resume",
+             RESTARTS: "will start again (stopped before its first checkpoint)", NOT_STARTED: "not started"}
+    groups: Dict[str, List[str]] = {state: [] for state in names}
     for label, run_dir in plan:
-        if (run_dir / "done.json").exists():
-            groups["finished" if (run_dir / "eval.json").exists() else "trained, scored on the rerun"].append(label)
-        elif (run_dir / "checkpoint_last.pt").exists():
-            update = last_saved_update(run_dir / "train.log")
-            groups["will resume"].append(f"{label} (from update {update})" if update is not None else label)
-        elif run_dir.exists():
-            groups["will start again (stopped before its first checkpoint)"].append(label)
-        else:
-            groups["not started"].append(label)
-    return [f"  {state}: {', '.join(labels)}" for state, labels in groups.items() if labels]
+        state = stored_state(run_dir)
+        update = last_saved_update(run_dir / "train.log") if state == RESUMES else None
+        groups[state].append(f"{label} (from update {update})" if update is not None else label)
+    return [f"  {names[state]}: {', '.join(labels)}" for state, labels in groups.items() if labels]
 
 
 def _last_logged(log_path: Path) -> Optional[Tuple[int, int]]:
@@ -73,20 +82,21 @@ def run_state(run_dir: Path) -> str:
         owner = lock_owner(run_dir)
     except RunDirectoryInUse:
         owner = {"pid": "?", "host": "another host"}
-    saved = last_saved_update(run_dir / "train.log")
-    since = f", last save at update {saved}" if saved is not None else ", no save yet"
-    if (run_dir / "done.json").exists():
-        if (run_dir / "eval.json").exists():
-            return f"finished: {_scores(run_dir)}"
+    state = stored_state(run_dir)
+    if state == FINISHED:
+        return f"finished: {_scores(run_dir)}"
+    if state == TRAINED:
         return "trained, being scored" if owner else "trained, not scored (scored on the rerun)"
+    saved = last_saved_update(run_dir / "train.log")
     if owner:
         logged = _last_logged(run_dir / "train.log")
         at = f"epoch {logged[0]}, update {logged[1]}" if logged else "starting"
+        since = f", last save at update {saved}" if saved is not None else ", no save yet"
         return f"training (process {owner.get('pid')} on {owner.get('host')}): {at}{since}"
-    if (run_dir / "checkpoint_last.pt").exists():
+    if state == RESUMES:
         return f"stopped: resumes from update {saved} on the rerun" if saved is not None else \
             "stopped: resumes from its checkpoint_last.pt on the rerun"
-    if run_dir.exists():
+    if state == RESTARTS:
         return "stopped before its first checkpoint: starts again on the rerun"
     return "not started"
 
@@ -96,5 +106,5 @@ def status_lines(plan: Sequence[Tuple[str, Path]]) -> List[str]:
     how many have finished."""
     states = [(label, run_state(run_dir)) for label, run_dir in plan]
     width = max((len(label) for label, _ in states), default=0)
-    done = sum(state.startswith("finished") for _, state in states)
+    done = sum(stored_state(run_dir) == FINISHED for _, run_dir in plan)
     return [f"  {label.ljust(width)}  {state}" for label, state in states] + [f"{done} of {len(states)} runs finished"]
