@@ -2,6 +2,7 @@
 ablation_runner, ablation_config, ablation_report and ablation_plot in fairseq_softtopk.experiments: configs,
 reports, end to end) and of the scoring and paired bootstrap (experiments.scoring, fairseq-softtopk-bleu)."""
 
+import gzip
 import json
 import logging
 import random
@@ -15,13 +16,14 @@ import torch
 from fairseq_softtopk.cli import ablation as ablation_cli
 from fairseq_softtopk.cli import bleu
 from fairseq_softtopk.data.toy_language_pair import write_toy_corpus
-from fairseq_softtopk.experiments import ablation_report, ablation_runner, ablation_training, scoring
+from fairseq_softtopk.experiments import ablation_report, ablation_runner, ablation_training, run_records, scoring
 from fairseq_softtopk.experiments.ablation_config import (apply_override, config_train_args, flags_to_args, load_config,
                                                           stage_flags)
 from fairseq_softtopk.experiments.ablation_plot import read_valid_curve
 from fairseq_softtopk.experiments.ablation_runner import run_ablation
 from fairseq_softtopk.experiments.checkpoint_integrity import checkpoint_digest
 from fairseq_softtopk.experiments.fairseq_commands import PACKAGE_DIR, fairseq_command, run_logged
+from fairseq_softtopk.experiments.publish import absolute_paths
 from fairseq_softtopk.experiments.scoring import paired_bootstrap
 
 REPO = Path(__file__).resolve().parents[1]
@@ -559,6 +561,92 @@ def test_a_copy_without_checkpoints_elsewhere_reports_the_same_table(micro, tmp_
     results = run_ablation(config, root / "bin", copy, ref_dir=root / "raw", bootstrap_samples=200)
     assert not list(copy.rglob("*.pt"))  # nothing was trained or needed
     assert results["scores"] == before["scores"] and results["summary"] == before["summary"]
+
+
+@pytest.mark.slow
+def test_records_of_the_finished_runs_restore_elsewhere_to_the_same_table(micro, tmp_path):
+    """run_records: the finished runs saved without checkpoints (gzipped, no machine paths in the arguments and
+    logs, the scores byte for byte) and written into an empty work directory elsewhere: the runner trains and scores
+    nothing there and writes the same table; saving and restoring again change nothing."""
+    root, config, _ = micro
+    before = json.loads((root / "work" / "results.json").read_text())
+    records = tmp_path / "records"
+    saved, present = run_records.save_records(root / "work", records)
+    assert sorted(saved) == ["pretrain", *sorted(f"seed1/{arm}" for arm in ARMS)] and present == []
+    assert not [p for p in records.rglob("*") if p.is_file() and not p.name.endswith(".gz")]
+    for run in saved:
+        texts = {p.name: gzip.decompress(p.read_bytes()).decode() for p in (records / run).glob("*.gz")}
+        assert set(texts) == {"run.json.gz", "done.json.gz", "eval.json.gz", "train.log.gz"}
+        assert texts["eval.json.gz"] == (root / "work" / run / "eval.json").read_text()
+        assert str(root) in (root / "work" / run / "run.json").read_text()
+        assert not absolute_paths(texts["run.json.gz"] + texts["done.json.gz"] + texts["train.log.gz"])
+    assert run_records.save_records(root / "work", records) == ([], saved)
+
+    elsewhere = tmp_path / "elsewhere"
+    assert run_records.restore_records(records, elsewhere) == (saved, [])
+    results = run_ablation(config, root / "bin", elsewhere, ref_dir=root / "raw", bootstrap_samples=200)
+    assert not list(elsewhere.rglob("*.pt"))  # nothing was trained or scored
+    assert results["scores"] == before["scores"] and results["summary"] == before["summary"]
+    assert results["bootstrap"] == before["bootstrap"]
+    assert run_records.restore_records(records, elsewhere) == ([], saved)
+
+
+@pytest.mark.slow
+def test_restored_records_leave_only_the_missing_run_to_train(micro, tmp_path):
+    """A record set without one arm: the runner (from the same pretrained checkpoint, one thread as the fixture)
+    trains that arm alone, to the fixture's scores, and reads the others from their records."""
+    import shutil
+
+    root, config, before = micro
+    records = tmp_path / "records"
+    run_records.save_records(root / "work", records)
+    shutil.rmtree(records / "seed1" / "soft")
+    work = tmp_path / "work"
+    run_records.restore_records(records, work)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OMP_NUM_THREADS", "1")
+        results = run_ablation(config, root / "bin", work, ref_dir=root / "raw", bootstrap_samples=200,
+                               pretrained=root / "work" / "pretrain" / "checkpoint_last.pt")
+    trained = sorted(str(p.relative_to(work)) for p in work.rglob("checkpoint_last.pt"))
+    assert trained == ["seed1/soft/checkpoint_last.pt"]
+    for arm in ARMS:
+        assert results["scores"][arm]["1"]["test"]["bleu"] == before["scores"][arm]["1"]["test"]["bleu"], arm
+
+
+@pytest.mark.slow
+def test_records_are_never_overwritten_nor_restored_over_another_run(micro, tmp_path, capsys):
+    """A record holding other scores, or a work directory where a run of the record set trains (a checkpoint, no
+    done.json), is an error naming the run and the differing files; nothing is written then. Unfinished runs are
+    not saved; an empty records directory is an error of the command."""
+    import shutil
+
+    root, _, _ = micro
+    records = tmp_path / "records"
+    run_records.save_records(root / "work", records)
+    copy = tmp_path / "copy"
+    shutil.copytree(root / "work", copy, ignore=shutil.ignore_patterns("*.pt"))
+    (copy / "seed2" / "tf").mkdir(parents=True)
+    (copy / "seed2" / "tf" / "run.json").write_text("{}")
+    scores = json.loads((copy / "seed1" / "hard" / "eval.json").read_text())
+    scores["subsets"]["test"]["bleu"] += 1.0
+    (copy / "seed1" / "hard" / "eval.json").write_text(json.dumps(scores))
+    with pytest.raises(run_records.RecordConflict, match=r"seed1/hard records another run .*differing: eval.json"):
+        run_records.save_records(copy, records)
+    assert run_records.save_records(copy, tmp_path / "fresh")[0] == ["pretrain", "seed1/hard", "seed1/soft", "seed1/tf"]
+
+    target = tmp_path / "target"
+    (target / "seed1" / "soft").mkdir(parents=True)
+    (target / "seed1" / "soft" / "checkpoint_last.pt").write_bytes(b"training")
+    with pytest.raises(run_records.RecordConflict, match=r"seed1/soft exists and differs from its record"):
+        run_records.restore_records(records, target)
+    assert sorted(p.name for p in target.rglob("*")) == ["checkpoint_last.pt", "seed1", "soft"]
+
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit) as exit_info:
+        run_records.main(["restore", str(tmp_path / "empty"), str(target)])
+    assert exit_info.value.code == 2 and "holds no run records" in capsys.readouterr().err
+    assert run_records.main(["save", str(root / "work"), str(records)]) == 0
+    assert capsys.readouterr().out.startswith("saved 0 run(s); 4 already there: pretrain, seed1/hard")
 
 
 @pytest.mark.slow

@@ -29,6 +29,22 @@ def test_results_are_small_summaries_without_absolute_paths(repo_root):
         assert (experiment / "results.md").is_file() or (experiment / "README.md").is_file(), experiment
 
 
+def test_records_hold_finished_runs_without_checkpoints_or_machine_paths(repo_root):
+    """records/ (run_records' form): per run its gzipped arguments, end, log and scores, nothing else; the
+    arguments, ends and logs without absolute paths; each run under 1 MB."""
+    records = repo_root / "records"
+    assert (records / "README.md").is_file()
+    for scores in records.rglob("eval.json.gz"):
+        run = scores.parent
+        names = sorted(p.name for p in run.iterdir())
+        assert set(names) <= {"run.json.gz", "done.json.gz", "eval.json.gz", "train.log.gz"}, run
+        assert sum((run / name).stat().st_size for name in names) < 1024 * 1024, run
+        json.loads(gzip.decompress(scores.read_bytes()))
+        for name in set(names) - {"eval.json.gz"}:
+            assert not absolute_paths(gzip.decompress((run / name).read_bytes()).decode()), run / name
+    assert not [p for p in records.rglob("*") if p.is_file() and p.suffix not in (".gz", ".md")]
+
+
 @pytest.mark.parametrize("text, expected", [
     ("--save-dir /work/exp_1/runs/main_job/seed1/tf", "--save-dir runs/main_job/seed1/tf"),
     ("data: /work/data/multi30k/bin", "data: data/multi30k/bin"),

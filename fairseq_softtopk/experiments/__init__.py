@@ -4,7 +4,8 @@
 comparison with a published run: ``ablation_*``, :mod:`.reference_comparison`), stopping and
 resuming it safely (child processes that stop on a signal and die with the runner:
 :mod:`.child_processes`; one process per run directory: :mod:`.run_lock`; checksums of finished
-checkpoints: :mod:`.checkpoint_integrity`; what a stop left: :mod:`.run_status`; what the main job
+checkpoints: :mod:`.checkpoint_integrity`; what a stop left: :mod:`.run_status`; finished runs kept without
+checkpoints, to go on elsewhere: :mod:`.run_records`; what the main job
 created, for ``--fresh``: :mod:`.work_dir_marker`), what the training
 benchmarks share (:mod:`.bench_harness`; the training benchmark's measuring passes and tables:
 :mod:`.bench_passes`, :mod:`.bench_train_tables`) and the attention of a checkpoint's model on a
