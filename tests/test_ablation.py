@@ -633,6 +633,10 @@ def test_records_are_never_overwritten_nor_restored_over_another_run(micro, tmp_
     with pytest.raises(run_records.RecordConflict, match=r"seed1/hard records another run .*differing: eval.json"):
         run_records.save_records(copy, records)
     assert run_records.save_records(copy, tmp_path / "fresh")[0] == ["pretrain", "seed1/hard", "seed1/soft", "seed1/tf"]
+    # a save cut short leaves its run aside, under a dot name: not a record
+    shutil.copytree(tmp_path / "fresh" / "seed1" / "tf", tmp_path / "fresh" / "seed1" / ".tf.tmp")
+    assert run_records.restore_records(tmp_path / "fresh", tmp_path / "again")[0] == [
+        "pretrain", "seed1/hard", "seed1/soft", "seed1/tf"]
 
     target = tmp_path / "target"
     (target / "seed1" / "soft").mkdir(parents=True)

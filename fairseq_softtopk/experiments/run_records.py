@@ -19,7 +19,7 @@ contents is left as it is, so both can be repeated (save after each session, res
 import argparse
 import gzip
 import json
-import logging
+import shutil
 import sys
 from pathlib import Path
 from typing import Dict, List, Tuple
@@ -27,8 +27,6 @@ from typing import Dict, List, Tuple
 from .ablation_evaluation import EVAL
 from .ablation_training import DONE, RUN
 from .publish import strip_absolute_paths
-
-logger = logging.getLogger("ablation")
 
 LOG = "train.log"
 #: the files a finished run is kept by; the scores are kept byte for byte (their hypotheses are the data)
@@ -90,10 +88,15 @@ def save_records(work_dir, records_dir) -> Tuple[List[str], List[str]]:
                                      f"{', '.join(differing)}); remove the record to save this run there")
             present.append(str(rel))
             continue
-        record_dir.mkdir(parents=True)
+        # written aside, then renamed: a save cut short leaves no half record
+        tmp = record_dir.with_name(f".{record_dir.name}.tmp")
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
         for name, text in texts.items():
             # mtime 0: saving the same run again writes the same bytes
-            (record_dir / f"{name}.gz").write_bytes(gzip.compress(text.encode("utf-8"), mtime=0))
+            (tmp / f"{name}.gz").write_bytes(gzip.compress(text.encode("utf-8"), mtime=0))
+        tmp.rename(record_dir)
         saved.append(str(rel))
     return saved, present
 
@@ -108,7 +111,8 @@ def restore_records(records_dir, work_dir) -> Tuple[List[str], List[str]]:
             other files, or a run that is training or stopped there: finish or remove it first).
     """
     records_dir, work_dir = Path(records_dir), Path(work_dir)
-    records = sorted({path.parent for path in records_dir.rglob(f"{EVAL}.gz")})
+    records = sorted({path.parent for path in records_dir.rglob(f"{EVAL}.gz")  # not a save cut short
+                      if not any(part.startswith(".") for part in path.relative_to(records_dir).parts)})
     if not records:
         raise FileNotFoundError(f"{records_dir} holds no run records ({EVAL}.gz files)")
     plan = []
