@@ -565,9 +565,10 @@ def test_a_copy_without_checkpoints_elsewhere_reports_the_same_table(micro, tmp_
 
 @pytest.mark.slow
 def test_records_of_the_finished_runs_restore_elsewhere_to_the_same_table(micro, tmp_path):
-    """run_records: the finished runs saved without checkpoints (gzipped, no machine paths in the arguments and
-    logs, the scores byte for byte) and written into an empty work directory elsewhere: the runner trains and scores
-    nothing there and writes the same table; saving and restoring again change nothing."""
+    """run_records: the finished runs saved without checkpoints (gzipped, no machine paths, the hypotheses byte for
+    byte, the references as their digest only) and written into an empty work directory elsewhere, the references
+    read again from the data: the runner trains and scores nothing there and writes the same table, paired tests
+    included; saving and restoring again change nothing."""
     root, config, _ = micro
     before = json.loads((root / "work" / "results.json").read_text())
     records = tmp_path / "records"
@@ -577,18 +578,27 @@ def test_records_of_the_finished_runs_restore_elsewhere_to_the_same_table(micro,
     for run in saved:
         texts = {p.name: gzip.decompress(p.read_bytes()).decode() for p in (records / run).glob("*.gz")}
         assert set(texts) == {"run.json.gz", "done.json.gz", "eval.json.gz", "train.log.gz"}
-        assert texts["eval.json.gz"] == (root / "work" / run / "eval.json").read_text()
+        scored = json.loads((root / "work" / run / "eval.json").read_text())
+        recorded = json.loads(texts["eval.json.gz"])
+        for subset, entry in scored["subsets"].items():
+            kept = recorded["subsets"][subset]
+            assert "references" not in kept and kept["hypotheses"] == entry["hypotheses"]
+            assert kept["references_sha256"] == run_records.references_digest(entry["references"])
+            assert kept["bleu"] == entry["bleu"] and kept["reference"].endswith(f"{subset}.tgt")
         assert str(root) in (root / "work" / run / "run.json").read_text()
-        assert not absolute_paths(texts["run.json.gz"] + texts["done.json.gz"] + texts["train.log.gz"])
+        assert not absolute_paths("".join(texts.values()))
     assert run_records.save_records(root / "work", records) == ([], saved)
 
     elsewhere = tmp_path / "elsewhere"
-    assert run_records.restore_records(records, elsewhere) == (saved, [])
+    with pytest.raises(FileNotFoundError, match="pass the prepared data"):
+        run_records.restore_records(records, elsewhere)
+    assert not elsewhere.exists()
+    assert run_records.restore_records(records, elsewhere, root / "bin", root / "raw") == (saved, [])
     results = run_ablation(config, root / "bin", elsewhere, ref_dir=root / "raw", bootstrap_samples=200)
     assert not list(elsewhere.rglob("*.pt"))  # nothing was trained or scored
     assert results["scores"] == before["scores"] and results["summary"] == before["summary"]
     assert results["bootstrap"] == before["bootstrap"]
-    assert run_records.restore_records(records, elsewhere) == ([], saved)
+    assert run_records.restore_records(records, elsewhere, root / "bin", root / "raw") == ([], saved)
 
 
 @pytest.mark.slow
@@ -602,7 +612,7 @@ def test_restored_records_leave_only_the_missing_run_to_train(micro, tmp_path):
     run_records.save_records(root / "work", records)
     shutil.rmtree(records / "seed1" / "soft")
     work = tmp_path / "work"
-    run_records.restore_records(records, work)
+    run_records.restore_records(records, work, root / "bin", root / "raw")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("OMP_NUM_THREADS", "1")
         results = run_ablation(config, root / "bin", work, ref_dir=root / "raw", bootstrap_samples=200,
@@ -635,15 +645,22 @@ def test_records_are_never_overwritten_nor_restored_over_another_run(micro, tmp_
     assert run_records.save_records(copy, tmp_path / "fresh")[0] == ["pretrain", "seed1/hard", "seed1/soft", "seed1/tf"]
     # a save cut short leaves its run aside, under a dot name: not a record
     shutil.copytree(tmp_path / "fresh" / "seed1" / "tf", tmp_path / "fresh" / "seed1" / ".tf.tmp")
-    assert run_records.restore_records(tmp_path / "fresh", tmp_path / "again")[0] == [
+    assert run_records.restore_records(tmp_path / "fresh", tmp_path / "again", root / "bin", root / "raw")[0] == [
         "pretrain", "seed1/hard", "seed1/soft", "seed1/tf"]
 
     target = tmp_path / "target"
     (target / "seed1" / "soft").mkdir(parents=True)
     (target / "seed1" / "soft" / "checkpoint_last.pt").write_bytes(b"training")
     with pytest.raises(run_records.RecordConflict, match=r"seed1/soft exists and differs from its record"):
-        run_records.restore_records(records, target)
+        run_records.restore_records(records, target, root / "bin", root / "raw")
     assert sorted(p.name for p in target.rglob("*")) == ["checkpoint_last.pt", "seed1", "soft"]
+    # references that are not those scored against (another corpus): named, nothing written
+    shutil.copytree(root / "raw", tmp_path / "raw")
+    lines = (tmp_path / "raw" / "test.tgt").read_text().splitlines()
+    (tmp_path / "raw" / "test.tgt").write_text("\n".join(["changed", *lines[1:]]) + "\n")
+    with pytest.raises(ValueError, match="the test references read from the data .* are not those the run was"):
+        run_records.restore_records(records, tmp_path / "other", root / "bin", tmp_path / "raw")
+    assert not (tmp_path / "other").exists()
 
     (tmp_path / "empty").mkdir()
     with pytest.raises(SystemExit) as exit_info:
@@ -651,6 +668,25 @@ def test_records_are_never_overwritten_nor_restored_over_another_run(micro, tmp_
     assert exit_info.value.code == 2 and "holds no run records" in capsys.readouterr().err
     assert run_records.main(["save", str(root / "work"), str(records)]) == 0
     assert capsys.readouterr().out.startswith("saved 0 run(s); 4 already there: pretrain, seed1/hard")
+
+
+@pytest.mark.slow
+def test_references_of_the_binarised_target_read_without_a_model_equal_fairseq_generate_s(micro, tmp_path):
+    """scoring.binarised_references gives the T- lines of fairseq-generate (what a subset is scored against when its
+    raw file is not line-aligned), and a record scored against them restores from the binarised data alone."""
+    root, _, _ = micro
+    decoded = scoring.evaluate_checkpoint(str(root / "bin"), str(root / "work" / "pretrain" / "checkpoint_last.pt"),
+                                          None, subset="valid", beam=1, keep_hypotheses=True)
+    assert decoded["reference"] == run_records.BINARISED_TARGET
+    assert scoring.binarised_references(str(root / "bin"), "valid", "src", "tgt") == decoded["references"]
+    work = tmp_path / "work" / "seed1" / "tf"
+    work.mkdir(parents=True)
+    (work / "done.json").write_text("{}")
+    (work / "eval.json").write_text(json.dumps({"settings": {}, "subsets": {"valid": decoded}}))
+    run_records.save_records(tmp_path / "work", tmp_path / "records")
+    run_records.restore_records(tmp_path / "records", tmp_path / "again", root / "bin", ref_dir=None)
+    restored = json.loads((tmp_path / "again" / "seed1" / "tf" / "eval.json").read_text())
+    assert restored["subsets"]["valid"]["references"] == decoded["references"]
 
 
 @pytest.mark.slow

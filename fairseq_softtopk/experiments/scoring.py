@@ -167,6 +167,26 @@ def binarised_subset_size(data_bin: str, subset: str, source_lang: Optional[str]
     return len(MMapIndexedDataset(str(prefix)))
 
 
+def binarised_references(data_bin: str, subset: str, source_lang: str, target_lang: str,
+                         post_process: Optional[str] = None, detok_lang: Optional[str] = None) -> List[str]:
+    """The references of ``subset`` as :func:`evaluate_checkpoint` reads them from fairseq-generate's ``T-`` lines
+    (the binarised target, ``post_process`` applied, then detokenised for ``detok_lang``), read from the binarised
+    data without a model: as fairseq-generate prints them (unknown words as ``<<unk>>``, end of sentence dropped),
+    in corpus order."""
+    from fairseq.data import Dictionary
+    from fairseq.data.indexed_dataset import MMapIndexedDataset
+
+    root = Path(str(data_bin).split(os.pathsep)[0])
+    prefix = root / f"{subset}.{source_lang}-{target_lang}.{target_lang}"
+    if not Path(f"{prefix}.idx").is_file():
+        raise FileNotFoundError(f"{data_bin} has no binarised '{subset}' subset ({prefix}.idx)")
+    dictionary = Dictionary.load(str(root / f"dict.{target_lang}.txt"))
+    dataset = MMapIndexedDataset(str(prefix))
+    lines = [dictionary.string(dataset[i].long(), post_process, escape_unk=True,
+                               extra_symbols_to_ignore={dictionary.eos()}) for i in range(len(dataset))]
+    return detokenize(lines, detok_lang)
+
+
 def _language_args(extra_args: Sequence[str]) -> Dict[str, str]:
     """``source_lang``/``target_lang`` given to fairseq-generate in ``extra_args`` (``-s``/``-t`` too)."""
     names = {"-s": "source_lang", "--source-lang": "source_lang", "-t": "target_lang", "--target-lang": "target_lang"}
