@@ -569,6 +569,8 @@ def test_records_of_the_finished_runs_restore_elsewhere_to_the_same_table(micro,
     byte, the references as their digest only) and written into an empty work directory elsewhere, the references
     read again from the data: the runner trains and scores nothing there and writes the same table, paired tests
     included; saving and restoring again change nothing."""
+    import shutil
+
     root, config, _ = micro
     before = json.loads((root / "work" / "results.json").read_text())
     records = tmp_path / "records"
@@ -584,7 +586,7 @@ def test_records_of_the_finished_runs_restore_elsewhere_to_the_same_table(micro,
             kept = recorded["subsets"][subset]
             assert "references" not in kept and kept["hypotheses"] == entry["hypotheses"]
             assert kept["references_sha256"] == run_records.references_digest(entry["references"])
-            assert kept["bleu"] == entry["bleu"] and kept["reference"].endswith(f"{subset}.tgt")
+            assert kept["bleu"] == entry["bleu"] and kept["reference"] == f"{subset}.tgt"
         assert str(root) in (root / "work" / run / "run.json").read_text()
         assert not absolute_paths("".join(texts.values()))
     assert run_records.save_records(root / "work", records) == ([], saved)
@@ -599,6 +601,11 @@ def test_records_of_the_finished_runs_restore_elsewhere_to_the_same_table(micro,
     assert results["scores"] == before["scores"] and results["summary"] == before["summary"]
     assert results["bootstrap"] == before["bootstrap"]
     assert run_records.restore_records(records, elsewhere, root / "bin", root / "raw") == ([], saved)
+    # restored from the same data under another path: the scores name that file, and saving them again is the same
+    shutil.copytree(root / "raw", tmp_path / "moved_raw")
+    run_records.restore_records(records, tmp_path / "moved", root / "bin", tmp_path / "moved_raw")
+    assert str(tmp_path / "moved_raw" / "test.tgt") in (tmp_path / "moved" / "seed1" / "tf" / "eval.json").read_text()
+    assert run_records.save_records(tmp_path / "moved", records) == ([], saved)
 
 
 @pytest.mark.slow

@@ -6,11 +6,12 @@ paired tests resample), its training in ``train.log`` and ``done.json``, and the
 ``done.json`` and ``eval.json`` (:mod:`.ablation_evaluation`). :func:`save_records` copies those files of every
 finished run (and the scores of ``--score-pretrained``) to a records directory, gzipped, with the machine's
 absolute paths cut (:func:`.publish.strip_absolute_paths`; the runner ignores paths when it compares a run's
-arguments). The references are not kept (they are the corpus, which a record must not redistribute): each
-subset's scores keep their SHA-256 instead, and :func:`restore_records` reads them again from the prepared data
-(the raw reference file, or the binarised target as fairseq-generate prints it:
-:func:`.scoring.binarised_references`), checks the digest and writes the runs back into a work directory, where
-the runner then trains only the runs that are missing and writes the report over all of them.
+arguments; the scores name their checkpoint and reference file by name). The references are not kept (they
+are the corpus, which a record must not redistribute): each subset's scores keep their SHA-256 instead, and
+:func:`restore_records` reads them again from the prepared data (the raw reference file, or the binarised target
+as fairseq-generate prints it: :func:`.scoring.binarised_references`), checks the digest and writes the runs back
+into a work directory, where the runner then trains only the runs that are missing and writes the report over all
+of them.
 
     python -m fairseq_softtopk.experiments.run_records save WORK_DIR RECORDS_DIR
     python -m fairseq_softtopk.experiments.run_records restore RECORDS_DIR WORK_DIR --data-dir DATA_DIR
@@ -50,15 +51,16 @@ def references_digest(references: Sequence[str]) -> str:
 
 def _scores_as_recorded(text: str) -> str:
     """``eval.json`` as a record keeps it: each subset's ``references`` replaced by ``references_sha256`` (in its
-    place), paths cut from ``checkpoint`` and ``reference``; the hypotheses byte for byte."""
+    place), ``checkpoint`` and ``reference`` by the file's name (a restored run names the file it was restored
+    from: saved again, it is the same record); the hypotheses byte for byte."""
     scores = json.loads(text)
     for name, entry in scores.get("subsets", {}).items():
         kept = {}
         for key, value in entry.items():
             if key == "references":
                 kept["references_sha256"] = references_digest(value)
-            elif key in ("checkpoint", "reference") and isinstance(value, str):
-                kept[key] = strip_absolute_paths(value)
+            elif key in ("checkpoint", "reference") and isinstance(value, str) and value != BINARISED_TARGET:
+                kept[key] = Path(value).name
             else:
                 kept[key] = value
         scores["subsets"][name] = kept
