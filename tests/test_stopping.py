@@ -225,6 +225,38 @@ def test_the_resumed_run_kept_every_part_of_its_log_and_ended_at_the_exact_budge
     assert done["checkpoint_sha256"] == checkpoint_digest(run / "checkpoint_last.pt")
 
 
+@pytest.fixture(scope="module")
+def straight(stopped):
+    """The run of ``stopped`` trained again in another work directory, without a stop (with the same threads: their
+    number changes the float arithmetic)."""
+    work = stopped["root"] / "straight"
+    cmd = [*stopped["cmd"][:6], "--work-dir", str(work), "--seeds", "1"]
+    done = subprocess.run(cmd, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert done.returncode == 0, done.stdout[-3000:]
+    return work / "seed1" / "tf"
+
+
+def _losses_per_update(log: str) -> dict:
+    """``{num_updates: loss}`` of a train log's train_inner lines, the last logged at each update."""
+    return {int(n): loss for loss, n in re.findall(r"\| train_inner \| .*\bloss=([^,]+), .*\bnum_updates=(\d+)", log)}
+
+
+def test_the_run_stopped_three_times_ends_with_the_weights_of_a_run_never_stopped(stopped, straight):
+    """fairseq reseeds every update from the seed and the update number, and a mid-epoch save keeps the data
+    iterator's place: the resumed run (stopped by SIGINT, SIGKILL and SIGTERM, dropout on) ends bit for bit
+    where the straight run does, with the same losses logged."""
+    import torch
+
+    from fairseq_softtopk.checkpoint_safety import read_checkpoint
+
+    resumed = read_checkpoint(stopped["run"] / "checkpoint_last.pt")["model"]
+    once = read_checkpoint(straight / "checkpoint_last.pt")["model"]
+    assert resumed.keys() == once.keys()
+    assert all(torch.equal(resumed[name], once[name]) for name in once)
+    losses = _losses_per_update((straight / "train.log").read_text())
+    assert len(losses) == MAX_UPDATE and losses == _losses_per_update((stopped["run"] / "train.log").read_text())
+
+
 def test_status_names_each_runs_state_beside_the_runner_and_after_each_stop(stopped):
     """``--status`` beside a live runner names its process and the run's last logged update and save; after a
     stop, what the rerun will do (as the stop message says)."""
