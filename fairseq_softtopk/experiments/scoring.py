@@ -144,6 +144,13 @@ def score(hypotheses: Sequence[str], references: Sequence[str]) -> Dict[str, obj
     }
 
 
+def _binarised_target_prefix(data_bin: str, subset: str, source_lang: str, target_lang: str) -> Path:
+    """The path, less ``.idx``/``.bin``, of the target side of ``subset`` in a fairseq-preprocess directory
+    (``data_bin`` may list several, separated by ``os.pathsep`` as fairseq's shards: the first holds the
+    evaluation subsets)."""
+    return Path(str(data_bin).split(os.pathsep)[0]) / f"{subset}.{source_lang}-{target_lang}.{target_lang}"
+
+
 def binarised_subset_size(data_bin: str, subset: str, source_lang: Optional[str] = None,
                           target_lang: Optional[str] = None) -> Optional[int]:
     """Sentences of ``subset`` in a fairseq-preprocess directory, from its index file; None when it
@@ -158,8 +165,7 @@ def binarised_subset_size(data_bin: str, subset: str, source_lang: Optional[str]
         pairs = [f"{source_lang}-{target_lang}"]
     if len(pairs) != 1 or "-" not in pairs[0]:
         return None
-    target = pairs[0].split("-", 1)[1]
-    prefix = root / f"{subset}.{pairs[0]}.{target}"
+    prefix = _binarised_target_prefix(data_bin, subset, *pairs[0].split("-", 1))
     if not Path(f"{prefix}.idx").is_file():
         return None
     from fairseq.data.indexed_dataset import MMapIndexedDataset
@@ -176,11 +182,10 @@ def binarised_references(data_bin: str, subset: str, source_lang: str, target_la
     from fairseq.data import Dictionary
     from fairseq.data.indexed_dataset import MMapIndexedDataset
 
-    root = Path(str(data_bin).split(os.pathsep)[0])
-    prefix = root / f"{subset}.{source_lang}-{target_lang}.{target_lang}"
+    prefix = _binarised_target_prefix(data_bin, subset, source_lang, target_lang)
     if not Path(f"{prefix}.idx").is_file():
         raise FileNotFoundError(f"{data_bin} has no binarised '{subset}' subset ({prefix}.idx)")
-    dictionary = Dictionary.load(str(root / f"dict.{target_lang}.txt"))
+    dictionary = Dictionary.load(str(prefix.parent / f"dict.{target_lang}.txt"))
     dataset = MMapIndexedDataset(str(prefix))
     lines = [dictionary.string(dataset[i].long(), post_process, escape_unk=True,
                                extra_symbols_to_ignore={dictionary.eos()}) for i in range(len(dataset))]
