@@ -400,6 +400,29 @@ def test_a_checkpoint_last_cut_short_is_named_before_fairseq_train_starts(tmp_pa
     assert "train.log" not in os.listdir(run)  # fairseq-train did not start
 
 
+def test_a_run_resumed_with_another_thread_count_is_named(tmp_path, monkeypatch, caplog):
+    """run.json records the fairseq process's OMP_NUM_THREADS; a resume with another count (which changes the
+    float arithmetic) logs a warning naming both, a resume with the same count none."""
+    from fairseq_softtopk.experiments.fairseq_commands import intra_op_threads
+
+    def train(args, save_dir, verbose, record_child):  # fairseq-train's part: a checkpoint to resume from
+        (save_dir / "checkpoint_last.pt").write_bytes(b"weights")
+
+    monkeypatch.setattr(ablation_training, "_train", train)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    run, flags = tmp_path / "run", {"arch": "softtopk_lstm_tiny", "max-update": 8}
+    with caplog.at_level("WARNING", logger="ablation"):
+        for threads in (1, 1, 2, None):
+            (run / "done.json").unlink(missing_ok=True)  # as a stop before the end leaves it
+            with intra_op_threads(threads or 0):
+                ablation_training.train_run(tmp_path / "bin", flags, run)
+    assert json.loads((run / "run.json").read_text())["omp_num_threads"] == "1"
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{run} resumes with OMP_NUM_THREADS={now} where it started with 1: the thread count changes the float "
+        f"arithmetic, so from here on it is not the run an unstopped one would have been (--jobs sets the count "
+        f"where OMP_NUM_THREADS is unset)" for now in ("2", "unset")]
+
+
 def test_a_child_dies_with_the_thread_that_started_it(tmp_path):
     """PR_SET_PDEATHSIG is tied to the starting thread: a child lives while that thread waits for it (the
     runner's worker threads do, and other threads ending does not matter), and dies once the thread is gone."""

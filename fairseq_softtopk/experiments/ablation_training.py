@@ -14,12 +14,14 @@ from typing import Dict, List, Mapping, Optional, Sequence
 from .ablation_config import flags_to_args
 from .checkpoint_integrity import (BEST, KEY as DIGEST_KEY, LAST, check_resumable, checkpoint_digest, digest_key,
                                    verify_run_checkpoint)
-from .fairseq_commands import fairseq_command, run_logged
+from .fairseq_commands import fairseq_command, run_logged, subprocess_env
 from .run_lock import run_lock
 
 logger = logging.getLogger("ablation")
 
 DONE, RUN = "done.json", "run.json"
+#: run.json's record of the fairseq process's OMP_NUM_THREADS when the run started
+THREADS_KEY = "omp_num_threads"
 
 
 def write_json_atomic(path: Path, data) -> None:
@@ -145,6 +147,9 @@ def train_run(data_bin: Path, flags: Mapping[str, object], save_dir: Path,
 
     ``run.json`` records the fairseq-train arguments when the run starts; a later call with
     different arguments raises ``ValueError`` instead of mixing two settings in one directory.
+    It also records the ``OMP_NUM_THREADS`` of the fairseq process (None: unset, torch's default):
+    a run resumed with another thread count is named in a warning, since the count changes the
+    float arithmetic (resumed with the same count, a run ends bit for bit as one never stopped).
     A ``finetune_from`` that is a finished run's ``checkpoint_last.pt`` is checked against the
     digest in that run's ``done.json`` first (:mod:`.checkpoint_integrity`).
     Returns the contents of ``done.json`` (arguments, wall and CPU seconds of this call, and the
@@ -159,16 +164,19 @@ def train_run(data_bin: Path, flags: Mapping[str, object], save_dir: Path,
     args = [str(data_bin), *flags_to_args(flags), "--save-dir", str(save_dir)]
     if finetune_from is not None:
         args += ["--finetune-from-model", str(finetune_from)]
+    threads = subprocess_env().get("OMP_NUM_THREADS")  # what the fairseq process will get
     save_dir.mkdir(parents=True, exist_ok=True)
     with run_lock(save_dir) as record_child:
         if (save_dir / RUN).exists():
-            earlier = json.loads((save_dir / RUN).read_text())["args"]
+            record = json.loads((save_dir / RUN).read_text())
+            earlier = record["args"]
             if _run_flags(earlier) != _run_flags(args):
                 changed = differing_flags(earlier, args) or ["the same flags in another order"]
                 raise ValueError(f"{save_dir} holds a run with other fairseq-train arguments (differing, earlier -> "
                                  f"now: {'; '.join(changed)}); use another --work-dir or remove {save_dir}")
         else:
-            write_json_atomic(save_dir / RUN, {"args": args})
+            record = {"args": args, THREADS_KEY: threads}
+            write_json_atomic(save_dir / RUN, record)
         if (save_dir / DONE).exists():
             logger.info("%s: finished earlier, skipping training", save_dir)
             return json.loads((save_dir / DONE).read_text())
@@ -180,6 +188,11 @@ def train_run(data_bin: Path, flags: Mapping[str, object], save_dir: Path,
             logger.info("%s: fairseq-train had finished; recording it", save_dir)
             start = cpu = None
         else:
+            if (save_dir / LAST).exists() and THREADS_KEY in record and record[THREADS_KEY] != threads:
+                logger.warning("%s resumes with OMP_NUM_THREADS=%s where it started with %s: the thread count changes "
+                               "the float arithmetic, so from here on it is not the run an unstopped one would have "
+                               "been (--jobs sets the count where OMP_NUM_THREADS is unset)", save_dir,
+                               threads or "unset", record[THREADS_KEY] or "unset")
             _train(args, save_dir, verbose, record_child)
         done = {"args": args, "wall_seconds": round(time.time() - start, 1) if start else None,
                 "cpu_seconds": round(_children_cpu_seconds() - cpu, 1) if alone and cpu is not None else None,
