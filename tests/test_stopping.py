@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, clean_env
+from conftest import REPO, clean_env, run_fairseq
 from fairseq_softtopk.cli import ablation as ablation_cli
 from fairseq_softtopk.experiments import ablation_training, child_processes, run_lock
 from fairseq_softtopk.experiments.checkpoint_integrity import CheckpointChanged, checkpoint_digest, verify_run_checkpoint
@@ -269,6 +269,88 @@ def test_status_names_each_runs_state_beside_the_runner_and_after_each_stop(stop
     resume_at = re.search(r"will resume: seed1/tf \(from update (\d+)\)", stopped["sigint"]["output"]).group(1)
     assert after_sigint[1] == f"  seed1/tf  stopped: resumes from update {resume_at} on the rerun"
     assert "  seed1/tf  trained, not scored (scored on the rerun)" in stopped["sigterm"]["state"].splitlines()
+
+
+def _train_args(data_bin, save_dir) -> list:
+    """A hard beam-search run with dropout on, saved only at its end (--max-update 24, within the first epoch)."""
+    return [str(data_bin), "--user-dir", str(REPO / "fairseq_softtopk"), "--cpu", "--arch", "softtopk_lstm_tiny",
+            "--criterion", "soft_beam_search", "--teacher-forcing-ratio", "0.8", "--topk-mode", "hard",
+            "--train-beam", "3", "--dropout", "0.2", "--optimizer", "adam", "--lr", "0.005", "--batch-size", "16",
+            "--max-update", "24", "--save-interval-updates", "1000", "--no-epoch-checkpoints", "--num-workers", "0",
+            "--log-format", "simple", "--log-interval", "1", "--seed", "1", "--save-dir", str(save_dir)]
+
+
+def test_sigusr1_saves_after_the_update_and_training_from_there_ends_as_a_run_never_signalled(toy_data_bin, tmp_path):
+    """SIGUSR1 to fairseq-train (the plugin loaded): checkpoint_last.pt is written after the update in progress,
+    without a score, and training goes on; the run that went on and the run killed right after the save and
+    resumed from it both end with the weights, to the bit, of the run never signalled."""
+    import torch
+
+    from fairseq_softtopk.checkpoint_safety import read_checkpoint
+
+    data_bin = toy_data_bin[1]
+    run_fairseq("train", _train_args(data_bin, tmp_path / "straight"))
+    logs = {}
+    for name in ("went_on", "killed"):
+        run = Watched([sys.executable, "-m", "fairseq_cli.train", *_train_args(data_bin, tmp_path / name)])
+        try:
+            asked = run.wait_for(r"\bnum_updates=9\b")
+            os.kill(run.proc.pid, signal.SIGUSR1)
+            saved = run.wait_for(r"Saved checkpoint", asked)
+            if name == "killed":
+                run.kill()
+            else:
+                assert run.proc.wait(timeout=WAIT) == 0, run.output[-3000:]
+        finally:
+            run.kill()
+        logs[name] = run.output
+        update = int(re.search(r"SIGUSR1: saving checkpoint_last\.pt at update (\d+), then training on",
+                               run.output).group(1))
+        assert update >= 10 and re.search(rf"Saved checkpoint \S+/{name}/checkpoint_last\.pt \(epoch 1 @ {update} "
+                                          r"updates, score None\)", run.lines[saved])
+    assert not (tmp_path / "killed" / "checkpoint_best.pt").exists()  # a save without validation
+    resumed = run_fairseq("train", _train_args(data_bin, tmp_path / "killed"))
+    assert f"(epoch 1 @ {update} updates)" in re.search(r"Loaded checkpoint .*", resumed.stdout + resumed.stderr)[0]
+    straight = read_checkpoint(tmp_path / "straight" / "checkpoint_last.pt")["model"]
+    for name in ("went_on", "killed"):
+        weights = read_checkpoint(tmp_path / name / "checkpoint_last.pt")["model"]
+        assert weights.keys() == straight.keys() and all(torch.equal(weights[k], straight[k]) for k in straight), name
+
+
+def test_the_save_signal_is_installed_in_fairseq_train_only(monkeypatch):
+    """Another program importing the plugin (here pytest, fairseq_cli.train imported) keeps its SIGUSR1."""
+    import fairseq_cli.train
+
+    from fairseq_softtopk import checkpoint_on_signal
+
+    before = signal.getsignal(signal.SIGUSR1)
+    assert checkpoint_on_signal.install() is False
+    assert signal.getsignal(signal.SIGUSR1) == before
+    assert not getattr(fairseq_cli.train.validate_and_save, "_saves_on_signal", False)
+
+
+def test_the_runner_passes_sigusr1_to_its_fairseq_train_children_only(caplog):
+    """Within stop_on_signals, SIGUSR1 reaches the fairseq-train children (which save) and not the others
+    (fairseq-generate would die of it), and the runner logs whom it asked."""
+    listener = ("import signal, sys, time\n"
+                "signal.signal(signal.SIGUSR1, lambda *a: (print('got SIGUSR1', flush=True), sys.exit(0)))\n"
+                "print('ready', flush=True)\ntime.sleep(20)\n")
+    with caplog.at_level("INFO", logger="ablation"), child_processes.stop_on_signals():
+        children = {tool: child_processes.start([sys.executable, "-c", listener, f"fairseq_cli.{tool}"],
+                                                stdout=subprocess.PIPE, text=True) for tool in ("train", "generate")}
+        try:
+            assert all(proc.stdout.readline() == "ready\n" for proc in children.values())
+            os.kill(os.getpid(), signal.SIGUSR1)
+            assert children["train"].stdout.readline() == "got SIGUSR1\n"
+            assert children["train"].wait(timeout=10) == 0 and children["generate"].poll() is None
+        finally:
+            for proc in children.values():
+                proc.kill()
+                proc.wait()
+                proc.stdout.close()
+                child_processes.forget(proc)
+    assert f"SIGUSR1: asked fairseq-train ({children['train'].pid}) to save checkpoint_last.pt" in caplog.text
+    assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL  # given back on leaving
 
 
 def test_status_of_finished_unstarted_and_cut_short_runs(tmp_path, capsys):

@@ -16,12 +16,15 @@ Every child is started through :func:`start` (or :func:`run_captured`), which
 Within :func:`stop_on_signals` (the main thread of a command-line tool), SIGINT and SIGTERM
 forward SIGTERM to every live child, SIGKILL the ones still alive after
 :data:`GRACE_SECONDS` (a second signal: at once), and raise :class:`RunStopped` in the main
-thread; the tools exit with 130 (SIGINT) or 143 (SIGTERM).
+thread; the tools exit with 130 (SIGINT) or 143 (SIGTERM). SIGUSR1 is passed on to every live
+fairseq-train child, which then saves ``checkpoint_last.pt`` after its current update and trains on
+(:mod:`fairseq_softtopk.checkpoint_on_signal`); other children (fairseq-generate) do not get it.
 """
 
 import contextlib
 import ctypes
 import ctypes.util
+import logging
 import os
 import signal
 import subprocess
@@ -30,8 +33,12 @@ import threading
 import time
 from typing import Dict, List, Optional, Sequence
 
+logger = logging.getLogger("ablation")
+
 #: seconds a child has to end after SIGTERM before it is killed
 GRACE_SECONDS = 10.0
+#: the signal asking fairseq-train for a checkpoint (fairseq_softtopk.checkpoint_on_signal.SAVE_SIGNAL)
+SAVE_SIGNAL = signal.SIGUSR1
 _PR_SET_PDEATHSIG = 1
 
 _live: Dict[int, subprocess.Popen] = {}
@@ -181,17 +188,39 @@ def _on_signal(signum, frame) -> None:
         _send(proc, signal.SIGKILL)
 
 
+def _is_fairseq_train(proc: subprocess.Popen) -> bool:
+    return "fairseq_cli.train" in [str(arg) for arg in proc.args]
+
+
+def request_checkpoints() -> List[int]:
+    """Sends :data:`SAVE_SIGNAL` to every live fairseq-train child (each saves ``checkpoint_last.pt`` after
+    its current update and trains on); returns their PIDs."""
+    asked = [proc for proc in live_children() if _is_fairseq_train(proc) and proc.poll() is None]
+    for proc in asked:
+        _send(proc, SAVE_SIGNAL)
+    return [proc.pid for proc in asked]
+
+
+def _on_save_signal(signum, frame) -> None:
+    pids = request_checkpoints()
+    logger.info("%s: %s", signal.Signals(signum).name,
+                f"asked fairseq-train ({', '.join(map(str, pids))}) to save checkpoint_last.pt after the update in "
+                f"progress" if pids else "no fairseq-train running, nothing to save")
+
+
 @contextlib.contextmanager
 def stop_on_signals(grace: float = GRACE_SECONDS):
-    """Within the block, SIGINT and SIGTERM stop the children and raise :class:`RunStopped` (see the
-    module); on leaving, every child has ended. Installed from the main thread only (elsewhere, and
-    when nested, the block runs as it is); the earlier handlers come back on leaving."""
+    """Within the block, SIGINT and SIGTERM stop the children and raise :class:`RunStopped`, and SIGUSR1
+    asks the fairseq-train children for a checkpoint (see the module); on leaving, every child has ended.
+    Installed from the main thread only (elsewhere, and when nested, the block runs as it is); the earlier
+    handlers come back on leaving."""
     global _stop_signal, _handling
     if _handling or threading.current_thread() is not threading.main_thread():
         yield
         return
     _handling, _stop_signal = True, None
     previous = {signum: signal.signal(signum, _on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
+    previous[SAVE_SIGNAL] = signal.signal(SAVE_SIGNAL, _on_save_signal)
     try:
         yield
     finally:
