@@ -18,7 +18,8 @@ __version__ = "0.1.0"
 def register() -> None:
     """Registers the models and criterions with fairseq, allowlists checkpoint globals and makes a
     refused, damaged or missing checkpoint a plain error (:mod:`.checkpoint_safety`); in fairseq-train, SIGUSR1
-    then saves a checkpoint and training goes on (:mod:`.checkpoint_on_signal`). Raises RuntimeError
+    then saves a checkpoint and training goes on (:mod:`.checkpoint_on_signal`); a run resumed in a later epoch
+    gets the training batches of the run never stopped (:mod:`.resumed_batches`). Raises RuntimeError
     under a torch older than 2.6, whose ``torch.load`` is not weights-only by default; warns (once per
     process) when ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` turns weights-only loading off. Raises ImportError
     (:class:`.extras.MissingExtraError`) naming the install commands where fairseq or a package it imports is
@@ -35,6 +36,9 @@ def register() -> None:
     guard_checkpoint_loading()
     from . import criterions, models  # noqa: F401  (importing registers the components)
     from .checkpoint_on_signal import install as save_checkpoint_on_signal
+    from .resumed_batches import install as resumed_runs_get_the_same_batches
+
+    resumed_runs_get_the_same_batches()  # a run resumed in a later epoch gets the batches of one never stopped
 
     save_checkpoint_on_signal()  # in fairseq-train only: SIGUSR1 saves checkpoint_last.pt and training goes on
 

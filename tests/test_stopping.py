@@ -271,12 +271,13 @@ def test_status_names_each_runs_state_beside_the_runner_and_after_each_stop(stop
     assert "  seed1/tf  trained, not scored (scored on the rerun)" in stopped["sigterm"]["state"].splitlines()
 
 
-def _train_args(data_bin, save_dir) -> list:
-    """A hard beam-search run with dropout on, saved only at its end (--max-update 24, within the first epoch)."""
+def _train_args(data_bin, save_dir, max_update: int = 24) -> list:
+    """A hard beam-search run with dropout on, saved only at its end (by default within the first epoch of 25
+    updates)."""
     return [str(data_bin), "--user-dir", str(REPO / "fairseq_softtopk"), "--cpu", "--arch", "softtopk_lstm_tiny",
             "--criterion", "soft_beam_search", "--teacher-forcing-ratio", "0.8", "--topk-mode", "hard",
             "--train-beam", "3", "--dropout", "0.2", "--optimizer", "adam", "--lr", "0.005", "--batch-size", "16",
-            "--max-update", "24", "--save-interval-updates", "1000", "--no-epoch-checkpoints", "--num-workers", "0",
+            "--max-update", str(max_update), "--save-interval-updates", "1000", "--no-epoch-checkpoints", "--num-workers", "0",
             "--log-format", "simple", "--log-interval", "1", "--seed", "1", "--save-dir", str(save_dir)]
 
 
@@ -327,6 +328,27 @@ def test_the_save_signal_is_installed_in_fairseq_train_only(monkeypatch):
     assert checkpoint_on_signal.install() is False
     assert signal.getsignal(signal.SIGUSR1) == before
     assert not getattr(fairseq_cli.train.validate_and_save, "_saves_on_signal", False)
+
+
+def test_a_run_resumed_at_and_after_an_epoch_end_ends_as_the_run_trained_in_one_go(toy_data_bin, tmp_path):
+    """fairseq builds the training batches when its iterator is created, from the seed plus that epoch: a run
+    resumed in epoch 2 got other batches than the run trained in one go (its weights differed by 0.07 here).
+    With the plugin (resumed_batches) the run stopped at the end of epoch 1 (update 25) and in epoch 2 (update
+    33) ends with the weights, to the bit, of the run trained in one go."""
+    import torch
+
+    from fairseq_softtopk.checkpoint_safety import read_checkpoint
+
+    data_bin = toy_data_bin[1]
+    run_fairseq("train", _train_args(data_bin, tmp_path / "one_go", max_update=40))
+    loaded = []
+    for max_update in (25, 33, 40):
+        part = run_fairseq("train", _train_args(data_bin, tmp_path / "resumed", max_update=max_update))
+        loaded += re.findall(r"Loaded checkpoint \S+ \((epoch \d+ @ \d+) updates\)", part.stdout + part.stderr)
+    assert loaded == ["epoch 2 @ 25", "epoch 2 @ 33"]  # resumed at the start of epoch 2, then within it
+    one_go = read_checkpoint(tmp_path / "one_go" / "checkpoint_last.pt")["model"]
+    resumed = read_checkpoint(tmp_path / "resumed" / "checkpoint_last.pt")["model"]
+    assert all(torch.equal(resumed[name], one_go[name]) for name in one_go)
 
 
 def test_the_runner_passes_sigusr1_to_its_fairseq_train_children_only(caplog):
