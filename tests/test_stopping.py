@@ -357,6 +357,7 @@ def test_the_runner_passes_sigusr1_to_its_fairseq_train_children_only(caplog):
     listener = ("import signal, sys, time\n"
                 "signal.signal(signal.SIGUSR1, lambda *a: (print('got SIGUSR1', flush=True), sys.exit(0)))\n"
                 "print('ready', flush=True)\ntime.sleep(20)\n")
+    before = signal.getsignal(signal.SIGUSR1)
     with caplog.at_level("INFO", logger="ablation"), child_processes.stop_on_signals():
         children = {tool: child_processes.start([sys.executable, "-c", listener, f"fairseq_cli.{tool}"],
                                                 stdout=subprocess.PIPE, text=True) for tool in ("train", "generate")}
@@ -372,7 +373,7 @@ def test_the_runner_passes_sigusr1_to_its_fairseq_train_children_only(caplog):
                 proc.stdout.close()
                 child_processes.forget(proc)
     assert f"SIGUSR1: asked fairseq-train ({children['train'].pid}) to save checkpoint_last.pt" in caplog.text
-    assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL  # given back on leaving
+    assert signal.getsignal(signal.SIGUSR1) == before  # given back on leaving
 
 
 def test_status_of_finished_unstarted_and_cut_short_runs(tmp_path, capsys):
