@@ -27,9 +27,9 @@ from typing import Optional
 
 logger = logging.getLogger(__name__)
 
-#: the signal that asks for a save
+#: the signal that asks for a save (the runners pass it on: experiments.child_processes)
 SAVE_SIGNAL = signal.SIGUSR1
-_TRAIN_MODULE = "fairseq_cli.train"
+TRAIN_MODULE = "fairseq_cli.train"
 _TRAIN_SCRIPTS = ("fairseq-train", "fairseq-hydra-train")
 
 _requested = False
@@ -44,10 +44,10 @@ def _running_train_module() -> Optional[ModuleType]:
     """The module of fairseq-train's training loop when this process is fairseq-train (``python -m
     fairseq_cli.train`` runs it as ``__main__``; the console scripts import it), else None."""
     main = sys.modules.get("__main__")
-    if getattr(getattr(main, "__spec__", None), "name", None) == _TRAIN_MODULE:
+    if getattr(getattr(main, "__spec__", None), "name", None) == TRAIN_MODULE:
         return main
     if os.path.basename(sys.argv[0] if sys.argv else "") in _TRAIN_SCRIPTS:
-        return sys.modules.get(_TRAIN_MODULE)
+        return sys.modules.get(TRAIN_MODULE)
     return None
 
 

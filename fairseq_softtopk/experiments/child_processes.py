@@ -33,12 +33,12 @@ import threading
 import time
 from typing import Dict, List, Optional, Sequence
 
+from ..checkpoint_on_signal import SAVE_SIGNAL, TRAIN_MODULE
+
 logger = logging.getLogger("ablation")
 
 #: seconds a child has to end after SIGTERM before it is killed
 GRACE_SECONDS = 10.0
-#: the signal asking fairseq-train for a checkpoint (fairseq_softtopk.checkpoint_on_signal.SAVE_SIGNAL)
-SAVE_SIGNAL = signal.SIGUSR1
 _PR_SET_PDEATHSIG = 1
 
 _live: Dict[int, subprocess.Popen] = {}
@@ -189,7 +189,7 @@ def _on_signal(signum, frame) -> None:
 
 
 def _is_fairseq_train(proc: subprocess.Popen) -> bool:
-    return "fairseq_cli.train" in [str(arg) for arg in proc.args]
+    return TRAIN_MODULE in [str(arg) for arg in proc.args]
 
 
 def request_checkpoints() -> List[int]:
