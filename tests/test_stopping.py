@@ -10,6 +10,7 @@ import queue
 import re
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -432,10 +433,27 @@ def sleeper():
 
 
 def _lock_of(pid: int, **fields) -> str:
-    import socket
-
     return json.dumps({"pid": pid, "pid_started": run_lock.process_start(pid), "host": socket.gethostname(),
                        "started": "2026-01-01 00:00:00", **fields})
+
+
+def test_a_live_runs_status_is_its_last_save_until_it_logs_past_it(tmp_path, sleeper):
+    """A run resumed from a save made between two logged lines is at its save, not at the line before it, until
+    its first line after the save."""
+    from fairseq_softtopk.experiments.run_status import run_state
+
+    run = tmp_path / "seed1" / "soft"
+    run.mkdir(parents=True)
+    (run / "run.lock").write_text(_lock_of(sleeper.pid))
+    inner = "2026-01-01 00:00:00 | INFO | train_inner | epoch {epoch:03d}:     10 / 243 loss=2.1, num_updates={update}\n"
+    saved = ("2026-01-01 00:00:00 | INFO | fairseq.checkpoint_utils | Saved checkpoint {run}/checkpoint_last.pt "
+             "(epoch 2 @ 523 updates, score None) (writing took 0.5 seconds)\n").format(run=run)
+    (run / "train.log").write_text(inner.format(epoch=2, update=510) + inner.format(epoch=2, update=520) + saved)
+    assert run_state(run) == f"training (process {sleeper.pid} on {socket.gethostname()}): epoch 2, update 523, " \
+        "last save at update 523"
+    with (run / "train.log").open("a") as log:
+        log.write(inner.format(epoch=2, update=530))
+    assert run_state(run).endswith("epoch 2, update 530, last save at update 523")
 
 
 def test_a_live_lock_refuses_the_run_naming_the_process_and_the_directory(tmp_path, sleeper, capsys):

@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from .run_lock import RunDirectoryInUse, lock_owner
 
-_SAVED = re.compile(r"Saved checkpoint \S+ \(epoch \d+ @ (\d+) updates")
+_SAVED = re.compile(r"Saved checkpoint \S+ \(epoch (\d+) @ (\d+) updates")
 _LOGGED = re.compile(r"\| train_inner \| epoch (\d+):.*\bnum_updates=(\d+)")
 
 
@@ -23,7 +23,7 @@ def last_saved_update(log_path: Path) -> Optional[int]:
     if not Path(log_path).is_file():
         return None
     found = _SAVED.findall(Path(log_path).read_text(encoding="utf-8", errors="replace"))
-    return int(found[-1]) if found else None
+    return int(found[-1][1]) if found else None
 
 
 FINISHED, TRAINED, RESUMES, RESTARTS, NOT_STARTED = "finished", "trained", "resumes", "restarts", "not started"
@@ -53,12 +53,14 @@ def describe_runs(plan: Sequence[Tuple[str, Path]]) -> List[str]:
     return [f"  {names[state]}: {', '.join(labels)}" for state, labels in groups.items() if labels]
 
 
-def _last_logged(log_path: Path) -> Optional[Tuple[int, int]]:
-    """(epoch, update) of the last ``train_inner`` line of ``log_path``, or None."""
+def _last_position(log_path: Path) -> Optional[Tuple[int, int]]:
+    """(epoch, update) the run has reached by ``log_path``: the later of its last ``train_inner`` line and its last
+    save (a run resumed from a save made between two logged lines starts past the last of them), or None."""
     if not Path(log_path).is_file():
         return None
-    found = _LOGGED.findall(Path(log_path).read_text(encoding="utf-8", errors="replace"))
-    return (int(found[-1][0]), int(found[-1][1])) if found else None
+    text = Path(log_path).read_text(encoding="utf-8", errors="replace")
+    found = [(int(epoch), int(update)) for epoch, update in _LOGGED.findall(text)[-1:] + _SAVED.findall(text)[-1:]]
+    return max(found, key=lambda position: position[1]) if found else None
 
 
 def _scores(run_dir: Path) -> str:
@@ -89,7 +91,7 @@ def run_state(run_dir: Path) -> str:
         return "trained, being scored" if owner else "trained, not scored (scored on the rerun)"
     saved = last_saved_update(run_dir / "train.log")
     if owner:
-        logged = _last_logged(run_dir / "train.log")
+        logged = _last_position(run_dir / "train.log")
         at = f"epoch {logged[0]}, update {logged[1]}" if logged else "starting"
         since = f", last save at update {saved}" if saved is not None else ", no save yet"
         return f"training (process {owner.get('pid')} on {owner.get('host')}): {at}{since}"
