@@ -18,12 +18,23 @@ _SAVED = re.compile(r"Saved checkpoint \S+ \(epoch (\d+) @ (\d+) updates")
 _LOGGED = re.compile(r"\| train_inner \| epoch (\d+):.*\bnum_updates=(\d+)")
 
 
+Position = Tuple[int, int]  # (epoch, update)
+
+
+def _last_logged_and_saved(log_path: Path) -> Tuple[Optional[Position], Optional[Position]]:
+    """(epoch, update) of the last ``train_inner`` line and of the last checkpoint fairseq logged as saved in
+    ``log_path`` (one read), each None where there is none."""
+    if not Path(log_path).is_file():
+        return None, None
+    text = Path(log_path).read_text(encoding="utf-8", errors="replace")
+    logged, saved = _LOGGED.findall(text)[-1:], _SAVED.findall(text)[-1:]
+    return (tuple(map(int, logged[0])) if logged else None), (tuple(map(int, saved[0])) if saved else None)
+
+
 def last_saved_update(log_path: Path) -> Optional[int]:
     """The update of the last checkpoint fairseq logged as saved in ``log_path``, or None."""
-    if not Path(log_path).is_file():
-        return None
-    found = _SAVED.findall(Path(log_path).read_text(encoding="utf-8", errors="replace"))
-    return int(found[-1][1]) if found else None
+    saved = _last_logged_and_saved(log_path)[1]
+    return saved[1] if saved else None
 
 
 FINISHED, TRAINED, RESUMES, RESTARTS, NOT_STARTED = "finished", "trained", "resumes", "restarts", "not started"
@@ -53,16 +64,6 @@ def describe_runs(plan: Sequence[Tuple[str, Path]]) -> List[str]:
     return [f"  {names[state]}: {', '.join(labels)}" for state, labels in groups.items() if labels]
 
 
-def _last_position(log_path: Path) -> Optional[Tuple[int, int]]:
-    """(epoch, update) the run has reached by ``log_path``: the later of its last ``train_inner`` line and its last
-    save (a run resumed from a save made between two logged lines starts past the last of them), or None."""
-    if not Path(log_path).is_file():
-        return None
-    text = Path(log_path).read_text(encoding="utf-8", errors="replace")
-    found = [(int(epoch), int(update)) for epoch, update in _LOGGED.findall(text)[-1:] + _SAVED.findall(text)[-1:]]
-    return max(found, key=lambda position: position[1]) if found else None
-
-
 def _scores(run_dir: Path) -> str:
     """``valid 41.12, test 38.29 BLEU (lenpen 1.6)`` from the run's ``eval.json`` (the length penalty where one
     was chosen on valid)."""
@@ -89,10 +90,12 @@ def run_state(run_dir: Path) -> str:
         return f"finished: {_scores(run_dir)}"
     if state == TRAINED:
         return "trained, being scored" if owner else "trained, not scored (scored on the rerun)"
-    saved = last_saved_update(run_dir / "train.log")
+    logged, last_save = _last_logged_and_saved(run_dir / "train.log")
+    saved = last_save[1] if last_save else None
     if owner:
-        logged = _last_position(run_dir / "train.log")
-        at = f"epoch {logged[0]}, update {logged[1]}" if logged else "starting"
+        # a run resumed from a save made between two logged lines starts past the last of them
+        reached = max((p for p in (logged, last_save) if p), key=lambda position: position[1], default=None)
+        at = f"epoch {reached[0]}, update {reached[1]}" if reached else "starting"
         since = f", last save at update {saved}" if saved is not None else ", no save yet"
         return f"training (process {owner.get('pid')} on {owner.get('host')}): {at}{since}"
     if state == RESUMES:
