@@ -14,7 +14,7 @@ from builders import build_criterion, build_transformer
 from conftest import word_dictionary
 from fairseq_softtopk.criterions.soft_beam_search import SoftBeamSearchConfig
 from fairseq_softtopk.models import softtopk_transformer as stt
-from fairseq_softtopk.modules.topk_multihead_attention import TopKMultiheadAttention
+from fairseq_softtopk.models.topk_multihead_attention import TopKMultiheadAttention
 from fairseq_softtopk.renamed_options import RENAMED_OPTIONS
 
 @pytest.fixture

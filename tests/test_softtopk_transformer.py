@@ -18,9 +18,9 @@ from fairseq.modules.multihead_attention import MultiheadAttention
 from conftest import word_dictionary
 
 import fairseq_softtopk
-from fairseq_softtopk.modules import topk_multihead_attention as tmha
+from fairseq_softtopk.models import topk_multihead_attention as tmha
 from fairseq_softtopk.modules.attention_normalizer import AttentionNormalizer
-from fairseq_softtopk.modules.topk_multihead_attention import TopKMultiheadAttention
+from fairseq_softtopk.models.topk_multihead_attention import TopKMultiheadAttention
 
 fairseq_softtopk.register()
 from fairseq_softtopk.models import softtopk_transformer as stt  # noqa: E402  (after registering)

@@ -456,6 +456,28 @@ def test_a_live_runs_status_is_its_last_save_until_it_logs_past_it(tmp_path, sle
     assert run_state(run).endswith("epoch 2, update 530, last save at update 523")
 
 
+def test_a_resumed_runs_status_forgets_the_lines_logged_past_its_save(tmp_path, sleeper):
+    """A process stopped at update 540 after its save at 523: the resumed run is at 523 (fairseq's ``Loaded
+    checkpoint`` line), not at 540, until it logs again."""
+    from fairseq_softtopk.experiments.run_status import run_state
+
+    run = tmp_path / "seed1" / "soft"
+    run.mkdir(parents=True)
+    (run / "run.lock").write_text(_lock_of(sleeper.pid))
+    inner = "2026-01-01 00:00:00 | INFO | train_inner | epoch {epoch:03d}:     10 / 243 loss=2.1, num_updates={update}\n"
+    saved = ("2026-01-01 00:00:00 | INFO | fairseq.checkpoint_utils | Saved checkpoint {run}/checkpoint_last.pt "
+             "(epoch 2 @ 523 updates, score None) (writing took 0.5 seconds)\n").format(run=run)
+    loaded = ("2026-01-01 01:00:00 | INFO | fairseq.trainer | Loaded checkpoint {run}/checkpoint_last.pt "
+              "(epoch 2 @ 523 updates)\n").format(run=run)
+    (run / "train.log").write_text(inner.format(epoch=2, update=520) + saved + inner.format(epoch=2, update=530)
+                                   + inner.format(epoch=2, update=540) + loaded)
+    live = f"training (process {sleeper.pid} on {socket.gethostname()}): "
+    assert run_state(run) == live + "epoch 2, update 523, last save at update 523"
+    with (run / "train.log").open("a") as log:
+        log.write(inner.format(epoch=2, update=530))
+    assert run_state(run) == live + "epoch 2, update 530, last save at update 523"
+
+
 def test_a_live_lock_refuses_the_run_naming_the_process_and_the_directory(tmp_path, sleeper, capsys):
     """A second runner on a run directory in use stops before it writes anything there (the CLI: one line)."""
     from test_ablation import _fake_data_bin

@@ -15,19 +15,25 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from .run_lock import RunDirectoryInUse, lock_owner
 
 _SAVED = re.compile(r"Saved checkpoint \S+ \(epoch (\d+) @ (\d+) updates")
+_LOADED = re.compile(r"Loaded checkpoint \S+ \(epoch (\d+) @ (\d+) updates")
 _LOGGED = re.compile(r"\| train_inner \| epoch (\d+):.*\bnum_updates=(\d+)")
-
 
 Position = Tuple[int, int]  # (epoch, update)
 
 
 def _last_logged_and_saved(log_path: Path) -> Tuple[Optional[Position], Optional[Position]]:
-    """(epoch, update) of the last ``train_inner`` line and of the last checkpoint fairseq logged as saved in
-    ``log_path`` (one read), each None where there is none."""
+    """(epoch, update) the training has reached and of the last checkpoint fairseq logged as saved in
+    ``log_path`` (one read), each None where there is none.
+
+    The training is at its last ``train_inner`` line since it last loaded a checkpoint, or at that checkpoint
+    before its first line: a process stopped past its last save logged lines that its resumed run redoes."""
     if not Path(log_path).is_file():
         return None, None
     text = Path(log_path).read_text(encoding="utf-8", errors="replace")
-    logged, saved = _LOGGED.findall(text)[-1:], _SAVED.findall(text)[-1:]
+    loads = list(_LOADED.finditer(text))
+    since_load = text[loads[-1].end():] if loads else text
+    logged = _LOGGED.findall(since_load)[-1:] or ([loads[-1].groups()] if loads else [])
+    saved = _SAVED.findall(text)[-1:]
     return (tuple(map(int, logged[0])) if logged else None), (tuple(map(int, saved[0])) if saved else None)
 
 

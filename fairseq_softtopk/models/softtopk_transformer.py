@@ -5,7 +5,7 @@ Registered with fairseq as model ``softtopk_transformer`` and architectures
 ``softtopk_transformer_prenorm_multi30k`` (pre-LN, for beam-search training) and
 ``softtopk_transformer_wmt16`` (Transformer base). Every encoder-decoder attention, and with
 ``--attention-normalize-self-attention`` every self-attention too, is a
-:class:`~fairseq_softtopk.modules.topk_multihead_attention.TopKMultiheadAttention` whose
+:class:`~fairseq_softtopk.models.topk_multihead_attention.TopKMultiheadAttention` whose
 weights come from ``--attention-normalizer`` (``soft_topk``: Xie et al. 2020, appendix C.3).
 The parameters, and so the checkpoints, are exactly those of fairseq's ``transformer``.
 
@@ -34,7 +34,7 @@ from fairseq.utils import safe_getattr
 
 from fairseq_softtopk.models._attention_config import AttentionNormalizerConfig, check_model_options
 from fairseq_softtopk.modules.attention_normalizer import AttentionNormalizer
-from fairseq_softtopk.modules.topk_multihead_attention import TopKMultiheadAttention
+from fairseq_softtopk.models.topk_multihead_attention import TopKMultiheadAttention
 from fairseq_softtopk.renamed_options import alias_metadata, use_renamed
 
 __all__ = [
