@@ -464,7 +464,7 @@ def test_a_resumed_runs_status_forgets_the_lines_logged_past_its_save(tmp_path, 
     run = tmp_path / "seed1" / "soft"
     run.mkdir(parents=True)
     (run / "run.lock").write_text(_lock_of(sleeper.pid))
-    inner = "2026-01-01 00:00:00 | INFO | train_inner | epoch {epoch:03d}:     10 / 243 loss=2.1, num_updates={update}\n"
+    inner = "2026-01-01 00:00:00 | INFO | train_inner | epoch {epoch:03d}:  10 / 243 loss=2.1, num_updates={update}\n"
     saved = ("2026-01-01 00:00:00 | INFO | fairseq.checkpoint_utils | Saved checkpoint {run}/checkpoint_last.pt "
              "(epoch 2 @ 523 updates, score None) (writing took 0.5 seconds)\n").format(run=run)
     loaded = ("2026-01-01 01:00:00 | INFO | fairseq.trainer | Loaded checkpoint {run}/checkpoint_last.pt "
@@ -476,6 +476,10 @@ def test_a_resumed_runs_status_forgets_the_lines_logged_past_its_save(tmp_path, 
     with (run / "train.log").open("a") as log:
         log.write(inner.format(epoch=2, update=530))
     assert run_state(run) == live + "epoch 2, update 530, last save at update 523"
+    # a fine-tuning run that has loaded its pretrained model and logged nothing yet is starting
+    (run / "train.log").write_text("2026-01-01 00:00:00 | INFO | fairseq.trainer | Loaded checkpoint /models/tf.pt "
+                                   "(epoch 23 @ 0 updates)\n")
+    assert run_state(run) == live + "starting, no save yet"
 
 
 def test_a_live_lock_refuses_the_run_naming_the_process_and_the_directory(tmp_path, sleeper, capsys):

@@ -32,7 +32,8 @@ def _last_logged_and_saved(log_path: Path) -> Tuple[Optional[Position], Optional
     text = Path(log_path).read_text(encoding="utf-8", errors="replace")
     loads = list(_LOADED.finditer(text))
     since_load = text[loads[-1].end():] if loads else text
-    logged = _LOGGED.findall(since_load)[-1:] or ([loads[-1].groups()] if loads else [])
+    # a fine-tuning run's first load (the pretrained model, "epoch 23 @ 0 updates") is no position of this run
+    logged = _LOGGED.findall(since_load)[-1:] or ([loads[-1].groups()] if loads and loads[-1].group(2) != "0" else [])
     saved = _SAVED.findall(text)[-1:]
     return (tuple(map(int, logged[0])) if logged else None), (tuple(map(int, saved[0])) if saved else None)
 
