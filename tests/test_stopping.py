@@ -437,48 +437,57 @@ def _lock_of(pid: int, **fields) -> str:
                        "started": "2026-01-01 00:00:00", **fields})
 
 
-def test_a_live_runs_status_is_its_last_save_until_it_logs_past_it(tmp_path, sleeper):
+def _inner_line(epoch: int, update: int) -> str:
+    """A fairseq-train ``train_inner`` log line at ``update``."""
+    return f"2026-01-01 00:00:00 | INFO | train_inner | epoch {epoch:03d}:  10 / 243 loss=2.1, num_updates={update}\n"
+
+
+def _checkpoint_line(run: Path, verb: str, epoch: int, update: int, tail: str = "") -> str:
+    """fairseq's ``Saved checkpoint`` (``verb="Saved"``) or ``Loaded checkpoint`` line of ``run``'s
+    checkpoint_last.pt."""
+    logger = {"Saved": "fairseq.checkpoint_utils", "Loaded": "fairseq.trainer"}[verb]
+    return (f"2026-01-01 00:00:00 | INFO | {logger} | {verb} checkpoint {run}/checkpoint_last.pt "
+            f"(epoch {epoch} @ {update} updates{tail})\n")
+
+
+@pytest.fixture
+def live_run(tmp_path, sleeper):
+    """A run directory locked by a live process: (the directory, the start of its ``run_state`` line)."""
+    run = tmp_path / "seed1" / "soft"
+    run.mkdir(parents=True)
+    (run / "run.lock").write_text(_lock_of(sleeper.pid))
+    return run, f"training (process {sleeper.pid} on {socket.gethostname()}): "
+
+
+def test_a_live_runs_status_is_its_last_save_until_it_logs_past_it(live_run):
     """A run resumed from a save made between two logged lines is at its save, not at the line before it, until
     its first line after the save."""
     from fairseq_softtopk.experiments.run_status import run_state
 
-    run = tmp_path / "seed1" / "soft"
-    run.mkdir(parents=True)
-    (run / "run.lock").write_text(_lock_of(sleeper.pid))
-    inner = "2026-01-01 00:00:00 | INFO | train_inner | epoch {epoch:03d}:     10 / 243 loss=2.1, num_updates={update}\n"
-    saved = ("2026-01-01 00:00:00 | INFO | fairseq.checkpoint_utils | Saved checkpoint {run}/checkpoint_last.pt "
-             "(epoch 2 @ 523 updates, score None) (writing took 0.5 seconds)\n").format(run=run)
-    (run / "train.log").write_text(inner.format(epoch=2, update=510) + inner.format(epoch=2, update=520) + saved)
-    assert run_state(run) == f"training (process {sleeper.pid} on {socket.gethostname()}): epoch 2, update 523, " \
-        "last save at update 523"
+    run, live = live_run
+    saved = _checkpoint_line(run, "Saved", 2, 523, ", score None")
+    (run / "train.log").write_text(_inner_line(2, 510) + _inner_line(2, 520) + saved)
+    assert run_state(run) == live + "epoch 2, update 523, last save at update 523"
     with (run / "train.log").open("a") as log:
-        log.write(inner.format(epoch=2, update=530))
-    assert run_state(run).endswith("epoch 2, update 530, last save at update 523")
+        log.write(_inner_line(2, 530))
+    assert run_state(run) == live + "epoch 2, update 530, last save at update 523"
 
 
-def test_a_resumed_runs_status_forgets_the_lines_logged_past_its_save(tmp_path, sleeper):
+def test_a_resumed_runs_status_forgets_the_lines_logged_past_its_save(live_run):
     """A process stopped at update 540 after its save at 523: the resumed run is at 523 (fairseq's ``Loaded
     checkpoint`` line), not at 540, until it logs again."""
     from fairseq_softtopk.experiments.run_status import run_state
 
-    run = tmp_path / "seed1" / "soft"
-    run.mkdir(parents=True)
-    (run / "run.lock").write_text(_lock_of(sleeper.pid))
-    inner = "2026-01-01 00:00:00 | INFO | train_inner | epoch {epoch:03d}:  10 / 243 loss=2.1, num_updates={update}\n"
-    saved = ("2026-01-01 00:00:00 | INFO | fairseq.checkpoint_utils | Saved checkpoint {run}/checkpoint_last.pt "
-             "(epoch 2 @ 523 updates, score None) (writing took 0.5 seconds)\n").format(run=run)
-    loaded = ("2026-01-01 01:00:00 | INFO | fairseq.trainer | Loaded checkpoint {run}/checkpoint_last.pt "
-              "(epoch 2 @ 523 updates)\n").format(run=run)
-    (run / "train.log").write_text(inner.format(epoch=2, update=520) + saved + inner.format(epoch=2, update=530)
-                                   + inner.format(epoch=2, update=540) + loaded)
-    live = f"training (process {sleeper.pid} on {socket.gethostname()}): "
+    run, live = live_run
+    saved = _checkpoint_line(run, "Saved", 2, 523, ", score None")
+    (run / "train.log").write_text(_inner_line(2, 520) + saved + _inner_line(2, 530) + _inner_line(2, 540)
+                                   + _checkpoint_line(run, "Loaded", 2, 523))
     assert run_state(run) == live + "epoch 2, update 523, last save at update 523"
     with (run / "train.log").open("a") as log:
-        log.write(inner.format(epoch=2, update=530))
+        log.write(_inner_line(2, 530))
     assert run_state(run) == live + "epoch 2, update 530, last save at update 523"
     # a fine-tuning run that has loaded its pretrained model and logged nothing yet is starting
-    (run / "train.log").write_text("2026-01-01 00:00:00 | INFO | fairseq.trainer | Loaded checkpoint /models/tf.pt "
-                                   "(epoch 23 @ 0 updates)\n")
+    (run / "train.log").write_text(_checkpoint_line(run, "Loaded", 23, 0))
     assert run_state(run) == live + "starting, no save yet"
 
 

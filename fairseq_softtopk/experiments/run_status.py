@@ -21,26 +21,29 @@ _LOGGED = re.compile(r"\| train_inner \| epoch (\d+):.*\bnum_updates=(\d+)")
 Position = Tuple[int, int]  # (epoch, update)
 
 
-def _last_logged_and_saved(log_path: Path) -> Tuple[Optional[Position], Optional[Position]]:
+def _reached_and_saved(log_path: Path) -> Tuple[Optional[Position], Optional[Position]]:
     """(epoch, update) the training has reached and of the last checkpoint fairseq logged as saved in
     ``log_path`` (one read), each None where there is none.
 
-    The training is at its last ``train_inner`` line since it last loaded a checkpoint, or at that checkpoint
-    before its first line: a process stopped past its last save logged lines that its resumed run redoes."""
+    Reached: the latest of the last ``train_inner`` line since fairseq last loaded a checkpoint (a process stopped
+    past its last save logged lines that its resumed run redoes), that checkpoint, and the last save (made between
+    two logged lines, it is past the last of them)."""
     if not Path(log_path).is_file():
         return None, None
     text = Path(log_path).read_text(encoding="utf-8", errors="replace")
     loads = list(_LOADED.finditer(text))
-    since_load = text[loads[-1].end():] if loads else text
     # a fine-tuning run's first load (the pretrained model, "epoch 23 @ 0 updates") is no position of this run
-    logged = _LOGGED.findall(since_load)[-1:] or ([loads[-1].groups()] if loads and loads[-1].group(2) != "0" else [])
+    resumed_at = loads[-1].groups() if loads and loads[-1].group(2) != "0" else None
+    logged = _LOGGED.findall(text[loads[-1].end():] if loads else text)[-1:]
     saved = _SAVED.findall(text)[-1:]
-    return (tuple(map(int, logged[0])) if logged else None), (tuple(map(int, saved[0])) if saved else None)
+    candidates = [tuple(map(int, found)) for found in logged + saved + ([resumed_at] if resumed_at else [])]
+    reached = max(candidates, key=lambda position: position[1], default=None)
+    return reached, (tuple(map(int, saved[0])) if saved else None)
 
 
 def last_saved_update(log_path: Path) -> Optional[int]:
     """The update of the last checkpoint fairseq logged as saved in ``log_path``, or None."""
-    saved = _last_logged_and_saved(log_path)[1]
+    saved = _reached_and_saved(log_path)[1]
     return saved[1] if saved else None
 
 
@@ -97,11 +100,9 @@ def run_state(run_dir: Path) -> str:
         return f"finished: {_scores(run_dir)}"
     if state == TRAINED:
         return "trained, being scored" if owner else "trained, not scored (scored on the rerun)"
-    logged, last_save = _last_logged_and_saved(run_dir / "train.log")
+    reached, last_save = _reached_and_saved(run_dir / "train.log")
     saved = last_save[1] if last_save else None
     if owner:
-        # a run resumed from a save made between two logged lines starts past the last of them
-        reached = max((p for p in (logged, last_save) if p), key=lambda position: position[1], default=None)
         at = f"epoch {reached[0]}, update {reached[1]}" if reached else "starting"
         since = f", last save at update {saved}" if saved is not None else ", no save yet"
         return f"training (process {owner.get('pid')} on {owner.get('host')}): {at}{since}"
