@@ -238,12 +238,12 @@ def test_train_generate_and_plot_end_to_end(tmp_path):
                 "--attention-normalizer", "soft_topk", "--attention-topk", "2", "--share-all-embeddings",
                 "--optimizer", "adam", "--lr", "3e-3", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "20",
                 "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1", "--max-tokens", "1000",
-                "--max-update", "200", "--disable-validation", "--save-interval", "1000", "--no-epoch-checkpoints",
-                "--save-dir", ckpt, "--log-format", "simple", "--log-interval", "10", "--seed", "1",
+                "--max-update", "50", "--disable-validation", "--save-interval", "1000", "--no-epoch-checkpoints",
+                "--save-dir", ckpt, "--log-format", "simple", "--log-interval", "5", "--seed", "1",
                 "--num-workers", "0"], timeout=240)
     losses = [float(x) for x in re.findall(r"train_inner \|.*? loss=([\d.]+)", log)]
-    assert len(losses) >= 10, log[-2000:]
-    assert losses[-1] < losses[0] - 1.0, losses
+    assert len(losses) == 10, log[-2000:]
+    assert losses[-1] < losses[0] - 1.0, losses  # about 9.5 -> 7.2 by update 50
     out = _run(["-m", "fairseq_cli.generate", data_bin, *user_dir, "--path", ckpt / "checkpoint_last.pt",
                 "--gen-subset", "test", "--beam", "3", "--batch-size", "16", "--print-alignment",
                 "--required-batch-size-multiple", "1"])
