@@ -299,6 +299,47 @@ def test_parse_targets_in_corpus_order_and_gaps_are_errors():
         parse_targets("T-0\ta\nT-2\tc\n")
 
 
+def test_nbest_candidates_are_ranked_at_each_length_penalty_as_fairseq_normalises():
+    """parse_nbest reads each --nbest candidate's score (its D- line) and length (its P- line: tokens with EOS);
+    best_at_lenpen takes the highest score / length ** lenpen, the first printed of a tie."""
+    from fairseq_softtopk.experiments.scoring import best_at_lenpen, parse_nbest
+
+    stdout = ("S-1\tq\nT-1\tr\n"
+              "H-1\t-2.0\ta b\nD-1\t-2.0\tA b\nP-1\t-1.0 -0.5 -0.5\n"
+              "H-1\t-3.0\tc d e f g\nD-1\t-3.0\tC d e f g\nP-1\t-1.0 -1.0 -0.5 -0.25 -0.125 -0.125\n"
+              "H-0\t-1.0\tz\nD-0\t-1.0\tZ\nP-0\t-0.5 -0.5\nH-0\t-1.0\ty\nD-0\t-1.0\tY\nP-0\t-0.75 -0.25\n")
+    candidates = parse_nbest(stdout, 2)
+    assert candidates == [[(-1.0, 2, "Z"), (-1.0, 2, "Y")], [(-2.0, 3, "A b"), (-3.0, 6, "C d e f g")]]
+    # -2 / 3 ** p against -3 / 6 ** p: the longer candidate wins above p = log(1.5) / log(2) = 0.585
+    assert [best_at_lenpen(candidates[1], p) for p in (0.0, 0.5, 0.6, 1.0, 2.0)] == ["A b"] * 2 + ["C d e f g"] * 3
+    assert best_at_lenpen(candidates[0], 1.0) == "Z"
+    with pytest.raises(ValueError, match=r"no hypotheses for ids \[2\]"):
+        parse_nbest(stdout, 3)
+    with pytest.raises(ValueError, match="P- line of sentence 0 without its D- line"):
+        parse_nbest("P-0\t-0.5\n", 1)
+    with pytest.raises(ValueError, match="--nbest in the fairseq-generate arguments"):
+        scoring.evaluate_checkpoint_at_lenpens("bin", "checkpoint.pt", None, [1.0], extra_args=["--nbest", "2"])
+
+
+@pytest.mark.slow
+def test_one_nbest_decode_gives_the_hypotheses_of_a_decode_at_each_length_penalty(micro, tmp_path):
+    """The lenpen grid from one fairseq-generate --nbest (scoring.evaluate_checkpoint_at_lenpens) against
+    fairseq-generate --lenpen at each value: the same hypotheses, scores and hypothesis files."""
+    root, _, _ = micro
+    checkpoint, ref = str(root / "work" / "seed1" / "soft" / "checkpoint_last.pt"), str(root / "raw" / "test.tgt")
+    lenpens = [0.0, 1.0, 3.0]
+    hyp_outs = {lenpen: str(tmp_path / f"test.lenpen{lenpen}.hyp") for lenpen in lenpens}
+    together = scoring.evaluate_checkpoint_at_lenpens(str(root / "bin"), checkpoint, ref, lenpens, beam=4,
+                                                      hyp_outs=hyp_outs, keep_hypotheses=True)
+    for lenpen in lenpens:
+        alone = scoring.evaluate_checkpoint(str(root / "bin"), checkpoint, ref, beam=4, keep_hypotheses=True,
+                                            extra_args=["--lenpen", str(lenpen)])
+        assert together[lenpen] == alone, lenpen
+        assert Path(hyp_outs[lenpen]).read_text() == "".join(line + "\n" for line in alone["hypotheses"])
+    # the penalty changes the choice here: the comparison above could tell a wrong ranking
+    assert together[0.0]["hypotheses"] != together[3.0]["hypotheses"]
+
+
 def test_evaluate_refuses_a_reference_of_another_length_before_translating(toy_data_bin, tmp_path, monkeypatch,
                                                                           capsys):
     """A reference file shorter than the subset: the error names the file and both counts, and comes before

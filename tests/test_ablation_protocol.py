@@ -66,19 +66,32 @@ def _bleu_at(lenpen: float, subset: str) -> float:
 
 @pytest.fixture
 def fake_generate(monkeypatch):
-    """evaluate_checkpoint replaced: records (checkpoint, subset, --lenpen) and writes the hypothesis file."""
+    """The decoders replaced: each decode records (checkpoint, subset, its length penalties) and writes the
+    hypothesis files (one decode at one --lenpen, or one --nbest decode at several)."""
     calls = []
+
+    def result(lenpen, subset):
+        return {"bleu": _bleu_at(lenpen, subset), "chrf": 60.0, "n_sentences": 3, "reference": "ref",
+                "bleu_signature": "b", "chrf_signature": "c", "hypotheses": ["h"] * 3, "references": ["r"] * 3}
 
     def evaluate(data_bin, checkpoint, ref, subset="test", beam=5, batch_size=None, post_process=None,
                  detok_lang=None, hyp_out=None, extra_args=(), keep_hypotheses=False):
         args = list(extra_args)
         lenpen = float(args[args.index("--lenpen") + 1]) if "--lenpen" in args else 1.0
-        calls.append((Path(checkpoint).name, subset, lenpen))
+        calls.append((Path(checkpoint).name, subset, (lenpen,)))
         Path(hyp_out).write_text(f"{subset} at {lenpen}\n")
-        return {"bleu": _bleu_at(lenpen, subset), "chrf": 60.0, "n_sentences": 3, "reference": "ref",
-                "bleu_signature": "b", "chrf_signature": "c", "hypotheses": ["h"] * 3, "references": ["r"] * 3}
+        return result(lenpen, subset)
+
+    def evaluate_at_lenpens(data_bin, checkpoint, ref, lenpens, subset="test", beam=5, batch_size=None,
+                            post_process=None, detok_lang=None, hyp_outs=None, extra_args=(), keep_hypotheses=False):
+        assert "--lenpen" not in extra_args
+        calls.append((Path(checkpoint).name, subset, tuple(lenpens)))
+        for lenpen in lenpens:
+            Path(hyp_outs[lenpen]).write_text(f"{subset} at {lenpen}\n")
+        return {lenpen: result(lenpen, subset) for lenpen in lenpens}
 
     monkeypatch.setattr(scoring, "evaluate_checkpoint", evaluate)
+    monkeypatch.setattr(scoring, "evaluate_checkpoint_at_lenpens", evaluate_at_lenpens)
     monkeypatch.setattr(ablation_evaluation, "subset_size", lambda *args: 3)
     return calls
 
@@ -97,21 +110,22 @@ def test_lenpen_is_chosen_on_valid_and_test_decoded_at_it_from_checkpoint_best(t
     run = _finished_run(tmp_path / "run")
     eval_cfg = {"beam": 5, "subsets": ["valid", "test"], "checkpoint": "best", "lenpen_grid": [0.6, 1.0, 1.2, 1.4]}
     subsets = ablation_evaluation.evaluate_run(run, tmp_path, None, eval_cfg, ("src", "tgt"))
-    assert fake_generate == [("checkpoint_best.pt", "valid", v) for v in (0.6, 1.0, 1.2, 1.4)] + \
-        [("checkpoint_best.pt", "test", 1.2)]
+    # valid decoded once for the whole grid, test once at the choice
+    assert fake_generate == [("checkpoint_best.pt", "valid", (0.6, 1.0, 1.2, 1.4)),
+                             ("checkpoint_best.pt", "test", (1.2,))]
     assert subsets["valid"]["lenpen"] == subsets["test"]["lenpen"] == 1.2
     assert subsets["valid"]["bleu"] == _bleu_at(1.2, "valid") and subsets["test"]["bleu"] == _bleu_at(1.2, "test")
     assert subsets["test"]["lenpen_valid_bleu"] == {str(v): _bleu_at(v, "valid") for v in (0.6, 1.0, 1.2, 1.4)}
     assert (run / "valid.hyp").read_text() == "valid at 1.2\n" and (run / "valid.lenpen0.6.hyp").exists()
     # cached: nothing decoded again; a changed grid is scored again
     ablation_evaluation.evaluate_run(run, tmp_path, None, eval_cfg, ("src", "tgt"))
-    assert len(fake_generate) == 5
+    assert len(fake_generate) == 2
     # a tie goes to the value nearest 1.0: 1.0 and 1.4 score the same on valid
     fake_generate.clear()
     tied = ablation_evaluation.evaluate_run(run, tmp_path, None, {**eval_cfg, "lenpen_grid": [1.4, 1.0]},
                                             ("src", "tgt"))
     assert _bleu_at(1.0, "valid") == _bleu_at(1.4, "valid") and tied["test"]["lenpen"] == 1.0
-    assert fake_generate[-1] == ("checkpoint_best.pt", "test", 1.0)
+    assert fake_generate[-1] == ("checkpoint_best.pt", "test", (1.0,))
 
 
 def test_fixed_lenpens_decode_test_at_each_untuned_value_reusing_the_chosen_one(tmp_path, fake_generate):
@@ -119,18 +133,18 @@ def test_fixed_lenpens_decode_test_at_each_untuned_value_reusing_the_chosen_one(
     eval_cfg = {"beam": 5, "subsets": ["valid", "test"], "checkpoint": "best", "lenpen_grid": [0.6, 1.0, 1.2, 1.4],
                 "fixed_lenpens": [1.0, 1.2, 2.0]}
     subsets = ablation_evaluation.evaluate_run(run, tmp_path, None, eval_cfg, ("src", "tgt"))
-    # valid at every grid value, test at the chosen 1.2, then at 1.0 and 2.0 (1.2 is not decoded twice)
-    assert fake_generate[4:] == [("checkpoint_best.pt", "test", v) for v in (1.2, 1.0, 2.0)]
+    # valid at every grid value, then test in one decode at the chosen 1.2, 1.0 and 2.0 (1.2 not twice)
+    assert fake_generate[1:] == [("checkpoint_best.pt", "test", (1.2, 1.0, 2.0))]
     assert subsets["test"]["bleu"] == _bleu_at(1.2, "test") and "at_lenpen" not in subsets["valid"]
     assert subsets["test"]["at_lenpen"] == {str(v): {"bleu": _bleu_at(v, "test"), "chrf": 60.0}
                                             for v in (1.0, 1.2, 2.0)}
     assert (run / "test.lenpen2.0.hyp").read_text() == "test at 2.0\n"
     assert (run / "test.hyp").read_text() == "test at 1.2\n"
-    # without a grid, test is decoded at fairseq's default (1.0), which the fixed 1.0 reuses
+    # without a grid, test is decoded at fairseq's default (1.0) and the fixed 0.6, in one decode
     fake_generate.clear()
     plain = ablation_evaluation.evaluate_run(run, tmp_path, None, {"beam": 5, "subsets": ["test"],
                                                                    "fixed_lenpens": [1.0, 0.6]}, ("src", "tgt"))
-    assert fake_generate == [("checkpoint_last.pt", "test", 1.0), ("checkpoint_last.pt", "test", 0.6)]
+    assert fake_generate == [("checkpoint_last.pt", "test", (1.0, 0.6))]
     assert plain["test"]["at_lenpen"]["1.0"]["bleu"] == plain["test"]["bleu"] == _bleu_at(1.0, "test")
 
 
@@ -146,7 +160,7 @@ def test_checkpoint_best_is_checked_against_its_digest_and_its_absence_is_explai
     (run / "checkpoint_best.pt").unlink()
     with pytest.raises(FileNotFoundError, match="only where it validates"):
         ablation_evaluation.evaluate_run(run, tmp_path, None, eval_cfg, ("src", "tgt"))
-    assert fake_generate == [("checkpoint_last.pt", "test", 1.0)]
+    assert fake_generate == [("checkpoint_last.pt", "test", (1.0,))]
 
 
 def test_train_stats_read_the_term_gradient_norms_updates_and_validation_bleu(tmp_path):

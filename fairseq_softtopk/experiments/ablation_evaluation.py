@@ -8,7 +8,7 @@ import json
 import logging
 import shutil
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Dict, Mapping, Optional
 
 from .ablation_config import eval_settings, flags_to_args
 from .ablation_training import DONE, write_json_atomic
@@ -51,49 +51,68 @@ def reference_file(ref_dir: Optional[Path], subset: str, tgt: str, n_sentences: 
 def _score_subsets(checkpoint: Path, out_dir: Path, data_bin: Path, ref_dir: Optional[Path], eval_cfg: Mapping,
                    pair: tuple, name: Path) -> dict:
     """``{subset: scores}`` of ``checkpoint`` on every eval subset (hypotheses in ``out_dir/{subset}.hyp``);
-    ``name``: what the log lines and errors call it (a run directory, or the checkpoint).
+    ``name``: what the log lines and errors call it (a run directory, or the checkpoint). A subset wanted at
+    several length penalties (the grid on valid; the chosen one and ``fixed_lenpens`` on the others) is decoded
+    once (:func:`.scoring.evaluate_checkpoint_at_lenpens`).
 
     Raises:
         RuntimeError: fewer sentences were translated than the subset holds.
     """
-    from .scoring import evaluate_checkpoint
+    from .scoring import evaluate_checkpoint, evaluate_checkpoint_at_lenpens
 
     generate = flags_to_args(eval_cfg.get("generate") or {})
 
-    def score(subset: str, lenpen=None, hyp_name: str = "") -> dict:
+    def score(subset: str, hyp_names: Mapping[Optional[float], str]) -> Dict[Optional[float], dict]:
+        """``{lenpen: scores}`` of ``subset`` at each length penalty of ``hyp_names`` (``{lenpen: hypothesis
+        file}``; lenpen None: fairseq-generate's default)."""
         n = subset_size(data_bin, subset, *pair)
-        at = "" if lenpen is None else f" at lenpen {lenpen}"
+        lenpens = list(hyp_names)
+        at = "" if lenpens == [None] else f" at lenpen {', '.join(map(str, lenpens))}"
         logger.info("evaluating %s on %s (%d sentences)%s", name, subset, n, at)
-        result = evaluate_checkpoint(
-            str(data_bin), str(checkpoint), reference_file(ref_dir, subset, pair[1], n), subset=subset,
-            beam=eval_cfg.get("beam", 5), batch_size=eval_cfg.get("batch_size"),
-            post_process=eval_cfg.get("post_process"), detok_lang=eval_cfg.get("detok_lang"),
-            hyp_out=str(out_dir / (hyp_name or f"{subset}.hyp")),
-            extra_args=generate + ([] if lenpen is None else ["--lenpen", str(lenpen)]), keep_hypotheses=True)
-        if result["n_sentences"] != n:  # the T- lines can miss dropped inputs too
-            raise RuntimeError(f"{name}: {result['n_sentences']} of the {n} {subset} sentences were translated")
-        return result
+        common = dict(subset=subset, beam=eval_cfg.get("beam", 5), batch_size=eval_cfg.get("batch_size"),
+                      post_process=eval_cfg.get("post_process"), detok_lang=eval_cfg.get("detok_lang"),
+                      keep_hypotheses=True)
+        ref = reference_file(ref_dir, subset, pair[1], n)
+        if len(lenpens) == 1:
+            lenpen = lenpens[0]
+            results = {lenpen: evaluate_checkpoint(
+                str(data_bin), str(checkpoint), ref, hyp_out=str(out_dir / hyp_names[lenpen]),
+                extra_args=generate + ([] if lenpen is None else ["--lenpen", str(lenpen)]), **common)}
+        else:
+            results = evaluate_checkpoint_at_lenpens(
+                str(data_bin), str(checkpoint), ref, lenpens,
+                hyp_outs={value: str(out_dir / hyp_name) for value, hyp_name in hyp_names.items()},
+                extra_args=generate, **common)
+        for result in results.values():
+            if result["n_sentences"] != n:  # the T- lines can miss dropped inputs too
+                raise RuntimeError(f"{name}: {result['n_sentences']} of the {n} {subset} sentences were translated")
+        return results
 
     grid = eval_cfg.get("lenpen_grid")
+    fixed = eval_cfg.get("fixed_lenpens")
     tuned, lenpen = {}, None
     if grid:  # each length penalty on valid; the best BLEU wins, a tie going to the one nearest fairseq's 1.0
-        tuned = {value: score("valid", value, f"valid.lenpen{value}.hyp") for value in grid}
+        tuned = score("valid", {value: f"valid.lenpen{value}.hyp" for value in grid})
         lenpen = max(grid, key=lambda value: (tuned[value]["bleu"], -abs(value - 1.0)))
         logger.info("%s: lenpen %s scores best on valid (%s)", name, lenpen,
                     ", ".join(f"{value}: {tuned[value]['bleu']:.2f}" for value in grid))
         shutil.copyfile(out_dir / f"valid.lenpen{lenpen}.hyp", out_dir / "valid.hyp")
     subsets = {}
     for subset in eval_cfg.get("subsets") or ["valid", "test"]:
-        subsets[subset] = dict(tuned[lenpen]) if subset == "valid" and grid else score(subset, lenpen)
+        if subset == "valid" and grid:
+            subsets[subset] = dict(tuned[lenpen])
+        elif subset != "valid" and fixed:  # untuned too: does the comparison hang on the choice?
+            chosen = 1.0 if lenpen is None else lenpen  # fairseq-generate's default when none is chosen
+            results = score(subset, {chosen: f"{subset}.hyp",
+                                     **{value: f"{subset}.lenpen{value}.hyp" for value in fixed if value != chosen}})
+            subsets[subset] = dict(results[chosen])
+            subsets[subset]["at_lenpen"] = {str(value): {metric: results[value][metric] for metric in ("bleu", "chrf")}
+                                            for value in fixed}
+        else:
+            subsets[subset] = score(subset, {lenpen: f"{subset}.hyp"})[lenpen]
         if grid:
             subsets[subset]["lenpen"] = lenpen
             subsets[subset]["lenpen_valid_bleu"] = {str(value): tuned[value]["bleu"] for value in grid}
-        if subset != "valid" and eval_cfg.get("fixed_lenpens"):  # untuned: does the comparison hang on the choice?
-            chosen = 1.0 if lenpen is None else lenpen  # fairseq-generate's default when none is chosen
-            at = {value: subsets[subset] if value == chosen else score(subset, value, f"{subset}.lenpen{value}.hyp")
-                  for value in eval_cfg["fixed_lenpens"]}
-            subsets[subset]["at_lenpen"] = {str(value): {metric: result[metric] for metric in ("bleu", "chrf")}
-                                            for value, result in at.items()}
     return subsets
 
 

@@ -18,7 +18,7 @@ import logging
 import os
 import re
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .child_processes import run_captured
 from .eval_inputs import (check_checkpoint_matches_data, check_data_dir, check_decoding_numbers,
@@ -29,6 +29,7 @@ logger = logging.getLogger("evaluate")
 
 _HYPOTHESIS_LINE = re.compile(r"^D-(\d+)\t([^\t]*)\t(.*)$")
 _TARGET_LINE = re.compile(r"^T-(\d+)\t(.*)$")
+_POSITIONAL_LINE = re.compile(r"^P-(\d+)\t(.*)$")
 
 
 #: sentences per generation batch by default: on a GPU a beam-5 batch of 64 leaves it mostly idle
@@ -246,10 +247,100 @@ def evaluate_checkpoint(data_bin: str, checkpoint: str, ref: Optional[str], subs
         FileNotFoundError: no such checkpoint, reference or data directory.
         RuntimeError: fairseq-generate failed.
     """
+    stdout, references = _checked_generate(data_bin, checkpoint, ref, subset, beam, batch_size, post_process,
+                                           detok_lang, [hyp_out] if hyp_out else [], extra_args)
+    hypotheses = detokenize(parse_hypotheses(stdout, len(references)), detok_lang)
+    return _scored(hypotheses, references, checkpoint, subset, beam, ref, hyp_out, keep_hypotheses)
+
+
+def evaluate_checkpoint_at_lenpens(data_bin: str, checkpoint: str, ref: Optional[str], lenpens: Sequence[float],
+                                   subset: str = "test", beam: int = 5, batch_size: Optional[int] = None,
+                                   post_process: Optional[str] = None, detok_lang: Optional[str] = None,
+                                   hyp_outs: Optional[Mapping[float, str]] = None, extra_args: Sequence[str] = (),
+                                   keep_hypotheses: bool = False) -> Dict[float, Dict[str, object]]:
+    """:func:`evaluate_checkpoint` at each length penalty of ``lenpens``, from one fairseq-generate.
+
+    The length penalty does not steer fairseq's beam search: it only divides the score of each finished
+    hypothesis by its length (tokens with EOS) ** lenpen, which ranks them. So one decode with
+    ``--nbest beam --unnormalized`` holds every candidate of every length penalty, and each penalty's best is
+    the candidate with the highest score / length ** lenpen: the hypotheses a decode with ``--lenpen`` gives
+    (up to float32 rounding, which could only reorder two candidates whose normalised scores agree to about
+    7 digits). Ties go to the candidate fairseq printed first (the higher raw score).
+
+    Args:
+        lenpens: the length penalties (distinct).
+        hyp_outs: ``{lenpen: path}`` where each penalty's detokenised hypotheses are written.
+        Others as :func:`evaluate_checkpoint`.
+    Returns:
+        ``{lenpen: result}``, each result as :func:`evaluate_checkpoint`'s.
+    Raises:
+        As :func:`evaluate_checkpoint`; ``ValueError`` for ``extra_args`` that already set ``--lenpen``,
+        ``--nbest`` or ``--unnormalized``.
+    """
+    clashing = sorted({"--lenpen", "--nbest", "--unnormalized"} & {str(arg) for arg in extra_args})
+    if clashing:
+        raise ValueError(f"{', '.join(clashing)} in the fairseq-generate arguments: decoding at several length "
+                         f"penalties sets them itself")
+    hyp_outs = dict(hyp_outs or {})
+    stdout, references = _checked_generate(data_bin, checkpoint, ref, subset, beam, batch_size, post_process,
+                                           detok_lang, list(hyp_outs.values()),
+                                           [*extra_args, "--nbest", beam, "--unnormalized"])
+    candidates = parse_nbest(stdout, len(references))
+    results = {}
+    for lenpen in lenpens:
+        hypotheses = detokenize([best_at_lenpen(sentence, lenpen) for sentence in candidates], detok_lang)
+        results[lenpen] = _scored(hypotheses, references, checkpoint, subset, beam, ref, hyp_outs.get(lenpen),
+                                  keep_hypotheses)
+    return results
+
+
+def parse_nbest(generate_stdout: str, n_sentences: int) -> List[List[Tuple[float, int, str]]]:
+    """Every hypothesis of ``fairseq-generate --nbest`` per sentence, in corpus order: ``(score, length, text)``
+    from its ``D-`` line (score and text) and the ``P-`` line after it (one positional score per token, EOS
+    included: the length fairseq normalises by), in the order printed.
+
+    Raises:
+        ValueError: a sentence of ``[0, n_sentences)`` without hypotheses, an id out of range, or a ``D-``
+            line without its ``P-`` line.
+    """
+    by_id: Dict[int, List[list]] = {}
+    for line in generate_stdout.splitlines():
+        match = _HYPOTHESIS_LINE.match(line)
+        if match:
+            by_id.setdefault(int(match.group(1)), []).append([float(match.group(2)), None, match.group(3)])
+            continue
+        match = _POSITIONAL_LINE.match(line)
+        if match:
+            hypotheses = by_id.get(int(match.group(1)))
+            if not hypotheses or hypotheses[-1][1] is not None:
+                raise ValueError(f"fairseq-generate printed a P- line of sentence {match.group(1)} without its D- line")
+            hypotheses[-1][1] = len(match.group(2).split())
+    missing = [i for i in range(n_sentences) if i not in by_id]
+    extra = sorted(i for i in by_id if not 0 <= i < n_sentences)
+    unmatched = sorted(i for i, hyps in by_id.items() if any(h[1] is None for h in hyps))
+    if missing or extra or unmatched:
+        raise ValueError(f"fairseq-generate --nbest: no hypotheses for ids {missing[:10]} ({len(missing)} of "
+                         f"{n_sentences}), out-of-range ids {extra[:10]}, D- lines without P- lines for ids "
+                         f"{unmatched[:10]}")
+    return [[tuple(h) for h in by_id[i]] for i in range(n_sentences)]
+
+
+def best_at_lenpen(candidates: Sequence[Tuple[float, int, str]], lenpen: float) -> str:
+    """The text of the candidate ``(score, length, text)`` with the highest ``score / length ** lenpen`` (fairseq's
+    normalised score); the first of a tie."""
+    best = max(range(len(candidates)), key=lambda i: (candidates[i][0] / candidates[i][1] ** lenpen, -i))
+    return candidates[best][2]
+
+
+def _checked_generate(data_bin: str, checkpoint: str, ref: Optional[str], subset: str, beam: int,
+                      batch_size: Optional[int], post_process: Optional[str], detok_lang: Optional[str],
+                      hyp_outs: Sequence[str], extra_args: Sequence) -> Tuple[str, List[str]]:
+    """The input checks of :func:`evaluate_checkpoint`, then fairseq-generate: its stdout and the references
+    (read from ``ref``, or from the ``T-`` lines)."""
     check_decoding_numbers(beam, batch_size)
     if not os.path.exists(checkpoint):
         raise FileNotFoundError(f"checkpoint not found: {checkpoint}")
-    if hyp_out:
+    for hyp_out in hyp_outs:
         check_output_file(hyp_out, "--hyp-out")
     check_data_dir(data_bin, subset)
     references = read_lines(ref) if ref else None
@@ -258,14 +349,18 @@ def evaluate_checkpoint(data_bin: str, checkpoint: str, ref: Optional[str], subs
     check_checkpoint_matches_data(checkpoint, data_bin, **_language_args(extra_args))
     stdout = run_fairseq_generate(data_bin, checkpoint, subset, beam, batch_size, post_process, extra_args)
     if references is None:
-        references = detokenize(parse_targets(stdout), detok_lang)
-    else:
-        translated = {int(m.group(1)) for m in map(_HYPOTHESIS_LINE.match, stdout.splitlines()) if m}
-        if translated and translated == set(range(len(translated))) and len(translated) != len(references):
-            # every sentence of the subset has its hypothesis: the reference is the odd one out
-            raise ValueError(f"reference file {ref} has {len(references)} lines but fairseq-generate translated "
-                             f"all {len(translated)} sentences of the '{subset}' subset of {data_bin}")
-    hypotheses = detokenize(parse_hypotheses(stdout, len(references)), detok_lang)
+        return stdout, detokenize(parse_targets(stdout), detok_lang)
+    translated = {int(m.group(1)) for m in map(_HYPOTHESIS_LINE.match, stdout.splitlines()) if m}
+    if translated and translated == set(range(len(translated))) and len(translated) != len(references):
+        # every sentence of the subset has its hypothesis: the reference is the odd one out
+        raise ValueError(f"reference file {ref} has {len(references)} lines but fairseq-generate translated "
+                         f"all {len(translated)} sentences of the '{subset}' subset of {data_bin}")
+    return stdout, references
+
+
+def _scored(hypotheses: List[str], references: List[str], checkpoint: str, subset: str, beam: int,
+            ref: Optional[str], hyp_out: Optional[str], keep_hypotheses: bool) -> Dict[str, object]:
+    """:func:`score` of the detokenised ``hypotheses`` with what was scored (written to ``hyp_out``)."""
     if hyp_out:
         Path(hyp_out).parent.mkdir(parents=True, exist_ok=True)
         Path(hyp_out).write_text("".join(h + "\n" for h in hypotheses), encoding="utf-8")
