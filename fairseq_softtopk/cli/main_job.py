@@ -69,7 +69,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work-dir", default="runs/main_job", help="data, checkpoints and results")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3],
-                        help="seeds; each pretrains its own model and fine-tunes every arm from it (default: 1 2 3)")
+                        help="seeds of the fine-tuning; every arm of every seed starts from the one teacher-forcing "
+                             "model, shipped or trained by --pretrain (default: 1 2 3)")
     parser.add_argument("--arms", nargs="+", help="arms of configs/demo_finetune.yaml (default: tf hard soft)")
     parser.add_argument("--jobs", type=int, default=2,
                         help="training runs side by side (default: 2); the cores are shared among them")
