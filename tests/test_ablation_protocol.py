@@ -271,6 +271,57 @@ def test_report_has_the_ttests_lenpens_gradient_norms_cost_and_validation_bleu()
     assert f"| test | 1.0 | soft | 32.20 ± 0.60 | 50.00 ± 0.00 | +1.20 ± 0.10 ({p}) | +1.20 ± 0.10 ({p}) |" in markdown
 
 
+def _tokens_13a(lines):
+    from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
+
+    tokenize = Tokenizer13a()
+    return sum(len(tokenize(line).split()) for line in lines)
+
+
+@pytest.mark.parametrize("cut", [0, 1, 3])
+def test_output_length_is_the_token_ratio_and_the_brevity_penalty_of_corpus_bleu(cut):
+    refs = ["Ein Mann, der ein Fahrrad fährt.", "Zwei Hunde spielen im Schnee!", "Eine Frau (links) lacht."]
+    hyps = [" ".join(r.split()[:len(r.split()) - cut]) or "x" for r in refs] if cut else [r + " ja ." for r in refs]
+    ratio = _tokens_13a(hyps) / _tokens_13a(refs)
+    assert (ratio > 1) == (cut == 0)
+    length = scoring.output_length(hyps, refs)
+    assert length["length_ratio"] == pytest.approx(ratio)
+    assert length["brevity_penalty"] == pytest.approx(1.0 if ratio >= 1 else math.exp(1 - 1 / ratio))
+
+
+def test_report_gives_each_arms_output_length_on_each_subset():
+    rng = random.Random(5)
+    refs = {subset: [" ".join(f"w{rng.randrange(30)}" for _ in range(6 + i % 5)) + "." for i in range(40)]
+            for subset in ("valid", "test")}
+    config = {"path": "long.yaml", "stage": "scratch", "baseline": "tf", "model": {"arch": "a"}, "train": {},
+              "arms": {"tf": {}, "soft": {}}, "eval": {"checkpoint": "best"}}
+    runs, expected = {}, {}
+    for arm, cut in (("tf", 0), ("soft", 1)):
+        for seed in ("1", "2"):
+            run = {"train": {}, "eval": {}}
+            for subset, lines in refs.items():
+                # soft drops its last word on seed 2 only: the table's numbers are means over the seeds
+                drop = cut * (seed == "2")
+                hyps = [" ".join(r.split()[:len(r.split()) - drop]) for r in lines]
+                run["eval"][subset] = {**scoring.score(hyps, lines), "reference": "ref", "hypotheses": hyps,
+                                       "references": lines}
+                ratio = _tokens_13a(hyps) / _tokens_13a(lines)
+                bp = 1.0 if ratio >= 1 else math.exp(1 - 1 / ratio)
+                expected.setdefault((arm, subset), []).append((ratio, bp))
+            runs.setdefault(arm, {})[seed] = run
+    results = ablation_report.summarise(config, runs, ["tf", "soft"], [1, 2], bootstrap_samples=10)
+    markdown = ablation_report.results_markdown({**results, "data_bin": "bin"})
+    assert "| arm | valid length ratio | valid brevity penalty | test length ratio | test brevity penalty |" in markdown
+    for arm in ("tf", "soft"):
+        cells = []
+        for subset in ("valid", "test"):
+            ratio, bp = (sum(v) / 2 for v in zip(*expected[arm, subset]))
+            cells += [f"{ratio:.3f}", f"{bp:.3f}"]
+        assert f"| {arm} | {' | '.join(cells)} |" in markdown
+    assert "| tf | 1.000 | 1.000 | 1.000 | 1.000 |" in markdown
+    assert expected["soft", "test"][1][0] < 0.9  # the cut is visible
+
+
 def test_score_pretrained_needs_the_checkpoint_and_reaches_the_runner(tmp_path, monkeypatch, capsys):
     from fairseq_softtopk.cli import ablation as ablation_cli
 

@@ -51,7 +51,7 @@ def summarise(config: dict, runs: dict, arms: Sequence[str], seeds: Sequence[int
     """Scores per arm/seed/subset, mean and spread over seeds, and paired bootstrap of every
     arm against the baseline of the same seed (``bootstrap``) and against each of the config's
     ``compare_to`` arms (``bootstrap_vs``); ``skipped``: requested arms that did not run, arm -> reason."""
-    from .scoring import paired_bootstrap
+    from .scoring import output_length, paired_bootstrap
 
     baseline = config["baseline"]
     # paired bootstrap against the baseline, and against each compare_to arm that ran
@@ -68,6 +68,8 @@ def summarise(config: dict, runs: dict, arms: Sequence[str], seeds: Sequence[int
                     k: ev[k] for k in ("bleu", "chrf", "n_sentences", "reference", "lenpen", "lenpen_valid_bleu",
                                       "at_lenpen")
                     if k in ev}
+                if ev.get("hypotheses") is not None and ev.get("references") is not None:
+                    scores[arm][seed][subset].update(output_length(ev["hypotheses"], ev["references"]))
                 for ref in references:
                     if arm in (ref, "pretrained"):
                         continue
@@ -156,8 +158,9 @@ def best_checkpoint_update(valid_bleu: Optional[Sequence[Sequence[float]]]) -> O
 
 def _over_seeds_markdown(results: dict) -> list:
     """The report's tables across seeds: paired t-tests against the baseline and the ``compare_to`` arms, the
-    length penalty chosen per run, the update of the scored checkpoint_best, the loss terms' gradient norms, the
-    cost per update and the validation BLEU during training; each where its numbers exist."""
+    length penalty chosen per run, the update of the scored checkpoint_best, the untuned length penalties, the
+    output's length, the loss terms' gradient norms, the cost per update and the validation BLEU during training;
+    each where its numbers exist."""
     lines, arms, seeds = [], results["arms"], [str(seed) for seed in results["seeds"]]
     ttest = results.get("ttest") or {}
     if any(test for by_arm in ttest.values() for by_subset in by_arm.values() for test in by_subset.values()):
@@ -192,6 +195,7 @@ def _over_seeds_markdown(results: dict) -> list:
                   for arm, values in best.items()]
         lines.append("")
     lines += _fixed_lenpen_markdown(results)
+    lines += _length_markdown(results)
 
     def mean_of(arm, key):
         return _mean_or_none([train[arm][seed].get(key) for seed in train.get(arm, {})])
@@ -232,6 +236,33 @@ def _over_seeds_markdown(results: dict) -> list:
             lines.append(f"| {arm} | {' | '.join(cells)} |")
         lines.append("")
     return lines
+
+
+def _length_markdown(results: dict) -> list:
+    """The output's length per arm and subset, as scored (at the length penalty chosen on valid where one was):
+    hypothesis / reference tokens of corpus BLEU and its brevity penalty, means over seeds."""
+    scores = results["scores"]
+    arms = [arm for arm in ["pretrained"] + results["arms"] if arm in scores]
+    subsets = list(results["summary"][results["arms"][0]])
+    cells = {}
+    for arm in arms:
+        for subset in subsets:
+            runs = [by_subset[subset] for by_subset in scores[arm].values() if subset in by_subset]
+            ratios = [run["length_ratio"] for run in runs if "length_ratio" in run]
+            if ratios and len(ratios) == len(runs):  # every seed's, or none (a report from older eval.json)
+                cells[arm, subset] = (sum(ratios) / len(ratios),
+                                      sum(run["brevity_penalty"] for run in runs) / len(runs))
+    if not cells:
+        return []
+    lines = ["Output length as scored (hypothesis / reference tokens of corpus BLEU, and its brevity penalty; mean "
+             "over seeds):", "", "| arm | " + " | ".join(f"{subset} length ratio | {subset} brevity penalty"
+                                                        for subset in subsets) + " |",
+             "|---|" + "---:|---:|" * len(subsets)]
+    for arm in arms:
+        row = [f"{cells[arm, subset][0]:.3f} | {cells[arm, subset][1]:.3f}" if (arm, subset) in cells else " | "
+               for subset in subsets]
+        lines.append(f"| {arm} | {' | '.join(row)} |")
+    return lines + [""]
 
 
 def _fixed_lenpen_markdown(results: dict) -> list:

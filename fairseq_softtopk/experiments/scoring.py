@@ -372,6 +372,16 @@ def _scored(hypotheses: List[str], references: List[str], checkpoint: str, subse
     return result
 
 
+def output_length(hypotheses: Sequence[str], references: Sequence[str]) -> dict:
+    """The output's length as corpus BLEU counts it (sacrebleu's default tokens): ``length_ratio``, hypothesis
+    tokens over reference tokens, and ``brevity_penalty`` (1 where the output is the longer, else
+    ``exp(1 - 1 / ratio)``), the factor that BLEU loses to short output."""
+    import sacrebleu
+
+    score = sacrebleu.metrics.BLEU().corpus_score(list(hypotheses), [list(references)])
+    return {"length_ratio": score.sys_len / score.ref_len, "brevity_penalty": score.bp}
+
+
 def bleu_statistics(hypotheses: Sequence[str], references: Sequence[str]):
     """Per-sentence BLEU sufficient statistics ``(n, 2 + 2 * 4)``: sys_len, ref_len, matches, totals.
 
