@@ -64,6 +64,11 @@ def _bleu_at(lenpen: float, subset: str) -> float:
     return 40.0 - 5 * abs(lenpen - 1.2) + (2.0 if subset == "test" else 0.0)
 
 
+def _fake_hypothesis(lenpen: float) -> str:
+    """The fake decoder's output: longer at a larger length penalty (4 words at 1.0, 6 at 2.0)."""
+    return " ".join(["h"] * round(1 + 2.5 * lenpen))
+
+
 @pytest.fixture
 def fake_generate(monkeypatch):
     """The decoders replaced: each decode records (checkpoint, subset, its length penalties) and writes the
@@ -72,7 +77,8 @@ def fake_generate(monkeypatch):
 
     def result(lenpen, subset):
         return {"bleu": _bleu_at(lenpen, subset), "chrf": 60.0, "n_sentences": 3, "reference": "ref",
-                "bleu_signature": "b", "chrf_signature": "c", "hypotheses": ["h"] * 3, "references": ["r"] * 3}
+                "bleu_signature": "b", "chrf_signature": "c", "hypotheses": [_fake_hypothesis(lenpen)] * 3,
+                "references": ["r r r r r"] * 3}
 
     def evaluate(data_bin, checkpoint, ref, subset="test", beam=5, batch_size=None, post_process=None,
                  detok_lang=None, hyp_out=None, extra_args=(), keep_hypotheses=False):
@@ -136,8 +142,12 @@ def test_fixed_lenpens_decode_test_at_each_untuned_value_reusing_the_chosen_one(
     # valid at every grid value, then test in one decode at the chosen 1.2, 1.0 and 2.0 (1.2 not twice)
     assert fake_generate[1:] == [("checkpoint_best.pt", "test", (1.2, 1.0, 2.0))]
     assert subsets["test"]["bleu"] == _bleu_at(1.2, "test") and "at_lenpen" not in subsets["valid"]
-    assert subsets["test"]["at_lenpen"] == {str(v): {"bleu": _bleu_at(v, "test"), "chrf": 60.0}
-                                            for v in (1.0, 1.2, 2.0)}
+    # each untuned value with the output's length (hypothesis / reference words; the reference has 5)
+    ratios = {value: round(1 + 2.5 * value) / 5 for value in (1.0, 1.2, 2.0)}
+    assert ratios[1.0] < 1 < ratios[2.0]
+    assert subsets["test"]["at_lenpen"] == {
+        str(v): {"bleu": _bleu_at(v, "test"), "chrf": 60.0, "length_ratio": pytest.approx(ratios[v]),
+                 "brevity_penalty": pytest.approx(min(1, math.exp(1 - 1 / ratios[v])))} for v in (1.0, 1.2, 2.0)}
     assert (run / "test.lenpen2.0.hyp").read_text() == "test at 2.0\n"
     assert (run / "test.hyp").read_text() == "test at 1.2\n"
     # without a grid, test is decoded at fairseq's default (1.0) and the fixed 0.6, in one decode
@@ -146,6 +156,38 @@ def test_fixed_lenpens_decode_test_at_each_untuned_value_reusing_the_chosen_one(
                                                                    "fixed_lenpens": [1.0, 0.6]}, ("src", "tgt"))
     assert fake_generate == [("checkpoint_last.pt", "test", (1.0, 0.6))]
     assert plain["test"]["at_lenpen"]["1.0"]["bleu"] == plain["test"]["bleu"] == _bleu_at(1.0, "test")
+
+
+def test_a_cached_score_without_the_untuned_lengths_gets_them_from_the_hypothesis_files(tmp_path, fake_generate,
+                                                                                         caplog):
+    """eval.json written before the untuned length penalties' scores carried the output's length: the length is
+    added from the run's hypothesis files, each checked to score as recorded, without decoding again."""
+    run = _finished_run(tmp_path / "run")
+    eval_cfg = {"beam": 5, "subsets": ["test"], "checkpoint": "best", "lenpen_grid": [1.0, 1.4],
+                "fixed_lenpens": [1.0, 2.0]}
+    refs = ["Ein Mann fährt Rad.", "Zwei Hunde spielen im Schnee.", "Eine Frau lacht."]
+    at = {1.4: ["Ein Mann fährt ein Rad.", "Zwei Hunde spielen im Schnee.", "Eine Frau lacht laut."],
+          1.0: ["Ein Mann fährt.", "Zwei Hunde spielen.", "Eine Frau lacht."],
+          2.0: ["Ein Mann fährt Rad auf der Straße.", "Zwei Hunde spielen.", "Frau."]}
+    for value, hyps in at.items():
+        (run / ("test.hyp" if value == 1.4 else f"test.lenpen{value}.hyp")).write_text("".join(h + "\n" for h in hyps))
+    recorded = {str(v): {"bleu": scoring.score(at[v], refs)["bleu"], "chrf": 1.0} for v in (1.0, 2.0)}
+    recorded["2.0"]["bleu"] += 1  # that file is not what was scored: its length stays out
+    subsets = {"test": {**scoring.score(at[1.4], refs), "hypotheses": at[1.4], "references": refs, "lenpen": 1.4,
+                        "at_lenpen": recorded}}
+    cache = {"settings": eval_settings(eval_cfg), "trained": "then", "subsets": subsets}
+    (run / "eval.json").write_text(json.dumps(cache))
+    scored = ablation_evaluation.evaluate_run(run, tmp_path, None, eval_cfg, ("src", "tgt"))
+    assert fake_generate == []  # nothing decoded
+    ratio = sum(len(h.replace(".", " .").split()) for h in at[1.0]) / sum(len(r.replace(".", " .").split())
+                                                                          for r in refs)
+    assert ratio < 1
+    assert scored["test"]["at_lenpen"]["1.0"] == {**recorded["1.0"], "length_ratio": pytest.approx(ratio),
+                                                  "brevity_penalty": pytest.approx(math.exp(1 - 1 / ratio))}
+    assert "length_ratio" not in scored["test"]["at_lenpen"]["2.0"] and "does not score as" in caplog.text
+    on_disk = json.loads((run / "eval.json").read_text())
+    assert on_disk["subsets"]["test"]["at_lenpen"]["1.0"]["length_ratio"] == pytest.approx(ratio)
+    assert on_disk["settings"] == cache["settings"] and on_disk["trained"] == "then"
 
 
 def test_checkpoint_best_is_checked_against_its_digest_and_its_absence_is_explained(tmp_path, fake_generate):
@@ -308,17 +350,27 @@ def test_report_gives_each_arms_output_length_on_each_subset():
                 ratio = _tokens_13a(hyps) / _tokens_13a(lines)
                 bp = 1.0 if ratio >= 1 else math.exp(1 - 1 / ratio)
                 expected.setdefault((arm, subset), []).append((ratio, bp))
+            # test at the untuned lenpen 1.0 (its length as the scoring recorded it); at 2.0 seed 1's score
+            # predates the length: that column is left out
+            run["eval"]["test"]["at_lenpen"] = {
+                "1.0": {"bleu": 30.0, "chrf": 50.0, "length_ratio": 0.9 + 0.02 * int(seed) + 0.1 * cut,
+                        "brevity_penalty": 0.8 + 0.01 * int(seed)},
+                "2.0": {"bleu": 30.0, "chrf": 50.0, **({"length_ratio": 1.2, "brevity_penalty": 1.0} if seed == "2"
+                                                      else {})}}
             runs.setdefault(arm, {})[seed] = run
     results = ablation_report.summarise(config, runs, ["tf", "soft"], [1, 2], bootstrap_samples=10)
     markdown = ablation_report.results_markdown({**results, "data_bin": "bin"})
-    assert "| arm | valid length ratio | valid brevity penalty | test length ratio | test brevity penalty |" in markdown
-    for arm in ("tf", "soft"):
+    assert ("| arm | valid length | valid BP | test length | test BP | test at lenpen 1.0 length | "
+            "test at lenpen 1.0 BP |") in markdown
+    assert "test at lenpen 2.0 length" not in markdown
+    for arm, cut in (("tf", 0), ("soft", 1)):
         cells = []
         for subset in ("valid", "test"):
             ratio, bp = (sum(v) / 2 for v in zip(*expected[arm, subset]))
             cells += [f"{ratio:.3f}", f"{bp:.3f}"]
+        cells += [f"{0.93 + 0.1 * cut:.3f}", "0.815"]
         assert f"| {arm} | {' | '.join(cells)} |" in markdown
-    assert "| tf | 1.000 | 1.000 | 1.000 | 1.000 |" in markdown
+    assert "| tf | 1.000 | 1.000 | 1.000 | 1.000 | 0.930 | 0.815 |" in markdown
     assert expected["soft", "test"][1][0] < 0.9  # the cut is visible
 
 

@@ -58,7 +58,7 @@ def _score_subsets(checkpoint: Path, out_dir: Path, data_bin: Path, ref_dir: Opt
     Raises:
         RuntimeError: fewer sentences were translated than the subset holds.
     """
-    from .scoring import evaluate_checkpoint, evaluate_checkpoint_at_lenpens
+    from .scoring import evaluate_checkpoint, evaluate_checkpoint_at_lenpens, output_length
 
     generate = flags_to_args(eval_cfg.get("generate") or {})
 
@@ -106,14 +106,40 @@ def _score_subsets(checkpoint: Path, out_dir: Path, data_bin: Path, ref_dir: Opt
             results = score(subset, {chosen: f"{subset}.hyp",
                                      **{value: f"{subset}.lenpen{value}.hyp" for value in fixed if value != chosen}})
             subsets[subset] = dict(results[chosen])
-            subsets[subset]["at_lenpen"] = {str(value): {metric: results[value][metric] for metric in ("bleu", "chrf")}
-                                            for value in fixed}
+            subsets[subset]["at_lenpen"] = {
+                str(value): {**{metric: results[value][metric] for metric in ("bleu", "chrf")},
+                             **output_length(results[value]["hypotheses"], results[value]["references"])}
+                for value in fixed}
         else:
             subsets[subset] = score(subset, {lenpen: f"{subset}.hyp"})[lenpen]
         if grid:
             subsets[subset]["lenpen"] = lenpen
             subsets[subset]["lenpen_valid_bleu"] = {str(value): tuned[value]["bleu"] for value in grid}
     return subsets
+
+
+def _fill_fixed_lenpen_lengths(run_dir: Path, subsets: dict) -> bool:
+    """Adds the output's length (:func:`.scoring.output_length`) to the ``at_lenpen`` scores of an ``eval.json``
+    written before they carried it, from the run's hypothesis files where they are still there and score as
+    recorded; returns whether any was added."""
+    from .scoring import output_length, score
+
+    filled = False
+    for subset, entry in subsets.items():
+        for value, result in (entry.get("at_lenpen") or {}).items():
+            chosen = entry.get("lenpen", 1.0)
+            path = run_dir / (f"{subset}.hyp" if float(value) == float(chosen) else f"{subset}.lenpen{value}.hyp")
+            if "length_ratio" in result or not path.is_file() or "references" not in entry:
+                continue
+            hypotheses = path.read_text(encoding="utf-8").split("\n")[:-1]
+            if len(hypotheses) != len(entry["references"]) or \
+                    score(hypotheses, entry["references"])["bleu"] != result["bleu"]:
+                logger.warning("%s does not score as %s's recorded lenpen %s: its length is left out", path,
+                               subset, value)
+                continue
+            result.update(output_length(hypotheses, entry["references"]))
+            filled = True
+    return filled
 
 
 def evaluate_run(run_dir: Path, data_bin: Path, ref_dir: Optional[Path], eval_cfg: Mapping, pair: tuple) -> dict:
@@ -131,7 +157,8 @@ def evaluate_run(run_dir: Path, data_bin: Path, ref_dir: Optional[Path], eval_cf
         same_run = cached.get("trained") == trained if "trained" in cached else \
             cached.get("done_mtime") == (run_dir / DONE).stat().st_mtime  # caches written before "trained"
         if cached.get("settings") == settings and same_run:
-            if "trained" not in cached:
+            filled = _fill_fixed_lenpen_lengths(run_dir, cached["subsets"])
+            if "trained" not in cached or filled:
                 write_json_atomic(cache, {"settings": settings, "trained": trained, "subsets": cached["subsets"]})
             return cached["subsets"]
     checkpoint = verify_run_checkpoint(run_dir, f"checkpoint_{eval_cfg.get('checkpoint') or 'last'}.pt")
@@ -151,6 +178,8 @@ def evaluate_pretrained(checkpoint: Path, out_dir: Path, data_bin: Path, ref_dir
     if cache.exists():
         cached = json.loads(cache.read_text())
         if cached.get("settings") == settings and cached.get("sha256") == digest:
+            if _fill_fixed_lenpen_lengths(out_dir, cached["subsets"]):
+                write_json_atomic(cache, {**cached, "subsets": cached["subsets"]})
             return cached["subsets"]
     out_dir.mkdir(parents=True, exist_ok=True)
     subsets = _score_subsets(checkpoint, out_dir, data_bin, ref_dir, eval_cfg, pair, checkpoint)

@@ -239,28 +239,34 @@ def _over_seeds_markdown(results: dict) -> list:
 
 
 def _length_markdown(results: dict) -> list:
-    """The output's length per arm and subset, as scored (at the length penalty chosen on valid where one was):
+    """The output's length per arm: on each subset as scored (at the length penalty chosen on valid where one
+    was), and at each untuned length penalty (``eval.fixed_lenpens``) where every seed's score has it;
     hypothesis / reference tokens of corpus BLEU and its brevity penalty, means over seeds."""
     scores = results["scores"]
     arms = [arm for arm in ["pretrained"] + results["arms"] if arm in scores]
     subsets = list(results["summary"][results["arms"][0]])
+    columns = [(subset, None) for subset in subsets]
+    columns += sorted({(subset, value) for arm in arms for by_subset in scores[arm].values()
+                       for subset, entry in by_subset.items() for value in entry.get("at_lenpen") or {}})
     cells = {}
     for arm in arms:
-        for subset in subsets:
-            runs = [by_subset[subset] for by_subset in scores[arm].values() if subset in by_subset]
-            ratios = [run["length_ratio"] for run in runs if "length_ratio" in run]
-            if ratios and len(ratios) == len(runs):  # every seed's, or none (a report from older eval.json)
-                cells[arm, subset] = (sum(ratios) / len(ratios),
-                                      sum(run["brevity_penalty"] for run in runs) / len(runs))
-    if not cells:
+        for subset, value in columns:
+            runs = [by_subset[subset] if value is None else (by_subset[subset].get("at_lenpen") or {}).get(value)
+                    for by_subset in scores[arm].values() if subset in by_subset]
+            if runs and all(run and "length_ratio" in run for run in runs):  # every seed's, or none shown
+                cells[arm, subset, value] = (sum(run["length_ratio"] for run in runs) / len(runs),
+                                             sum(run["brevity_penalty"] for run in runs) / len(runs))
+    columns = [column for column in columns if any((arm, *column) in cells for arm in arms)]
+    if not columns:
         return []
-    lines = ["Output length as scored (hypothesis / reference tokens of corpus BLEU, and its brevity penalty; mean "
-             "over seeds):", "", "| arm | " + " | ".join(f"{subset} length ratio | {subset} brevity penalty"
-                                                        for subset in subsets) + " |",
-             "|---|" + "---:|---:|" * len(subsets)]
+    labels = [subset if value is None else f"{subset} at lenpen {value}" for subset, value in columns]
+    lines = ["Output length (hypothesis / reference tokens of corpus BLEU, and its brevity penalty BP; mean over "
+             "seeds), as scored and at the untuned length penalties:", "",
+             "| arm | " + " | ".join(f"{label} length | {label} BP" for label in labels) + " |",
+             "|---|" + "---:|---:|" * len(columns)]
     for arm in arms:
-        row = [f"{cells[arm, subset][0]:.3f} | {cells[arm, subset][1]:.3f}" if (arm, subset) in cells else " | "
-               for subset in subsets]
+        row = [f"{cells[arm, subset, value][0]:.3f} | {cells[arm, subset, value][1]:.3f}"
+               if (arm, subset, value) in cells else " | " for subset, value in columns]
         lines.append(f"| {arm} | {' | '.join(row)} |")
     return lines + [""]
 
