@@ -238,6 +238,7 @@ def test_module_matches_function_and_shows_its_options(rng):
     (dict(normalizer="soft_topk"), "needs an integer k"),
     (dict(normalizer="hard_topk", k=0), "needs an integer k"),
     (dict(normalizer="soft_topk", k=2, epsilon=0.0), "epsilon"),
+    (dict(normalizer="sparse_topk", k=2, epsilon=0.0), "the sparse_topk attention normalizer needs a finite epsilon"),
 ])
 def test_bad_options_raise_value_error(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -245,6 +246,16 @@ def test_bad_options_raise_value_error(kwargs, message):
     name = kwargs.pop("normalizer")
     with pytest.raises(ValueError, match=message):
         AttentionNormalizer(name, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, message", [(dict(tol=0.0), "finite tol > 0"), (dict(tol="1e-5"), "finite tol > 0"),
+                                             (dict(max_iter=0), "integer max_iter >= 1")])
+@pytest.mark.parametrize("name", ["soft_topk", "sparse_topk"])
+def test_bad_solver_options_are_refused_when_the_module_is_built(name, kwargs, message):
+    """Not at the first row longer than k (a short input would never report them)."""
+    with pytest.raises(ValueError, match=f"the {name} attention normalizer needs an? {message}"):
+        AttentionNormalizer(name, k=2, **kwargs)
+    AttentionNormalizer("hard_topk", k=2, **kwargs)  # no solver: the options are not used
 
 
 def test_bad_masks_raise_value_error():

@@ -67,6 +67,31 @@ def test_the_beam_term_is_the_search_on_the_recorded_encoder_output():
     assert abs(default.selection_grad_cap - 0.3 * 0.2) < 1e-15
 
 
+@torch.no_grad()
+def test_a_mask_passed_by_position_reaches_the_search():
+    """model(ids, mask, decoder_ids) gives the loss of model(input_ids=ids, attention_mask=mask, ...): the search
+    attends to the sentences' tokens, not their padding (the positional mask was dropped before, silently)."""
+    model = tiny("marian")
+    inputs, labels = _batch(model)
+    assert (inputs["attention_mask"] == 0).any()  # padding the mask must hide
+    loss_fn = Seq2SeqBeamSearchLoss(model, BeamSearchConfig(beam=3, mode="hard"), teacher_forcing_ratio=0.0)
+    by_keyword = loss_fn(model(**inputs), labels)
+    by_position = loss_fn(model(inputs["input_ids"], inputs["attention_mask"], inputs["decoder_input_ids"]), labels)
+    unmasked = loss_fn(model(input_ids=inputs["input_ids"], decoder_input_ids=inputs["decoder_input_ids"]), labels)
+    assert torch.equal(by_position, by_keyword) and not torch.equal(unmasked, by_keyword)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(teacher_forcing_ratio="0.5"), r"teacher_forcing_ratio must be a number in \[0, 1\], got '0.5'"),
+    (dict(teacher_forcing_ratio=None), r"teacher_forcing_ratio must be a number in \[0, 1\], got None"),
+    (dict(label_smoothing=1.5), r"label_smoothing must be a number in \[0, 1\), got 1.5"),
+    (dict(config={"beam": 2}), "config must be a BeamSearchConfig"),
+])
+def test_bad_loss_options_are_named_when_it_is_built(options, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        Seq2SeqBeamSearchLoss(tiny("marian"), **options)
+
+
 def test_a_plain_training_loop_lowers_the_soft_loss():
     model = tiny("marian").train()
     inputs, labels = _batch(model)

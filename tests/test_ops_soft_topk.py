@@ -185,7 +185,10 @@ def test_linear_cost_is_translation_invariant(rng):
     (dict(k=9), "exceeds the number of valid"),
     (dict(k=2, epsilon=0.0), "epsilon must be"),
     (dict(k=2, epsilon=-1.0), "epsilon must be"),
+    (dict(k=2, epsilon=True), "epsilon must be"),
     (dict(k=2, cost="euclid"), "cost must be one of"),
+    (dict(k=2, tol="1e-5"), "tol must be a number > 0, got '1e-5'"),
+    (dict(k=2, tol=0.0), "tol must be a number > 0"),
     (dict(k=2, mask=torch.ones(3, dtype=torch.bool)), "mask shape"),
 ])
 def test_bad_arguments_raise(kwargs, message):

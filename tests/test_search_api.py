@@ -3,6 +3,7 @@ against a plain beam-search loop, the gold-token loss along its best beam, label
 search's gradient against finite differences, and the risk loss against the BLEU+1 of the hypotheses."""
 
 import math
+import re
 import subprocess
 import sys
 from typing import NamedTuple
@@ -242,6 +243,101 @@ def test_a_decoder_without_the_protocol_is_named():
         check_decoder(NoStep())
     with pytest.raises(TypeError, match="no embedding_matrix, step"):
         beam_search(NoStep(), None, torch.zeros(1, 2, dtype=torch.long), pad=0, bos=1)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(mode="Soft"), "mode must be one of ('soft', 'hard'), got 'Soft'"),
+    (dict(beam=0), "beam must be an integer >= 1, got 0"),
+    (dict(beam=2.5), "beam must be an integer >= 1, got 2.5"),
+    (dict(epsilon=math.nan), "epsilon must be a finite number > 0"),
+    (dict(epsilon=-1.0, mode="hard"), "epsilon must be a finite number > 0"),
+    (dict(cost="l1"), "cost must be one of"),
+    (dict(tol=0.0), "tol must be a finite number > 0"),
+    (dict(max_iter=0), "max_iter must be an integer >= 1"),
+    (dict(beam=5, candidate_pool=3), r"candidate_pool must be 0 \(all candidates\) or an integer >= beam \(5\), got 3"),
+    (dict(candidate_pool=-1), "candidate_pool must be 0"),
+])
+def test_bad_search_options_are_named(options, message):
+    with pytest.raises(ValueError, match=message if "\\(" in message else re.escape(message)):
+        BeamSearchConfig(**options)
+
+
+def _padded_inside(target):
+    target = target.clone()
+    target[0, 1] = -100
+    return target
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda enc, t: (enc, _padded_inside(t), {}), r"right-padded with pad \(-100\): row 0 has a token after padding"),
+    (lambda enc, t: (enc, t.masked_fill(t.eq(EOS), V), {}), rf"target ids must be in \[0, {V}\) .* from \d+ to {V}$"),
+    (lambda enc, t: (enc, t.masked_fill(t.eq(EOS), -1), {}), r"target ids must be in \[0, 9\) .* from -1 to"),
+    (lambda enc, t: (enc, t.double(), {}), "target must hold integer token ids, got dtype torch.float64"),
+    (lambda enc, t: (enc, t, {"bos": V}), rf"bos must be a token id in \[0, {V}\)"),
+    (lambda enc, t: (enc, t, {"pad": None}), "pad must be an integer token id, got None"),
+    (lambda enc, t: (enc, t, {"config": BeamSearchConfig(beam=V + 1, mode="hard")}),
+     rf"beam {V + 1} exceeds the first step's candidates: the decoder's {V} tokens less 0 excluded_tokens \({V}\)"),
+    (lambda enc, t: ({"hidden": enc["hidden"][:1]}, t, {}),
+     "encoder_out has tensors of 1 rows but the target has 2 sentences"),
+    (lambda enc, t: (enc, t[:1], {}), "encoder_out has tensors of 2 rows but the target has 1 sentences"),
+    (lambda enc, t: (enc, t, {"config": {"beam": 2}}), "config must be a BeamSearchConfig"),
+])
+def test_bad_search_inputs_are_named_before_the_first_step(change, message):
+    """Each of these failed deep inside torch, or searched something else without a word (a target padded inside
+    was read at the wrong positions; one encoder row too many was dropped; a beam wider than the vocabulary
+    kept -inf beams in hard mode)."""
+    decoder = GRUDecoder()
+    encoder_out, target = _batch([4, 3])
+    encoder_out, target, overrides = change(encoder_out, target)
+    kwargs = {"pad": -100, "bos": BOS, "config": BeamSearchConfig(beam=2), **overrides}
+    with pytest.raises((ValueError, TypeError), match=message):
+        beam_search(decoder, encoder_out, target, **kwargs)
+
+
+def test_the_beam_may_not_exceed_the_tokens_left_by_excluded_tokens():
+    decoder = GRUDecoder()
+    decoder.excluded_tokens = [0, 4]
+    encoder_out, target = _batch([3])
+    with pytest.raises(ValueError, match=rf"beam {V - 1} exceeds .* {V} tokens less 2 excluded_tokens \({V - 2}\)"):
+        beam_search(decoder, encoder_out, target, pad=-100, bos=BOS, config=BeamSearchConfig(beam=V - 1, mode="hard"))
+    out = beam_search(decoder, encoder_out, target, pad=-100, bos=BOS, config=BeamSearchConfig(beam=V - 2, mode="hard"))
+    assert torch.isfinite(out.final_scores).all()  # every beam a real hypothesis
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(pad=-100), rf"pad must be a token id in \[0, {V}\)"),
+    (dict(eos=V), rf"eos must be a token id in \[0, {V}\)"),
+    (dict(pad=EOS), rf"eos and pad are the same token \({EOS}\)"),
+    (dict(max_len=0), "max_len must be an integer >= 1"),
+    (dict(lenpen=math.nan), "lenpen must be a finite number"),
+    (dict(batch=0), "batch must be an integer >= 1, got 0"),
+    (dict(batch=3), "encoder_out has tensors of 2 rows but batch= says 3 sentences"),
+    (dict(config=BeamSearchConfig(beam=V - 1, mode="hard")), rf"beam {V - 1} exceeds .* less 2 never first"),
+])
+def test_bad_inputs_of_the_search_to_eos_are_named(overrides, message):
+    """pad=-100 (a label convention, not a token) failed with an index error; eos == pad and max_len=0 gave -inf
+    scores, and the risk then NaN, without a word."""
+    encoder_out, _ = _batch([4, 5])
+    kwargs = {"batch": 2, "pad": 0, "bos": BOS, "eos": EOS, "max_len": 6, "config": BeamSearchConfig(beam=2),
+              **overrides}
+    batch = kwargs.pop("batch")
+    with pytest.raises(ValueError, match=message):
+        beam_search_to_eos(GRUDecoder(), encoder_out, batch, **kwargs)
+
+
+@torch.no_grad()
+def test_the_losses_name_a_target_of_another_batch_and_a_label_smoothing_out_of_range():
+    decoder = GRUDecoder(seed=2)
+    encoder_out, target = _batch([4, 5])
+    finished = beam_search_to_eos(decoder, encoder_out, 2, pad=0, bos=BOS, eos=EOS, max_len=6,
+                                  config=BeamSearchConfig(beam=2, mode="hard"))
+    for other in (target[:1], torch.cat([target, target]), target[0]):  # one sentence's costs went to both before
+        with pytest.raises(ValueError, match=r"target must be \(batch, T\) with the search's batch of 2 sentences"):
+            risk_loss(finished, other.clamp_min(0), eos=EOS, pad=0)
+    out = beam_search(decoder, encoder_out, target, pad=-100, bos=BOS, config=BeamSearchConfig(beam=2, mode="hard"))
+    for smoothing in (1.0, -0.1, math.nan, "0.1"):
+        with pytest.raises(ValueError, match=r"label_smoothing must be a number in \[0, 1\)"):
+            gold_token_loss(out, target, pad=-100, label_smoothing=smoothing, vocab=V)
 
 
 def test_repeat_rows_takes_the_rows_of_every_tensor_in_the_encoder_output():

@@ -21,6 +21,9 @@ Use::
 or in a plain loop: ``loss_fn(model(**batch_without_labels), labels).backward()``.
 """
 
+import inspect
+import math
+from numbers import Real
 from typing import List, Optional
 
 import torch
@@ -45,6 +48,10 @@ def default_config(teacher_forcing_ratio: float, beam: int = 5, epsilon: float =
     return BeamSearchConfig(beam=beam, epsilon=epsilon, selection_grad="capped", selection_grad_cap=grad_cap * unit)
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
 class _BeamSearchLoss:
     """Args:
         model: the model being trained (the hook is put on it; :meth:`remove` takes it off).
@@ -63,8 +70,12 @@ class _BeamSearchLoss:
 
     def __init__(self, model, config: Optional[BeamSearchConfig] = None, teacher_forcing_ratio: float = 0.8,
                  label_smoothing: float = 0.0):
-        if not 0.0 <= teacher_forcing_ratio <= 1.0:
-            raise ValueError(f"teacher_forcing_ratio must be in [0, 1], got {teacher_forcing_ratio}")
+        if not _is_number(teacher_forcing_ratio) or not 0.0 <= teacher_forcing_ratio <= 1.0:
+            raise ValueError(f"teacher_forcing_ratio must be a number in [0, 1], got {teacher_forcing_ratio!r}")
+        if not _is_number(label_smoothing) or not 0.0 <= label_smoothing < 1.0:
+            raise ValueError(f"label_smoothing must be a number in [0, 1), got {label_smoothing!r}")
+        if config is not None and not isinstance(config, BeamSearchConfig):
+            raise TypeError(f"config must be a BeamSearchConfig (or None: default_config), got {type(config).__name__}")
         self.decoder = self.decoder_class(model)
         self.config = config if config is not None else default_config(teacher_forcing_ratio)
         self.p = teacher_forcing_ratio
@@ -72,10 +83,17 @@ class _BeamSearchLoss:
         self._inputs: dict = {}
         self._searching = False
         self._hook = model.register_forward_pre_hook(self._record, with_kwargs=True)
+        self._signature = inspect.signature(model.forward)
 
     def _record(self, module, args, kwargs):
-        if not self._searching:
-            self._inputs = {key: kwargs.get(key) for key in ("input_ids", "attention_mask")}
+        if not self._searching:  # by keyword or by position, as the model's forward binds them
+            bound = kwargs
+            if args:
+                try:
+                    bound = self._signature.bind_partial(*args, **kwargs).arguments
+                except TypeError:  # the call itself fails in forward, with the model's own message
+                    pass
+            self._inputs = {key: bound.get(key) for key in ("input_ids", "attention_mask")}
 
     def remove(self) -> None:
         """Takes the hook off the model."""

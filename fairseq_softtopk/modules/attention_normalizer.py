@@ -52,7 +52,8 @@ def check_normalizer_options(normalizer: str, k: Optional[int], epsilon: float, 
     if normalizer in TOPK_NORMALIZERS and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
         raise ValueError(f"the {normalizer} attention normalizer needs an integer k >= 1, got k={k!r}")
     if normalizer in ("soft_topk", "sparse_topk") and not (isinstance(epsilon, (int, float)) and 0 < epsilon < math.inf):
-        raise ValueError(f"the soft_topk attention normalizer needs a finite epsilon > 0, got {epsilon!r}")
+        raise ValueError(f"the {normalizer} attention normalizer needs a finite epsilon > 0, got "
+                         f"{epsilon!r}")
 
 
 def normalize_attention(scores: Tensor, key_padding_mask: Optional[Tensor] = None, *,
@@ -224,6 +225,11 @@ class AttentionNormalizer(nn.Module):
                  tol: float = 1e-5, max_iter: int = 100, backend: str = "auto"):
         super().__init__()
         check_normalizer_options(name, k, epsilon, backend)
+        if name in ("soft_topk", "sparse_topk"):  # else a solve fails only once a row has more than k positions
+            if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 < tol < math.inf:
+                raise ValueError(f"the {name} attention normalizer needs a finite tol > 0, got {tol!r}")
+            if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 1:
+                raise ValueError(f"the {name} attention normalizer needs an integer max_iter >= 1, got {max_iter!r}")
         self.name = str(name)  # a fairseq ChoiceEnum member is no str on every Python (its extra_repr must be)
         self.k = k
         self.epsilon = epsilon

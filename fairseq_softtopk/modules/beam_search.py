@@ -45,6 +45,7 @@ from torch import Tensor
 from .beam_search_config import SELECTION_GRADS, BeamSearchConfig, GradientObserver
 from .beam_selection import near_ties, relative_scale, select_beams
 from . import selection_observer
+from .search_input_checks import check_beam_fits, check_gold_target, check_token_id
 
 __all__ = ["SELECTION_GRADS", "BeamSearchConfig", "BeamSearchOutput", "GradientObserver", "mix_embeddings",
            "mix_rows", "mix_state", "unroll_beam_search"]
@@ -164,12 +165,16 @@ def unroll_beam_search(decoder, encoder_out, reorder_encoder_out: Callable, targ
     batch, T = target.shape
     k = config.beam
     device = target.device
+    embeddings = decoder.embedding_matrix()  # V x D
+    excluded = getattr(decoder, "excluded_tokens", None)
+    check_token_id("pad", pad)
+    check_token_id("bos", bos, embeddings.shape[0])
+    check_beam_fits(k, embeddings.shape[0], excluded if excluded is not None else (), "excluded_tokens")
+    check_gold_target(target, pad, embeddings.shape[0], read_values=not config.fixed_iterations)
     enc = reorder_encoder_out(encoder_out, torch.arange(batch, device=device).repeat_interleave(k))
     state = decoder.initial_state(enc)
     inputs = decoder.embed(torch.full((batch * k,), bos, dtype=torch.long, device=device))
-    embeddings = decoder.embedding_matrix()  # V x D
     lengths = target.ne(pad).sum(-1)
-    excluded = getattr(decoder, "excluded_tokens", None)
     if excluded is not None:
         excluded = torch.as_tensor(excluded, dtype=torch.long, device=device)
     cum = None

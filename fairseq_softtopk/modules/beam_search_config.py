@@ -2,12 +2,16 @@
 
 import math
 from dataclasses import dataclass
+from numbers import Integral, Real
 from typing import Callable
 
 from torch import Tensor
 
+from ..ops import COSTS
 from ..ops.kernels.backend import BACKENDS
 
+#: ``mode``: the sorted soft top-k selection (the paper's) or the exact top-k (the ablation)
+MODES = ("soft", "hard")
 SELECTION_GRADS = ("full", "capped", "none")
 #: soft mode's operator: the entropic sorted SOFT top-k or the quadratically regularised (sparse) one
 REGULARIZERS = ("entropic", "quadratic")
@@ -41,6 +45,22 @@ class BeamSearchConfig:
     backend: str = "auto"
 
     def __post_init__(self):
+        if not _is_integer(self.beam) or self.beam < 1:
+            raise ValueError(f"beam must be an integer >= 1, got {self.beam!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if not _is_positive(self.epsilon):
+            raise ValueError(f"epsilon must be a finite number > 0 (with regularizer 'quadratic': its lambda), got "
+                             f"{self.epsilon!r}")
+        if self.cost not in COSTS:
+            raise ValueError(f"cost must be one of {COSTS}, got {self.cost!r}")
+        if not _is_positive(self.tol):
+            raise ValueError(f"tol must be a finite number > 0, got {self.tol!r}")
+        if not _is_integer(self.max_iter) or self.max_iter < 1:
+            raise ValueError(f"max_iter must be an integer >= 1, got {self.max_iter!r}")
+        if not _is_integer(self.candidate_pool) or (self.candidate_pool != 0 and self.candidate_pool < self.beam):
+            raise ValueError(f"candidate_pool must be 0 (all candidates) or an integer >= beam ({self.beam}), got "
+                             f"{self.candidate_pool!r}")
         if self.selection_grad not in SELECTION_GRADS:
             raise ValueError(f"selection_grad must be one of {SELECTION_GRADS}, got {self.selection_grad!r}")
         if self.selection_grad == "capped" and not self.selection_grad_cap > 0:
@@ -67,6 +87,15 @@ class BeamSearchConfig:
     def grad_cap(self) -> float:
         """The cap on the selection gradient per sentence and step (``inf`` unless ``"capped"``)."""
         return self.selection_grad_cap if self.selection_grad == "capped" else math.inf
+
+
+def _is_integer(value) -> bool:
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def _is_positive(value) -> bool:
+    """A finite real number > 0 (not a bool)."""
+    return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
 def annealed_epsilon(start: float, end: float, update: int, anneal_updates: int) -> float:

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from .beam_search import SearchCounts, StepRecord, next_beams
 from .beam_search_config import BeamSearchConfig, GradientObserver
+from .search_input_checks import check_eos_search
 
 __all__ = ["FinishedBeams", "search_max_len", "unroll_beam_search_to_eos"]
 
@@ -86,12 +87,13 @@ def unroll_beam_search_to_eos(decoder, encoder_out, reorder_encoder_out, batch: 
         device: the data's device (default: the embeddings').
     """
     k = config.beam
-    device = device if device is not None else decoder.embedding_matrix().device
+    embeddings = decoder.embedding_matrix()
+    check_eos_search(batch, pad, bos, eos, max_len, lenpen, embeddings.shape[0], k)
+    device = device if device is not None else embeddings.device
     rows = torch.arange(batch, device=device)
     enc = reorder_encoder_out(encoder_out, rows.repeat_interleave(k))
     state = decoder.initial_state(enc)
     inputs = decoder.embed(torch.full((batch * k,), bos, dtype=torch.long, device=device))
-    embeddings = decoder.embedding_matrix()
     banned = torch.tensor([pad], dtype=torch.long, device=device)
     eos_index = torch.tensor([eos], dtype=torch.long, device=device)
     slots = torch.arange(k, device=device)

@@ -2,8 +2,10 @@
 expected risk of the finished hypotheses (minimum-risk training on the beams). Shared by the public search API
 (:mod:`fairseq_softtopk.search`) and the fairseq criterion; torch only."""
 
+from numbers import Real
 from typing import NamedTuple
 
+import torch
 from torch import Tensor
 
 from .beam_search import BeamSearchOutput
@@ -44,6 +46,9 @@ def gold_token_loss(output: BeamSearchOutput, target: Tensor, pad: int, label_sm
         target: ``(batch, T)`` the gold tokens the search ran along, padded with ``pad``.
         label_smoothing: as fairseq's ``label_smoothed_cross_entropy`` (needs ``vocab``, the output size).
     """
+    if not isinstance(label_smoothing, Real) or isinstance(label_smoothing, bool) or \
+            not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing must be a number in [0, 1), got {label_smoothing!r}")
     if label_smoothing and vocab < 2:
         raise ValueError(f"label smoothing needs the vocabulary's size (vocab=), got {vocab}")
     if output.gold_lprobs.shape != target.shape:
@@ -65,5 +70,8 @@ def risk_loss(finished: FinishedBeams, target: Tensor, eos: int, pad: int, tempe
         finished: the output of :func:`fairseq_softtopk.search.beam_search_to_eos`.
         target: ``(batch, T)`` the references, read up to their EOS or padding.
     """
+    if not torch.is_tensor(target) or target.dim() != 2 or target.shape[0] != finished.tokens.shape[0]:
+        raise ValueError(f"target must be (batch, T) with the search's batch of {finished.tokens.shape[0]} "
+                         f"sentences, got {tuple(target.shape) if torch.is_tensor(target) else type(target).__name__}")
     costs = scale_costs(sentence_bleu_costs(finished.tokens, target, eos, pad), finished.scores, cost)
     return expected_risk(finished.scores, costs, temperature)

@@ -115,12 +115,12 @@ def check_inputs(scores: Tensor, k: int, epsilon: float, mask: Optional[Tensor],
                          f"(k={k} cannot be selected from 0 entries)")
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"k must be an integer >= 1, got {k!r}")
-    if not (isinstance(epsilon, (int, float)) and epsilon > 0 and epsilon != float("inf")):
+    if isinstance(epsilon, bool) or not (isinstance(epsilon, (int, float)) and epsilon > 0 and epsilon != float("inf")):
         raise ValueError(f"epsilon must be a finite number > 0, got {epsilon!r}")
     if cost not in COSTS:
         raise ValueError(f"cost must be one of {COSTS}, got {cost!r}")
-    if not tol > 0:
-        raise ValueError(f"tol must be > 0, got {tol!r}")
+    if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not tol > 0:
+        raise ValueError(f"tol must be a number > 0, got {tol!r}")
     if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 1:
         raise ValueError(f"max_iter must be an integer >= 1, got {max_iter!r}")
     if mask is not None:
