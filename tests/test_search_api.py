@@ -275,7 +275,7 @@ def _padded_inside(target):
     (lambda enc, t: (enc, t.double(), {}), "target must hold integer token ids, got dtype torch.float64"),
     (lambda enc, t: (enc, t, {"bos": V}), rf"bos must be a token id in \[0, {V}\)"),
     (lambda enc, t: (enc, t, {"pad": None}), "pad must be an integer token id, got None"),
-    (lambda enc, t: (enc, t, {"config": BeamSearchConfig(beam=V + 1, mode="hard")}),
+    (lambda enc, t: (enc, t, {"config": BeamSearchConfig(beam=V + 1)}),
      rf"beam {V + 1} exceeds the first step's candidates: the decoder's {V} tokens less 0 excluded_tokens \({V}\)"),
     (lambda enc, t: ({"hidden": enc["hidden"][:1]}, t, {}),
      "encoder_out has tensors of 1 rows but the target has 2 sentences"),
@@ -285,7 +285,7 @@ def _padded_inside(target):
 def test_bad_search_inputs_are_named_before_the_first_step(change, message):
     """Each of these failed deep inside torch, or searched something else without a word (a target padded inside
     was read at the wrong positions; one encoder row too many was dropped; a beam wider than the vocabulary
-    kept -inf beams in hard mode)."""
+    failed in the soft selection's solver, naming neither)."""
     decoder = GRUDecoder()
     encoder_out, target = _batch([4, 3])
     encoder_out, target, overrides = change(encoder_out, target)
@@ -294,13 +294,14 @@ def test_bad_search_inputs_are_named_before_the_first_step(change, message):
         beam_search(decoder, encoder_out, target, **kwargs)
 
 
-def test_the_beam_may_not_exceed_the_tokens_left_by_excluded_tokens():
+def test_the_soft_beam_may_not_exceed_the_tokens_left_by_excluded_tokens():
+    """(The hard search may: it keeps -inf beams until there are candidates enough, as exhaustive search.)"""
     decoder = GRUDecoder()
     decoder.excluded_tokens = [0, 4]
     encoder_out, target = _batch([3])
     with pytest.raises(ValueError, match=rf"beam {V - 1} exceeds .* {V} tokens less 2 excluded_tokens \({V - 2}\)"):
-        beam_search(decoder, encoder_out, target, pad=-100, bos=BOS, config=BeamSearchConfig(beam=V - 1, mode="hard"))
-    out = beam_search(decoder, encoder_out, target, pad=-100, bos=BOS, config=BeamSearchConfig(beam=V - 2, mode="hard"))
+        beam_search(decoder, encoder_out, target, pad=-100, bos=BOS, config=BeamSearchConfig(beam=V - 1))
+    out = beam_search(decoder, encoder_out, target, pad=-100, bos=BOS, config=BeamSearchConfig(beam=V - 2))
     assert torch.isfinite(out.final_scores).all()  # every beam a real hypothesis
 
 
@@ -312,7 +313,7 @@ def test_the_beam_may_not_exceed_the_tokens_left_by_excluded_tokens():
     (dict(lenpen=math.nan), "lenpen must be a finite number"),
     (dict(batch=0), "batch must be an integer >= 1, got 0"),
     (dict(batch=3), "encoder_out has tensors of 2 rows but batch= says 3 sentences"),
-    (dict(config=BeamSearchConfig(beam=V - 1, mode="hard")), rf"beam {V - 1} exceeds .* less 2 never first"),
+    (dict(config=BeamSearchConfig(beam=V - 1)), rf"beam {V - 1} exceeds .* less 2 never first"),
 ])
 def test_bad_inputs_of_the_search_to_eos_are_named(overrides, message):
     """pad=-100 (a label convention, not a token) failed with an index error; eos == pad and max_len=0 gave -inf

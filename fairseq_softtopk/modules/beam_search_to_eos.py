@@ -88,7 +88,7 @@ def unroll_beam_search_to_eos(decoder, encoder_out, reorder_encoder_out, batch: 
     """
     k = config.beam
     embeddings = decoder.embedding_matrix()
-    check_eos_search(batch, pad, bos, eos, max_len, lenpen, embeddings.shape[0], k)
+    check_eos_search(batch, pad, bos, eos, max_len, lenpen, embeddings.shape[0], k if config.mode == "soft" else None)
     device = device if device is not None else embeddings.device
     rows = torch.arange(batch, device=device)
     enc = reorder_encoder_out(encoder_out, rows.repeat_interleave(k))

@@ -1,7 +1,7 @@
 """Checks of what a training search is given (:mod:`.beam_search`, :mod:`.beam_search_to_eos`): each raises a
 ``ValueError`` naming the argument, its value and what it must be, before the first step, where a bad value would
 otherwise fail deep inside torch or, worse, search something else without a word (a target with padding between
-its tokens is read at the wrong positions; a beam wider than the first step's candidates keeps ``-inf`` beams).
+its tokens is read at the wrong positions; an encoder output with a row too many loses it).
 
 The checks of the target's values read the data on the host (one read per search); the sync-free search
 (``fixed_iterations``) skips them, as it reads nothing of the data on the host.
@@ -30,7 +30,9 @@ def check_token_id(name: str, value, vocab: Optional[int] = None) -> None:
 
 def check_beam_fits(beam: int, vocab: int, never_extend: Iterable[int], why: str) -> None:
     """The first step extends one beam: ``beam`` must not exceed its candidates, the ``vocab`` tokens less those
-    in ``never_extend`` (``why`` names them)."""
+    in ``never_extend`` (``why`` names them). For the soft selection (the sorted soft top-k of ``beam`` needs as
+    many finite scores); the hard one keeps ``-inf`` beams until there are candidates enough, as exhaustive search
+    does."""
     excluded: Set[int] = set()
     for token in never_extend:
         token = int(token) if torch.is_tensor(token) and token.dim() == 0 and not token.is_floating_point() else token
@@ -89,8 +91,9 @@ def check_batch(batch) -> None:
         raise ValueError(f"batch must be an integer >= 1, got {batch!r}")
 
 
-def check_eos_search(batch, pad, bos, eos, max_len, lenpen, vocab: int, beam: int) -> None:
-    """The arguments of the search to EOS: ids in the vocabulary, EOS not the padding, at least one step."""
+def check_eos_search(batch, pad, bos, eos, max_len, lenpen, vocab: int, beam: Optional[int]) -> None:
+    """The arguments of the search to EOS: ids in the vocabulary, EOS not the padding, at least one step; the soft
+    selection's ``beam`` (None: hard) against the first step's candidates."""
     check_batch(batch)
     for name, value in (("pad", pad), ("bos", bos), ("eos", eos)):
         check_token_id(name, value, vocab)
@@ -102,4 +105,5 @@ def check_eos_search(batch, pad, bos, eos, max_len, lenpen, vocab: int, beam: in
                          f"EOS at least), got {max_len!r}")
     if not isinstance(lenpen, Real) or isinstance(lenpen, bool) or not math.isfinite(lenpen):
         raise ValueError(f"lenpen must be a finite number, got {lenpen!r}")
-    check_beam_fits(beam, vocab, (pad, eos), "never first (padding, and EOS: no empty hypothesis)")
+    if beam is not None:
+        check_beam_fits(beam, vocab, (pad, eos), "never first (padding, and EOS: no empty hypothesis)")
