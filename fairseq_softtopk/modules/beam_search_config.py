@@ -2,13 +2,14 @@
 
 import math
 from dataclasses import dataclass
-from numbers import Integral, Real
+from numbers import Real
 from typing import Callable
 
 from torch import Tensor
 
 from ..ops import COSTS
 from ..ops.kernels.backend import BACKENDS
+from .search_input_checks import is_integer
 
 #: ``mode``: the sorted soft top-k selection (the paper's) or the exact top-k (the ablation)
 MODES = ("soft", "hard")
@@ -45,7 +46,7 @@ class BeamSearchConfig:
     backend: str = "auto"
 
     def __post_init__(self):
-        if not _is_integer(self.beam) or self.beam < 1:
+        if not is_integer(self.beam) or self.beam < 1:
             raise ValueError(f"beam must be an integer >= 1, got {self.beam!r}")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
@@ -56,9 +57,9 @@ class BeamSearchConfig:
             raise ValueError(f"cost must be one of {COSTS}, got {self.cost!r}")
         if not _is_positive(self.tol):
             raise ValueError(f"tol must be a finite number > 0, got {self.tol!r}")
-        if not _is_integer(self.max_iter) or self.max_iter < 1:
+        if not is_integer(self.max_iter) or self.max_iter < 1:
             raise ValueError(f"max_iter must be an integer >= 1, got {self.max_iter!r}")
-        if not _is_integer(self.candidate_pool) or (self.candidate_pool != 0 and self.candidate_pool < self.beam):
+        if not is_integer(self.candidate_pool) or (self.candidate_pool != 0 and self.candidate_pool < self.beam):
             raise ValueError(f"candidate_pool must be 0 (all candidates) or an integer >= beam ({self.beam}), got "
                              f"{self.candidate_pool!r}")
         if self.selection_grad not in SELECTION_GRADS:
@@ -87,10 +88,6 @@ class BeamSearchConfig:
     def grad_cap(self) -> float:
         """The cap on the selection gradient per sentence and step (``inf`` unless ``"capped"``)."""
         return self.selection_grad_cap if self.selection_grad == "capped" else math.inf
-
-
-def _is_integer(value) -> bool:
-    return isinstance(value, Integral) and not isinstance(value, bool)
 
 
 def _is_positive(value) -> bool:

@@ -15,13 +15,14 @@ import torch
 from torch import Tensor
 
 
-def _is_integer(value) -> bool:
+def is_integer(value) -> bool:
+    """An integer (Python's or numpy's), not a bool."""
     return isinstance(value, Integral) and not isinstance(value, bool)
 
 
 def check_token_id(name: str, value, vocab: Optional[int] = None) -> None:
     """``value`` is an integer, in ``[0, vocab)`` where ``vocab`` is given (the decoder's embedding rows)."""
-    if not _is_integer(value):
+    if not is_integer(value):
         raise ValueError(f"{name} must be an integer token id, got {value!r}")
     if vocab is not None and not 0 <= value < vocab:
         raise ValueError(f"{name} must be a token id in [0, {vocab}) (the rows of the decoder's embedding matrix), "
@@ -87,7 +88,7 @@ def check_encoder_batch(encoder_out: Any, batch: int, given_as: str) -> None:
 
 
 def check_batch(batch) -> None:
-    if not _is_integer(batch) or batch < 1:
+    if not is_integer(batch) or batch < 1:
         raise ValueError(f"batch must be an integer >= 1, got {batch!r}")
 
 
@@ -100,7 +101,7 @@ def check_eos_search(batch, pad, bos, eos, max_len, lenpen, vocab: int, beam: Op
     if eos == pad:
         raise ValueError(f"eos and pad are the same token ({eos}): padding never extends a beam, so no hypothesis "
                          f"could finish")
-    if not _is_integer(max_len) or max_len < 1:
+    if not is_integer(max_len) or max_len < 1:
         raise ValueError(f"max_len must be an integer >= 1 (the step at which only EOS is allowed: one token and "
                          f"EOS at least), got {max_len!r}")
     if not isinstance(lenpen, Real) or isinstance(lenpen, bool) or not math.isfinite(lenpen):
