@@ -37,7 +37,7 @@ from torch import Tensor
 from .modules.beam_search import BeamSearchOutput, mix_rows, unroll_beam_search
 from .modules.beam_search_config import BeamSearchConfig, GradientObserver
 from .modules.beam_search_to_eos import FinishedBeams, unroll_beam_search_to_eos
-from .modules.search_input_checks import check_batch, check_encoder_batch
+from .modules.search_input_checks import check_batch, check_config, check_encoder_batch
 from .modules.search_losses import GoldTokenLoss, gold_token_loss, risk_loss
 from .modules.selection_observer import StepSelection, observe_selections
 
@@ -79,11 +79,6 @@ def check_decoder(decoder) -> None:
                         f"(see fairseq_softtopk.search.SearchDecoder)")
 
 
-def _check_config(config) -> None:
-    if config is not None and not isinstance(config, BeamSearchConfig):
-        raise TypeError(f"config must be a BeamSearchConfig (or None: the defaults), got {type(config).__name__}")
-
-
 def repeat_rows(encoder_out: Any, order: Tensor) -> Any:
     """The default ``reorder_encoder_out``: rows ``order`` of every tensor in ``encoder_out`` (a tensor, or
     tuples, lists and dicts of them, batch first; None and other values kept)."""
@@ -111,7 +106,7 @@ def beam_search(decoder: SearchDecoder, encoder_out: Any, target: Tensor, *, pad
         config: the search's options (default: soft, beam 5, epsilon 0.1).
     """
     check_decoder(decoder)
-    _check_config(config)
+    check_config(config, BeamSearchConfig)
     if not torch.is_tensor(target) or target.dim() != 2 or target.shape[1] == 0:
         raise ValueError(f"target must be a (batch, T) tensor with T >= 1, got "
                          f"{tuple(target.shape) if torch.is_tensor(target) else type(target).__name__}")
@@ -129,7 +124,7 @@ def beam_search_to_eos(decoder: SearchDecoder, encoder_out: Any, batch: int, *, 
     ``eos`` or step ``max_len`` (for :func:`risk_loss`): ``pad`` never extends a beam, a finished score is
     divided by ``length ** lenpen`` (the length counting the EOS)."""
     check_decoder(decoder)
-    _check_config(config)
+    check_config(config, BeamSearchConfig)
     check_batch(batch)
     if reorder_encoder_out is repeat_rows:
         check_encoder_batch(encoder_out, batch, "batch= says")

@@ -22,14 +22,13 @@ or in a plain loop: ``loss_fn(model(**batch_without_labels), labels).backward()`
 """
 
 import inspect
-import math
-from numbers import Real
 from typing import List, Optional
 
 import torch
 from torch import Tensor
 
 from ..modules.beam_search_config import BeamSearchConfig
+from ..modules.search_input_checks import check_config, is_finite_number
 from ..modules.search_losses import gold_token_loss, smoothed_nll
 from ..search import beam_search
 from .huggingface import CausalLMSearchDecoder, Seq2SeqSearchDecoder
@@ -46,10 +45,6 @@ def default_config(teacher_forcing_ratio: float, beam: int = 5, epsilon: float =
     candidates nearly tie: norms to 1e9 on Multi30k)."""
     unit = 1.0 - teacher_forcing_ratio if teacher_forcing_ratio < 1.0 else 1.0
     return BeamSearchConfig(beam=beam, epsilon=epsilon, selection_grad="capped", selection_grad_cap=grad_cap * unit)
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 class _BeamSearchLoss:
@@ -70,12 +65,11 @@ class _BeamSearchLoss:
 
     def __init__(self, model, config: Optional[BeamSearchConfig] = None, teacher_forcing_ratio: float = 0.8,
                  label_smoothing: float = 0.0):
-        if not _is_number(teacher_forcing_ratio) or not 0.0 <= teacher_forcing_ratio <= 1.0:
+        if not is_finite_number(teacher_forcing_ratio) or not 0.0 <= teacher_forcing_ratio <= 1.0:
             raise ValueError(f"teacher_forcing_ratio must be a number in [0, 1], got {teacher_forcing_ratio!r}")
-        if not _is_number(label_smoothing) or not 0.0 <= label_smoothing < 1.0:
+        if not is_finite_number(label_smoothing) or not 0.0 <= label_smoothing < 1.0:
             raise ValueError(f"label_smoothing must be a number in [0, 1), got {label_smoothing!r}")
-        if config is not None and not isinstance(config, BeamSearchConfig):
-            raise TypeError(f"config must be a BeamSearchConfig (or None: default_config), got {type(config).__name__}")
+        check_config(config, BeamSearchConfig)
         self.decoder = self.decoder_class(model)
         self.config = config if config is not None else default_config(teacher_forcing_ratio)
         self.p = teacher_forcing_ratio

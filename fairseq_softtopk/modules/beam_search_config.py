@@ -2,14 +2,13 @@
 
 import math
 from dataclasses import dataclass
-from numbers import Real
 from typing import Callable
 
 from torch import Tensor
 
 from ..ops import COSTS
 from ..ops.kernels.backend import BACKENDS
-from .search_input_checks import is_integer
+from .search_input_checks import is_finite_number, is_integer
 
 #: ``mode``: the sorted soft top-k selection (the paper's) or the exact top-k (the ablation)
 MODES = ("soft", "hard")
@@ -91,8 +90,7 @@ class BeamSearchConfig:
 
 
 def _is_positive(value) -> bool:
-    """A finite real number > 0 (not a bool)."""
-    return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    return is_finite_number(value) and value > 0
 
 
 def annealed_epsilon(start: float, end: float, update: int, anneal_updates: int) -> float:

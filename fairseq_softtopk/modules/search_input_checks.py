@@ -20,6 +20,18 @@ def is_integer(value) -> bool:
     return isinstance(value, Integral) and not isinstance(value, bool)
 
 
+def is_finite_number(value) -> bool:
+    """A finite real number (Python's or numpy's), not a bool."""
+    return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_config(config, config_class) -> None:
+    """``config`` is None (the defaults) or a ``config_class`` (the search's options)."""
+    if config is not None and not isinstance(config, config_class):
+        raise TypeError(f"config must be a {config_class.__name__} (or None: the defaults), got "
+                        f"{type(config).__name__}")
+
+
 def check_token_id(name: str, value, vocab: Optional[int] = None) -> None:
     """``value`` is an integer, in ``[0, vocab)`` where ``vocab`` is given (the decoder's embedding rows)."""
     if not is_integer(value):
@@ -104,7 +116,7 @@ def check_eos_search(batch, pad, bos, eos, max_len, lenpen, vocab: int, beam: Op
     if not is_integer(max_len) or max_len < 1:
         raise ValueError(f"max_len must be an integer >= 1 (the step at which only EOS is allowed: one token and "
                          f"EOS at least), got {max_len!r}")
-    if not isinstance(lenpen, Real) or isinstance(lenpen, bool) or not math.isfinite(lenpen):
+    if not is_finite_number(lenpen):
         raise ValueError(f"lenpen must be a finite number, got {lenpen!r}")
     if beam is not None:
         check_beam_fits(beam, vocab, (pad, eos), "never first (padding, and EOS: no empty hypothesis)")

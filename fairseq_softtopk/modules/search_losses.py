@@ -2,7 +2,6 @@
 expected risk of the finished hypotheses (minimum-risk training on the beams). Shared by the public search API
 (:mod:`fairseq_softtopk.search`) and the fairseq criterion; torch only."""
 
-from numbers import Real
 from typing import NamedTuple
 
 import torch
@@ -10,6 +9,7 @@ from torch import Tensor
 
 from .beam_search import BeamSearchOutput
 from .beam_search_to_eos import FinishedBeams
+from .search_input_checks import is_finite_number
 from .sequence_risk import expected_risk, scale_costs, sentence_bleu_costs
 
 __all__ = ["GoldTokenLoss", "gold_token_loss", "risk_loss", "smoothed_nll"]
@@ -46,8 +46,7 @@ def gold_token_loss(output: BeamSearchOutput, target: Tensor, pad: int, label_sm
         target: ``(batch, T)`` the gold tokens the search ran along, padded with ``pad``.
         label_smoothing: as fairseq's ``label_smoothed_cross_entropy`` (needs ``vocab``, the output size).
     """
-    if not isinstance(label_smoothing, Real) or isinstance(label_smoothing, bool) or \
-            not 0.0 <= label_smoothing < 1.0:
+    if not is_finite_number(label_smoothing) or not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing must be a number in [0, 1), got {label_smoothing!r}")
     if label_smoothing and vocab < 2:
         raise ValueError(f"label smoothing needs the vocabulary's size (vocab=), got {vocab}")
