@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fairseq_softtopk.ops as ops
-from fairseq_softtopk.ops import soft_topk
+from fairseq_softtopk.ops import soft_topk, sorted_soft_topk, sorted_sparse_soft_topk, sparse_soft_topk
 from fairseq_softtopk.ops.paper_algorithm import paper_soft_topk
 from conftest import compiles_fixed_solve
 from ot_reference import sinkhorn_topk
@@ -194,6 +194,16 @@ def test_linear_cost_is_translation_invariant(rng):
 def test_bad_arguments_raise(kwargs, message):
     with pytest.raises(ValueError, match=message):
         soft_topk(torch.randn(8), **kwargs)
+
+
+@pytest.mark.parametrize("op, strength", [(soft_topk, "epsilon"), (sorted_soft_topk, "epsilon"),
+                                          (sparse_soft_topk, "regularization"),
+                                          (sorted_sparse_soft_topk, "regularization")])
+@pytest.mark.parametrize("largest", ["no", 0, None])
+def test_largest_must_be_a_bool(op, strength, largest):
+    """``largest="no"`` is truthy: it selected the largest entries without a word."""
+    with pytest.raises(ValueError, match=f"largest must be True or False, got {largest!r}"):
+        op(torch.randn(8), 2, largest=largest, **{strength: 0.5})
 
 
 def test_bad_scores_raise():

@@ -99,7 +99,7 @@ def working_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def check_inputs(scores: Tensor, k: int, epsilon: float, mask: Optional[Tensor], cost: str,
-                 tol: float, max_iter: int, dim: int = -1) -> None:
+                 tol: float, max_iter: int, dim: int = -1, largest: bool = True) -> None:
     """Raises ``ValueError`` naming the problem for bad arguments (not data-dependent ones)."""
     if not isinstance(scores, Tensor):
         raise ValueError(f"scores must be a torch.Tensor, got {type(scores).__name__}")
@@ -115,6 +115,8 @@ def check_inputs(scores: Tensor, k: int, epsilon: float, mask: Optional[Tensor],
                          f"(k={k} cannot be selected from 0 entries)")
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"k must be an integer >= 1, got {k!r}")
+    if not isinstance(largest, bool):  # a string such as "no" would be truthy: select the largest silently
+        raise ValueError(f"largest must be True or False, got {largest!r}")
     if isinstance(epsilon, bool) or not (isinstance(epsilon, (int, float)) and epsilon > 0 and epsilon != float("inf")):
         raise ValueError(f"epsilon must be a finite number > 0, got {epsilon!r}")
     if cost not in COSTS:

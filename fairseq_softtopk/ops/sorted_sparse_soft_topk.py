@@ -133,7 +133,7 @@ def sorted_sparse_soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: b
         ``dim``); with ``return_info=True``, ``(tensor, info)``.
     """
     check_regularization(regularization, 2)
-    check_inputs(scores, k, regularization, mask, "linear", tol, max_iter, dim)
+    check_inputs(scores, k, regularization, mask, "linear", tol, max_iter, dim, largest)
     kernel = not hard and _use_kernel(backend, scores, scores.shape[dim], k, "sorted_sparse_soft_topk")
     with torch.profiler.record_function("softtopk::sorted_sparse_soft_topk"):
         # the rows in units of lambda with the gaps that cannot matter capped (.sparse_rows)

@@ -146,7 +146,7 @@ def sparse_soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = T
         tensor([1.0000, 0.3000, 0.7000, 0.0000])
     """
     check_regularization(regularization, p)
-    check_inputs(scores, k, regularization, mask, "linear", 1.0, 1, dim)
+    check_inputs(scores, k, regularization, mask, "linear", 1.0, 1, dim, largest)
     kernel = False
     if backend != "torch":  # the default pays nothing for the option
         check_backend(backend)
