@@ -206,6 +206,24 @@ def test_largest_must_be_a_bool(op, strength, largest):
         op(torch.randn(8), 2, largest=largest, **{strength: 0.5})
 
 
+@pytest.mark.parametrize("op, strength", [(soft_topk, "epsilon"), (sorted_soft_topk, "epsilon"),
+                                          (sparse_soft_topk, "regularization"),
+                                          (sorted_sparse_soft_topk, "regularization")])
+def test_numpy_scalars_give_the_python_numbers_result(op, strength):
+    """A sweep over ``np.linspace``/``np.arange`` hands numpy scalars: taken as the Python numbers they equal
+    (``np.float32(0.3)`` was refused as "not a finite number > 0")."""
+    import numpy as np
+
+    x = torch.tensor([[0.3, 2.0, -1.0, 1.4, 0.9, 1.1]], dtype=torch.float64)
+    for k, value, tol in [(np.int64(2), np.float32(0.3), np.float64(1e-9)), (np.int32(3), np.float64(0.5), 1e-9)]:
+        kwargs = {} if op is sparse_soft_topk else {"tol": tol}
+        ours = op(x, k, **{strength: value}, **kwargs)
+        expected = op(x, int(k), **{strength: float(value)}, **({} if op is sparse_soft_topk else {"tol": 1e-9}))
+        torch.testing.assert_close(ours, expected, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="k must be an integer >= 1, got np.True_"):
+        op(x, np.True_, **{strength: 0.3})
+
+
 def test_bad_scores_raise():
     with pytest.raises(ValueError, match="NaN"):
         soft_topk(torch.tensor([1.0, float("nan"), 0.0]), 1)

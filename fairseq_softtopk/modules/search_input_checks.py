@@ -8,21 +8,17 @@ The checks of the target's values read the data on the host (one read per search
 """
 
 import math
-from numbers import Integral, Real
 from typing import Any, Iterable, Optional, Set
 
 import torch
 from torch import Tensor
 
-
-def is_integer(value) -> bool:
-    """An integer (Python's or numpy's), not a bool."""
-    return isinstance(value, Integral) and not isinstance(value, bool)
+from ..ops._common import is_integer, is_real
 
 
 def is_finite_number(value) -> bool:
     """A finite real number (Python's or numpy's), not a bool."""
-    return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
+    return is_real(value) and math.isfinite(value)
 
 
 def check_config(config, config_class) -> None:

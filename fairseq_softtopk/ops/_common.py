@@ -33,6 +33,7 @@ cannot tell the difference:
 """
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -98,9 +99,24 @@ def working_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype in (torch.float32, torch.float64) else torch.float32
 
 
+def is_integer(value) -> bool:
+    """An integer, Python's or numpy's (a bool is not one)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def is_real(value) -> bool:
+    """A real number, Python's or numpy's (a bool is not one)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 def check_inputs(scores: Tensor, k: int, epsilon: float, mask: Optional[Tensor], cost: str,
-                 tol: float, max_iter: int, dim: int = -1, largest: bool = True) -> None:
-    """Raises ``ValueError`` naming the problem for bad arguments (not data-dependent ones)."""
+                 tol: float, max_iter: int, dim: int = -1, largest: bool = True) -> Tuple[int, float, float, int]:
+    """Raises ``ValueError`` naming the problem for bad arguments (not data-dependent ones).
+
+    Returns:
+        ``(k, epsilon, tol, max_iter)`` as Python ``int``/``float`` (numpy scalars, as a sweep over
+        ``np.linspace`` gives them, are accepted and converted).
+    """
     if not isinstance(scores, Tensor):
         raise ValueError(f"scores must be a torch.Tensor, got {type(scores).__name__}")
     if not scores.is_floating_point():
@@ -113,23 +129,24 @@ def check_inputs(scores: Tensor, k: int, epsilon: float, mask: Optional[Tensor],
     if scores.shape[dim] == 0:
         raise ValueError(f"scores have no candidates: dimension dim={dim} of shape {tuple(scores.shape)} is empty "
                          f"(k={k} cannot be selected from 0 entries)")
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+    if not is_integer(k) or k < 1:
         raise ValueError(f"k must be an integer >= 1, got {k!r}")
     if not isinstance(largest, bool):  # a string such as "no" would be truthy: select the largest silently
         raise ValueError(f"largest must be True or False, got {largest!r}")
-    if isinstance(epsilon, bool) or not (isinstance(epsilon, (int, float)) and epsilon > 0 and epsilon != float("inf")):
+    if not (is_real(epsilon) and epsilon > 0 and epsilon != float("inf")):
         raise ValueError(f"epsilon must be a finite number > 0, got {epsilon!r}")
     if cost not in COSTS:
         raise ValueError(f"cost must be one of {COSTS}, got {cost!r}")
-    if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not tol > 0:
+    if not is_real(tol) or not tol > 0:
         raise ValueError(f"tol must be a number > 0, got {tol!r}")
-    if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 1:
+    if not is_integer(max_iter) or max_iter < 1:
         raise ValueError(f"max_iter must be an integer >= 1, got {max_iter!r}")
     if mask is not None:
         if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
             raise ValueError(f"mask must be a bool tensor (True = excluded), got {getattr(mask, 'dtype', type(mask))}")
         if mask.shape != scores.shape:
             raise ValueError(f"mask shape {tuple(mask.shape)} differs from scores shape {tuple(scores.shape)}")
+    return int(k), float(epsilon), float(tol), int(max_iter)
 
 
 def prepare_scores(scores: Tensor, k: int, dim: int, largest: bool, epsilon: float,

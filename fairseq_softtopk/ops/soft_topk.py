@@ -182,7 +182,7 @@ def soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = True, ep
         >>> soft_topk(torch.tensor([3.0, 1.0, 2.0, 0.0]), k=2, epsilon=0.1)
         tensor([1.0000, 0.0067, 0.9933, 0.0000])
     """
-    check_inputs(scores, k, epsilon, mask, cost, tol, max_iter, dim, largest)
+    k, epsilon, tol, max_iter = check_inputs(scores, k, epsilon, mask, cost, tol, max_iter, dim, largest)
     kernel = False
     if backend != "torch":  # the default pays nothing for the option
         check_backend(backend)

@@ -149,7 +149,7 @@ def sorted_soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = T
         at the dtype's resolution) with a marginal error above ``tol``; the result is returned
         all the same. Python's default filter shows it once per call site.
     """
-    check_inputs(scores, k, epsilon, mask, cost, tol, max_iter, dim, largest)
+    k, epsilon, tol, max_iter = check_inputs(scores, k, epsilon, mask, cost, tol, max_iter, dim, largest)
     kernel = False
     if backend != "torch":  # the default pays nothing for the option
         check_backend(backend)

@@ -133,7 +133,8 @@ def sorted_sparse_soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: b
         ``dim``); with ``return_info=True``, ``(tensor, info)``.
     """
     check_regularization(regularization, 2)
-    check_inputs(scores, k, regularization, mask, "linear", tol, max_iter, dim, largest)
+    k, regularization, tol, max_iter = check_inputs(scores, k, regularization, mask, "linear", tol, max_iter, dim,
+                                                    largest)
     kernel = not hard and _use_kernel(backend, scores, scores.shape[dim], k, "sorted_sparse_soft_topk")
     with torch.profiler.record_function("softtopk::sorted_sparse_soft_topk"):
         # the rows in units of lambda with the gaps that cannot matter capped (.sparse_rows)
@@ -186,7 +187,7 @@ def sorted_sparse_soft_topk_window(scores: Tensor, k: int, *, regularization: fl
         raise ValueError(f"sorted_sparse_soft_topk_window takes (rows, n) scores, got "
                          f"{tuple(scores.shape) if isinstance(scores, Tensor) else type(scores).__name__}")
     check_regularization(regularization, 2)
-    check_inputs(scores, k, regularization, mask, "linear", tol, max_iter, -1)
+    k, regularization, tol, max_iter = check_inputs(scores, k, regularization, mask, "linear", tol, max_iter, -1)
     # the kernels solve and store whole rows, which is what this form avoids (k x V candidates): the torch path
     torch_path_only(backend, scores, "sorted_sparse_soft_topk_window")
     with torch.profiler.record_function("softtopk::sorted_sparse_soft_topk"):

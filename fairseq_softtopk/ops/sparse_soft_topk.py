@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._common import check_inputs, oriented_rows, restore_shape, threshold_vjp
+from ._common import check_inputs, is_real, oriented_rows, restore_shape, threshold_vjp
 from .kernels import sparse_soft_topk_op
 from .kernels.backend import check_backend
 from .simplex_projection import capped_cubic_threshold, capped_simplex_threshold
@@ -36,8 +36,7 @@ from .sparse_rows import UNSORTED_GAP_CAP, sparse_rows
 
 def check_regularization(regularization: float, p: float) -> None:
     """Raises ``ValueError`` naming the problem for a bad ``regularization`` or ``p``."""
-    if not (isinstance(regularization, (int, float)) and not isinstance(regularization, bool)
-            and regularization > 0 and regularization != float("inf")):
+    if not (is_real(regularization) and regularization > 0 and regularization != float("inf")):
         raise ValueError(f"regularization must be a finite number > 0, got {regularization!r}")
     if p not in SUPPORTED_P:
         raise ValueError(f"p={p!r} is not supported: p must be 2 (the quadratic regulariser) or 4/3")
@@ -146,7 +145,7 @@ def sparse_soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = T
         tensor([1.0000, 0.3000, 0.7000, 0.0000])
     """
     check_regularization(regularization, p)
-    check_inputs(scores, k, regularization, mask, "linear", 1.0, 1, dim, largest)
+    k, regularization, _, _ = check_inputs(scores, k, regularization, mask, "linear", 1.0, 1, dim, largest)
     kernel = False
     if backend != "torch":  # the default pays nothing for the option
         check_backend(backend)
