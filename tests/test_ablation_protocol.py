@@ -229,6 +229,60 @@ def test_train_stats_read_the_term_gradient_norms_updates_and_validation_bleu(tm
     assert missing["valid_bleu"] is None and missing["train_seconds"] is None
 
 
+def test_mean_over_seeds_averages_the_updates_every_seed_has():
+    from fairseq_softtopk.experiments.ablation_plot import mean_over_seeds
+
+    curves = [[{"num_updates": 243, "bleu": 40.0}, {"num_updates": 486, "bleu": 41.0}, {"num_updates": 729}],
+              [{"num_updates": 243, "bleu": 42.0}, {"num_updates": 486, "bleu": 40.0}],
+              [{"num_updates": 243, "bleu": 41.0}, {"num_updates": 486, "bleu": 43.5},
+               {"num_updates": 729, "bleu": 39.0}]]  # 729: not every seed has it
+    assert mean_over_seeds(curves, "bleu") == [(243, 41.0), (486, 41.5)]
+    assert mean_over_seeds(curves[:1], "bleu") == [(243, 40.0), (486, 41.0)]
+    assert mean_over_seeds(curves + [[]], "bleu") == [] and mean_over_seeds([], "bleu") == []
+
+
+@pytest.mark.parametrize("n_seeds", [2, 5])
+def test_curves_draw_each_arms_mean_from_three_seeds_on(tmp_path, monkeypatch, n_seeds):
+    """Five seeds in four line styles repeated one: from three seeds on each arm is one labelled line, its mean
+    (the teacher-forced NLL from the pretrained point at update 0), over unlabelled per-seed curves."""
+    from matplotlib.figure import Figure
+
+    from fairseq_softtopk.experiments import ablation_plot
+
+    valid = ("2026-01-01 00:00:00 | INFO | valid | epoch 001 | valid on 'valid' subset | loss 4 | nll_loss {nll} | "
+             "bleu {b} | num_updates {n} | best_bleu 41")
+    (tmp_path / "pretrain").mkdir()
+    (tmp_path / "pretrain" / "train.log").write_text(valid.format(nll=2.5, b=30, n=9000) + "\n")
+    bleu = {}
+    for arm_index, arm in enumerate(("tf", "soft")):
+        for seed in range(1, n_seeds + 1):
+            bleu[arm, seed] = [40 + arm_index + 0.1 * seed, 41 + arm_index - 0.2 * seed]
+            (tmp_path / f"seed{seed}" / arm).mkdir(parents=True)
+            (tmp_path / f"seed{seed}" / arm / "train.log").write_text("\n".join(
+                valid.format(nll=2.4 - 0.01 * seed, b=b, n=n) for n, b in zip((243, 486), bleu[arm, seed])) + "\n")
+    drawn = {}
+
+    def capture(fig, png, **kwargs):
+        for ax in fig.axes:
+            drawn[ax.get_title()] = {line.get_label(): (list(line.get_xdata()), list(line.get_ydata()))
+                                     for line in ax.get_lines() if not line.get_label().startswith("_")}
+
+    monkeypatch.setattr(Figure, "savefig", capture)
+    ablation_plot.plot_curves(tmp_path, ["tf", "soft"], list(range(1, n_seeds + 1)), tmp_path / "curves.png")
+    right = drawn["valid BLEU (fairseq-train --eval-bleu)"]
+    if n_seeds == 2:
+        assert sorted(right) == ["soft (seed 1)", "soft (seed 2)", "tf (seed 1)", "tf (seed 2)"]
+        assert right["soft (seed 2)"] == ([243, 486], bleu["soft", 2])
+        return
+    assert sorted(right) == ["soft (mean of 5 seeds)", "tf (mean of 5 seeds)"]
+    for arm in ("tf", "soft"):
+        xs, ys = right[f"{arm} (mean of 5 seeds)"]
+        assert xs == [243, 486]
+        assert ys == pytest.approx([sum(bleu[arm, s][i] for s in range(1, 6)) / 5 for i in (0, 1)])
+        assert drawn["valid NLL, teacher forced"][f"{arm} (mean of 5 seeds)"] == (
+            [0, 243, 486], pytest.approx([2.5, 2.37, 2.37]))
+
+
 def test_best_checkpoint_update_follows_fairseqs_save_rule():
     """fairseq's save_checkpoint: ``best = max(score, best)``, then checkpoint_best is written where ``score >= best``;
     replayed here over the validations, against the function's max-then-latest reading."""

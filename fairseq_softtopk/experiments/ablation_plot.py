@@ -2,7 +2,7 @@
 fairseq-train logs and drawn with matplotlib (used by :mod:`.ablation_runner`)."""
 
 from pathlib import Path
-from typing import List, Sequence
+from typing import List, Sequence, Tuple
 
 from .fairseq_commands import parse_valid_line
 
@@ -26,9 +26,28 @@ def read_valid_curve(log_path: Path, subset: str = "valid") -> List[dict]:
     return [points[n] for n in sorted(points)]
 
 
+def mean_over_seeds(curves: Sequence[List[dict]], key: str) -> List[Tuple[int, float]]:
+    """``[(num_updates, mean of key)]`` at the updates where every seed's curve has ``key`` (a run stopped
+    early, or one that did not log it there, leaves the update out rather than averaging fewer seeds)."""
+    shared = None
+    for points in curves:
+        updates = {p["num_updates"] for p in points if key in p}
+        shared = updates if shared is None else shared & updates
+    if not curves or not shared:
+        return []
+    values = [{p["num_updates"]: p[key] for p in points if key in p} for points in curves]
+    return [(n, sum(v[n] for v in values) / len(values)) for n in sorted(shared)]
+
+
+#: from this many seeds on, each arm is drawn as its mean (bold) over faint per-seed curves: four line styles and
+#: a legend entry per seed and arm no longer tell them apart
+MEAN_FROM_SEEDS = 3
+
+
 def plot_curves(work_dir: Path, arms: Sequence[str], seeds: Sequence[int], png: Path) -> str:
     """Validation NLL (teacher forced: comparable across arms) and validation loss (each arm's
-    own objective; validation BLEU instead where the runs logged it) per update, every arm and seed, to ``png``."""
+    own objective; validation BLEU instead where the runs logged it) per update, every arm and seed, to ``png``
+    (from :data:`MEAN_FROM_SEEDS` seeds on, each arm's mean over the seeds over its faint seeds)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -39,18 +58,31 @@ def plot_curves(work_dir: Path, arms: Sequence[str], seeds: Sequence[int], png: 
     curves = {(arm, seed): read_valid_curve(work_dir / f"seed{seed}" / arm / "train.log")
               for arm in arms for seed in seeds}
     with_bleu = any("bleu" in p for points in curves.values() for p in points)
+    right_key = "bleu" if with_bleu else "loss"
+    as_mean = len(seeds) >= MEAN_FROM_SEEDS
     for i, arm in enumerate(arms):
+        nll_curves = []
         for j, seed in enumerate(seeds):
             points = curves[arm, seed]
             # the seed's own pretrained model (pretrain_per_seed), else the shared one
             start = read_valid_curve(work_dir / f"seed{seed}" / "pretrain" / "train.log")[-1:] or shared_start
-            label = f"{arm} (seed {seed})" if len(seeds) > 1 else arm
-            style = dict(color=f"C{i}", linestyle=("-", "--", ":", "-.")[j % 4], marker=".")
             nll = [{**start[0], "num_updates": 0}] + points if start else points
-            ax_nll.plot([p["num_updates"] for p in nll], [p["nll_loss"] for p in nll], label=label, **style)
-            right = [p for p in points if "bleu" in p] if with_bleu else points
-            ax_loss.plot([p["num_updates"] for p in right], [p["bleu" if with_bleu else "loss"] for p in right],
-                         label=label, **style)
+            nll_curves.append(nll)
+            right = [p for p in points if right_key in p]
+            if as_mean:
+                style = dict(color=f"C{i}", linewidth=0.8, alpha=0.3)
+            else:
+                style = dict(color=f"C{i}", linestyle=("-", "--", ":", "-.")[j % 4], marker=".",
+                             label=f"{arm} (seed {seed})" if len(seeds) > 1 else arm)
+            ax_nll.plot([p["num_updates"] for p in nll], [p["nll_loss"] for p in nll], **style)
+            ax_loss.plot([p["num_updates"] for p in right], [p[right_key] for p in right], **style)
+        if as_mean:
+            label = f"{arm} (mean of {len(seeds)} seeds)"
+            for ax, key, arm_curves in ((ax_nll, "nll_loss", nll_curves),
+                                        (ax_loss, right_key, [curves[arm, seed] for seed in seeds])):
+                mean = mean_over_seeds(arm_curves, key)
+                ax.plot([n for n, _ in mean], [v for _, v in mean], color=f"C{i}", linewidth=2, marker=".",
+                        label=label)
     pretrained = bool(shared_start) or any((work_dir / f"seed{seed}" / "pretrain").is_dir() for seed in seeds)
     xlabel = "fine-tuning updates" if pretrained else "updates"
     ax_nll.set(xlabel=xlabel + (" (0: pretrained)" if pretrained else ""), ylabel="bits/token",
