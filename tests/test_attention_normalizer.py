@@ -239,6 +239,8 @@ def test_module_matches_function_and_shows_its_options(rng):
     (dict(normalizer="hard_topk", k=0), "needs an integer k"),
     (dict(normalizer="soft_topk", k=2, epsilon=0.0), "epsilon"),
     (dict(normalizer="sparse_topk", k=2, epsilon=0.0), "the sparse_topk attention normalizer needs a finite epsilon"),
+    (dict(normalizer="soft_topk", k=2, epsilon=True), "needs a finite epsilon > 0, got True"),
+    (dict(normalizer="hard_topk", k=True), "needs an integer k >= 1, got k=True"),
 ])
 def test_bad_options_raise_value_error(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -256,6 +258,17 @@ def test_bad_solver_options_are_refused_when_the_module_is_built(name, kwargs, m
     with pytest.raises(ValueError, match=f"the {name} attention normalizer needs an? {message}"):
         AttentionNormalizer(name, k=2, **kwargs)
     AttentionNormalizer("hard_topk", k=2, **kwargs)  # no solver: the options are not used
+
+
+def test_numpy_options_give_the_python_numbers_weights():
+    """k, epsilon and tol from a numpy sweep are the Python numbers they equal (the operators convert them)."""
+    import numpy as np
+
+    scores = torch.tensor([[1.5, 1.3, -0.75, 1.2, 1.0, -1.125, 0.825, 0.5]])
+    for name in ("soft_topk", "sparse_topk"):
+        ours = AttentionNormalizer(name, k=np.int64(3), epsilon=np.float32(0.25), tol=np.float64(1e-6))(scores)
+        expected = AttentionNormalizer(name, k=3, epsilon=0.25, tol=1e-6)(scores)
+        torch.testing.assert_close(ours, expected, rtol=0, atol=0)
 
 
 def test_bad_masks_raise_value_error():
