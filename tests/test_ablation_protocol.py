@@ -352,6 +352,13 @@ def test_report_has_the_ttests_lenpens_gradient_norms_cost_and_validation_bleu()
     row = next(line for line in markdown.splitlines() if line.startswith("| soft | test |"))
     assert row.count("±") == 2  # against tf and against hard
     assert "| hard | 1.0 | 0.6 | 1.0 |" in markdown  # the length penalty per seed
+    per_seed_rows = [line for line in markdown.splitlines() if line.startswith("| soft | test | ")]
+    assert per_seed_rows[-1] == "| soft | test | " + " | ".join(  # BLEU / chrF of each seed as scored
+        f"{results['scores']['soft'][s]['test']['bleu']:.2f} / {results['scores']['soft'][s]['test']['chrf']:.2f}"
+        for s in ("1", "2", "3")) + " |"
+    assert "BLEU / chrF per seed" not in ablation_report.results_markdown(
+        {**ablation_report.summarise(config, {arm: {"1": by_seed["1"]} for arm, by_seed in runs.items()},
+                                     ["tf", "hard", "soft"], [1], bootstrap_samples=50), "data_bin": "bin"})
     assert "| soft | 0.3 | 0.6 | 2.00 |" in markdown  # beam / token gradient norm
     assert "| hard | 100 | 3.67 |" in markdown  # seconds per update: 300, 330, 360 s over 90 updates
     assert "| hard | " in markdown and "| 330 (-) |" in markdown  # train s (no CPU s beside other runs)

@@ -156,9 +156,26 @@ def best_checkpoint_update(valid_bleu: Optional[Sequence[Sequence[float]]]) -> O
     return max(int(update) for update, bleu in valid_bleu if bleu == top)
 
 
+def _per_seed_markdown(results: dict) -> list:
+    """BLEU / chrF of each arm, subset and seed as scored (the tables above give their means); nothing for one seed."""
+    arms, seeds, scores = results["arms"], [str(seed) for seed in results["seeds"]], results["scores"]
+    if len(seeds) < 2:
+        return []
+    lines = ["BLEU / chrF per seed, as scored:", "", "| arm | subset | " + " | ".join(f"seed {s}" for s in seeds) + " |",
+             "|---|---|" + "---|" * len(seeds)]
+    for arm in arms:
+        for subset in results["summary"].get(arm, {}):
+            cells = []
+            for seed in seeds:
+                score = scores.get(arm, {}).get(seed, {}).get(subset)
+                cells.append(f"{score['bleu']:.2f} / {score['chrf']:.2f}" if score else "-")
+            lines.append(f"| {arm} | {subset} | {' | '.join(cells)} |")
+    return lines + [""]
+
+
 def _over_seeds_markdown(results: dict) -> list:
     """The report's tables across seeds: paired t-tests against the baseline and the ``compare_to`` arms, the
-    length penalty chosen per run, the update of the scored checkpoint_best, the untuned length penalties, the
+    scores per seed, the length penalty chosen per run, the update of the scored checkpoint_best, the untuned length penalties, the
     output's length, the loss terms' gradient norms, the cost per update and the validation BLEU during training;
     each where its numbers exist."""
     lines, arms, seeds = [], results["arms"], [str(seed) for seed in results["seeds"]]
@@ -176,6 +193,7 @@ def _over_seeds_markdown(results: dict) -> list:
                     lines.append(f"| {arm} | {subset} | {' | '.join(cells)} |")
         lines.append("")
     scores = results["scores"]
+    lines += _per_seed_markdown(results)
     chosen = {arm: [scores[arm][seed][next(iter(scores[arm][seed]))].get("lenpen") for seed in seeds
                     if seed in scores.get(arm, {})] for arm in arms}
     if any(value is not None for values in chosen.values() for value in values):
