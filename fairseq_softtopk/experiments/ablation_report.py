@@ -161,8 +161,8 @@ def _per_seed_markdown(results: dict) -> list:
     arms, seeds, scores = results["arms"], [str(seed) for seed in results["seeds"]], results["scores"]
     if len(seeds) < 2:
         return []
-    lines = ["BLEU / chrF per seed, as scored:", "", "| arm | subset | " + " | ".join(f"seed {s}" for s in seeds) + " |",
-             "|---|---|" + "---|" * len(seeds)]
+    lines = ["BLEU / chrF per seed, as scored:", "",
+             "| arm | subset | " + " | ".join(f"seed {s}" for s in seeds) + " |", "|---|---|" + "---|" * len(seeds)]
     for arm in arms:
         for subset in results["summary"].get(arm, {}):
             cells = []
@@ -175,9 +175,9 @@ def _per_seed_markdown(results: dict) -> list:
 
 def _over_seeds_markdown(results: dict) -> list:
     """The report's tables across seeds: paired t-tests against the baseline and the ``compare_to`` arms, the
-    scores per seed, the length penalty chosen per run, the update of the scored checkpoint_best, the untuned length penalties, the
-    output's length, the loss terms' gradient norms, the cost per update and the validation BLEU during training;
-    each where its numbers exist."""
+    scores per seed, the length penalty chosen per run, the update of the scored checkpoint_best, the untuned length
+    penalties, the output's length, the loss terms' gradient norms, the cost per update and the validation BLEU
+    during training; each where its numbers exist."""
     lines, arms, seeds = [], results["arms"], [str(seed) for seed in results["seeds"]]
     ttest = results.get("ttest") or {}
     if any(test for by_arm in ttest.values() for by_subset in by_arm.values() for test in by_subset.values()):
