@@ -266,9 +266,11 @@ def test_numpy_options_give_the_python_numbers_weights():
 
     scores = torch.tensor([[1.5, 1.3, -0.75, 1.2, 1.0, -1.125, 0.825, 0.5]])
     for name in ("soft_topk", "sparse_topk"):
-        ours = AttentionNormalizer(name, k=np.int64(3), epsilon=np.float32(0.25), tol=np.float64(1e-6))(scores)
+        module = AttentionNormalizer(name, k=np.int64(3), epsilon=np.float32(0.25), tol=np.float64(1e-6))
         expected = AttentionNormalizer(name, k=3, epsilon=0.25, tol=1e-6)(scores)
-        torch.testing.assert_close(ours, expected, rtol=0, atol=0)
+        torch.testing.assert_close(module(scores), expected, rtol=0, atol=0)
+        assert [type(v) for v in (module.k, module.epsilon, module.tol)] == [int, float, float]
+        assert "k=3" in repr(module) and "epsilon=0.25" in repr(module)
 
 
 def test_bad_masks_raise_value_error():

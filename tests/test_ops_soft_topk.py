@@ -209,18 +209,30 @@ def test_largest_must_be_a_bool(op, strength, largest):
 @pytest.mark.parametrize("op, strength", [(soft_topk, "epsilon"), (sorted_soft_topk, "epsilon"),
                                           (sparse_soft_topk, "regularization"),
                                           (sorted_sparse_soft_topk, "regularization")])
-def test_numpy_scalars_give_the_python_numbers_result(op, strength):
+def test_numpy_scalars_give_the_python_numbers_result(op, strength, monkeypatch):
     """A sweep over ``np.linspace``/``np.arange`` hands numpy scalars: taken as the Python numbers they equal
-    (``np.float32(0.3)`` was refused as "not a finite number > 0")."""
+    (``np.float32(0.3)`` was refused as "not a finite number > 0"), and the solver is given Python numbers."""
+    import re
+
     import numpy as np
 
+    module = sys.modules[op.__module__]
+    name = "prepare_scores" if hasattr(module, "prepare_scores") else "sparse_rows"
+    prepare, seen = getattr(module, name), []
+
+    def recorded(scores, k, dim, largest, strength_value, *args, **kwargs):
+        seen.append((type(k), type(strength_value)))
+        return prepare(scores, k, dim, largest, strength_value, *args, **kwargs)
+
+    monkeypatch.setattr(module, name, recorded)
     x = torch.tensor([[0.3, 2.0, -1.0, 1.4, 0.9, 1.1]], dtype=torch.float64)
     for k, value, tol in [(np.int64(2), np.float32(0.3), np.float64(1e-9)), (np.int32(3), np.float64(0.5), 1e-9)]:
         kwargs = {} if op is sparse_soft_topk else {"tol": tol}
         ours = op(x, k, **{strength: value}, **kwargs)
         expected = op(x, int(k), **{strength: float(value)}, **({} if op is sparse_soft_topk else {"tol": 1e-9}))
         torch.testing.assert_close(ours, expected, rtol=0, atol=0)
-    with pytest.raises(ValueError, match="k must be an integer >= 1, got np.True_"):
+    assert set(seen) == {(int, float)} and len(seen) == 4
+    with pytest.raises(ValueError, match="k must be an integer >= 1, got " + re.escape(repr(np.True_))):
         op(x, np.True_, **{strength: 0.3})
 
 

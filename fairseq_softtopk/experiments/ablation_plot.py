@@ -61,14 +61,16 @@ def plot_curves(work_dir: Path, arms: Sequence[str], seeds: Sequence[int], png: 
     right_key = "bleu" if with_bleu else "loss"
     as_mean = len(seeds) >= MEAN_FROM_SEEDS
     for i, arm in enumerate(arms):
-        nll_curves = []
+        nll_curves, right_curves = [], []
         for j, seed in enumerate(seeds):
             points = curves[arm, seed]
             # the seed's own pretrained model (pretrain_per_seed), else the shared one
             start = read_valid_curve(work_dir / f"seed{seed}" / "pretrain" / "train.log")[-1:] or shared_start
             nll = [{**start[0], "num_updates": 0}] + points if start else points
-            nll_curves.append(nll)
             right = [p for p in points if right_key in p]
+            if points:  # a run not (yet) validated stays out of the mean
+                nll_curves.append(nll)
+                right_curves.append(right)
             if as_mean:
                 style = dict(color=f"C{i}", linewidth=0.8, alpha=0.3)
             else:
@@ -77,12 +79,11 @@ def plot_curves(work_dir: Path, arms: Sequence[str], seeds: Sequence[int], png: 
             ax_nll.plot([p["num_updates"] for p in nll], [p["nll_loss"] for p in nll], **style)
             ax_loss.plot([p["num_updates"] for p in right], [p[right_key] for p in right], **style)
         if as_mean:
-            label = f"{arm} (mean of {len(seeds)} seeds)"
-            for ax, key, arm_curves in ((ax_nll, "nll_loss", nll_curves),
-                                        (ax_loss, right_key, [curves[arm, seed] for seed in seeds])):
+            for ax, key, arm_curves in ((ax_nll, "nll_loss", nll_curves), (ax_loss, right_key, right_curves)):
                 mean = mean_over_seeds(arm_curves, key)
-                ax.plot([n for n, _ in mean], [v for _, v in mean], color=f"C{i}", linewidth=2, marker=".",
-                        label=label)
+                if mean:
+                    ax.plot([n for n, _ in mean], [v for _, v in mean], color=f"C{i}", linewidth=2, marker=".",
+                            label=f"{arm} (mean of {len(arm_curves)} seeds)")
     pretrained = bool(shared_start) or any((work_dir / f"seed{seed}" / "pretrain").is_dir() for seed in seeds)
     xlabel = "fine-tuning updates" if pretrained else "updates"
     ax_nll.set(xlabel=xlabel + (" (0: pretrained)" if pretrained else ""), ylabel="bits/token",

@@ -232,10 +232,11 @@ class AttentionNormalizer(nn.Module):
             if not is_integer(max_iter) or max_iter < 1:
                 raise ValueError(f"the {name} attention normalizer needs an integer max_iter >= 1, got {max_iter!r}")
         self.name = str(name)  # a fairseq ChoiceEnum member is no str on every Python (its extra_repr must be)
-        self.k = k
-        self.epsilon = epsilon
-        self.tol = tol
-        self.max_iter = max_iter
+        # Python numbers (numpy scalars converted), as the operators use them and extra_repr prints them
+        self.k = int(k) if is_integer(k) else k
+        self.epsilon = float(epsilon) if is_real(epsilon) else epsilon
+        self.tol = float(tol) if is_real(tol) else tol
+        self.max_iter = int(max_iter) if is_integer(max_iter) else max_iter
         self.backend = str(backend)
 
     def forward(self, scores: Tensor, key_padding_mask: Optional[Tensor] = None) -> Tensor:
