@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from fairseq_softtopk.ops import soft_topk, sparse_soft_topk
 from fairseq_softtopk.ops.kernels.backend import BACKENDS
-from fairseq_softtopk.ops._common import is_integer, is_real
+from fairseq_softtopk.ops._common import is_integer, is_positive_number, is_real
 
 __all__ = ["ATTENTION_NORMALIZERS", "TOPK_NORMALIZERS", "AttentionNormalizer", "normalize_attention"]
 
@@ -52,7 +52,7 @@ def check_normalizer_options(normalizer: str, k: Optional[int], epsilon: float, 
         raise ValueError(f"unknown attention normalizer {normalizer!r}; choose one of {ATTENTION_NORMALIZERS}")
     if normalizer in TOPK_NORMALIZERS and (not is_integer(k) or k < 1):
         raise ValueError(f"the {normalizer} attention normalizer needs an integer k >= 1, got k={k!r}")
-    if normalizer in ("soft_topk", "sparse_topk") and not (is_real(epsilon) and 0 < epsilon < math.inf):
+    if normalizer in ("soft_topk", "sparse_topk") and not is_positive_number(epsilon):
         raise ValueError(f"the {normalizer} attention normalizer needs a finite epsilon > 0, got "
                          f"{epsilon!r}")
 
@@ -227,7 +227,7 @@ class AttentionNormalizer(nn.Module):
         super().__init__()
         check_normalizer_options(name, k, epsilon, backend)
         if name in ("soft_topk", "sparse_topk"):  # else a solve fails only once a row has more than k positions
-            if not is_real(tol) or not 0 < tol < math.inf:
+            if not is_positive_number(tol):
                 raise ValueError(f"the {name} attention normalizer needs a finite tol > 0, got {tol!r}")
             if not is_integer(max_iter) or max_iter < 1:
                 raise ValueError(f"the {name} attention normalizer needs an integer max_iter >= 1, got {max_iter!r}")

@@ -8,7 +8,7 @@ from torch import Tensor
 
 from ..ops import COSTS
 from ..ops.kernels.backend import BACKENDS
-from .search_input_checks import is_finite_number, is_integer
+from ..ops._common import is_integer, is_positive_number
 
 #: ``mode``: the sorted soft top-k selection (the paper's) or the exact top-k (the ablation)
 MODES = ("soft", "hard")
@@ -49,12 +49,12 @@ class BeamSearchConfig:
             raise ValueError(f"beam must be an integer >= 1, got {self.beam!r}")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if not _is_positive(self.epsilon):
+        if not is_positive_number(self.epsilon):
             raise ValueError(f"epsilon must be a finite number > 0 (with regularizer 'quadratic': its lambda), got "
                              f"{self.epsilon!r}")
         if self.cost not in COSTS:
             raise ValueError(f"cost must be one of {COSTS}, got {self.cost!r}")
-        if not _is_positive(self.tol):
+        if not is_positive_number(self.tol):
             raise ValueError(f"tol must be a finite number > 0, got {self.tol!r}")
         if not is_integer(self.max_iter) or self.max_iter < 1:
             raise ValueError(f"max_iter must be an integer >= 1, got {self.max_iter!r}")
@@ -87,10 +87,6 @@ class BeamSearchConfig:
     def grad_cap(self) -> float:
         """The cap on the selection gradient per sentence and step (``inf`` unless ``"capped"``)."""
         return self.selection_grad_cap if self.selection_grad == "capped" else math.inf
-
-
-def _is_positive(value) -> bool:
-    return is_finite_number(value) and value > 0
 
 
 def annealed_epsilon(start: float, end: float, update: int, anneal_updates: int) -> float:

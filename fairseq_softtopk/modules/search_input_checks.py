@@ -7,18 +7,12 @@ The checks of the target's values read the data on the host (one read per search
 (``fixed_iterations``) skips them, as it reads nothing of the data on the host.
 """
 
-import math
 from typing import Any, Iterable, Optional, Set
 
 import torch
 from torch import Tensor
 
-from ..ops._common import is_integer, is_real
-
-
-def is_finite_number(value) -> bool:
-    """A finite real number (Python's or numpy's), not a bool."""
-    return is_real(value) and math.isfinite(value)
+from ..ops._common import is_finite_number, is_integer
 
 
 def check_config(config, config_class) -> None:

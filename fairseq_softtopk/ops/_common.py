@@ -109,6 +109,16 @@ def is_real(value) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
+def is_finite_number(value) -> bool:
+    """A finite real number (Python's or numpy's), not a bool."""
+    return is_real(value) and math.isfinite(value)
+
+
+def is_positive_number(value) -> bool:
+    """A finite real number > 0 (Python's or numpy's), not a bool: an epsilon, a regularisation, a tolerance."""
+    return is_finite_number(value) and value > 0
+
+
 def check_inputs(scores: Tensor, k: int, epsilon: float, mask: Optional[Tensor], cost: str,
                  tol: float, max_iter: int, dim: int = -1, largest: bool = True) -> Tuple[int, float, float, int]:
     """Raises ``ValueError`` naming the problem for bad arguments (not data-dependent ones).
@@ -133,7 +143,7 @@ def check_inputs(scores: Tensor, k: int, epsilon: float, mask: Optional[Tensor],
         raise ValueError(f"k must be an integer >= 1, got {k!r}")
     if not isinstance(largest, bool):  # a string such as "no" would be truthy: select the largest silently
         raise ValueError(f"largest must be True or False, got {largest!r}")
-    if not (is_real(epsilon) and epsilon > 0 and epsilon != float("inf")):
+    if not is_positive_number(epsilon):
         raise ValueError(f"epsilon must be a finite number > 0, got {epsilon!r}")
     if cost not in COSTS:
         raise ValueError(f"cost must be one of {COSTS}, got {cost!r}")

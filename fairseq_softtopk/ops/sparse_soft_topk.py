@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._common import check_inputs, is_real, oriented_rows, restore_shape, threshold_vjp
+from ._common import check_inputs, is_positive_number, oriented_rows, restore_shape, threshold_vjp
 from .kernels import sparse_soft_topk_op
 from .kernels.backend import check_backend
 from .simplex_projection import capped_cubic_threshold, capped_simplex_threshold
@@ -36,7 +36,7 @@ from .sparse_rows import UNSORTED_GAP_CAP, sparse_rows
 
 def check_regularization(regularization: float, p: float) -> None:
     """Raises ``ValueError`` naming the problem for a bad ``regularization`` or ``p``."""
-    if not (is_real(regularization) and regularization > 0 and regularization != float("inf")):
+    if not is_positive_number(regularization):
         raise ValueError(f"regularization must be a finite number > 0, got {regularization!r}")
     if p not in SUPPORTED_P:
         raise ValueError(f"p={p!r} is not supported: p must be 2 (the quadratic regulariser) or 4/3")
