@@ -111,7 +111,9 @@ def is_real(value) -> bool:
 
 def is_finite_number(value) -> bool:
     """A finite real number (Python's or numpy's), not a bool."""
-    return is_real(value) and math.isfinite(value)
+    # comparisons, not math.isfinite: under torch.compile a float argument is a symbolic float, which
+    # compares (NaN fails both) but which math.isfinite cannot trace
+    return is_real(value) and -math.inf < value < math.inf
 
 
 def is_positive_number(value) -> bool:
