@@ -475,7 +475,8 @@ def paired_bootstrap(baseline: Sequence[str], system: Sequence[str], references:
     Both systems are scored on the same ``n_samples`` resamples of the test sentences (drawn
     with a ``numpy`` generator seeded with ``seed``). For each metric:
 
-    * ``delta``: system minus baseline on the full corpus;
+    * ``delta``: system minus baseline on the full corpus, the difference of the two scores as reported
+      (rounded to 2 decimals first, so that a table of differences agrees with the table of scores);
     * ``delta_ci95``: the 2.5 and 97.5 percentiles of the resampled deltas;
     * ``p_value``: two-sided, ``min(1, 2 min(P(delta* <= 0), P(delta* >= 0)))`` with add-one
       smoothing; Koehn's one-sided "the system is better in x% of resamples" is ``1 - x``.
@@ -506,8 +507,9 @@ def paired_bootstrap(baseline: Sequence[str], system: Sequence[str], references:
         sys_star = _resample_scores(name, system, references, weights)
         delta_star = sys_star - base_star
         tail = int(min((delta_star <= 0).sum(), (delta_star >= 0).sum()))
+        base, sys_score = round(base, 2), round(sys_score, 2)
         result[name] = {
-            "baseline": round(base, 2), "system": round(sys_score, 2), "delta": round(sys_score - base, 2),
+            "baseline": base, "system": sys_score, "delta": round(sys_score - base, 2),
             "delta_ci95": [round(float(x), 2) for x in np.percentile(delta_star, [2.5, 97.5])],
             "system_ci95": [round(float(x), 2) for x in np.percentile(sys_star, [2.5, 97.5])],
             "p_value": round(min(1.0, 2.0 * (tail + 1) / (n_samples + 1)), 4),
