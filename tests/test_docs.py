@@ -110,6 +110,29 @@ def test_readme_demo_row_is_the_published_main_job_run(repo_root):
         assert f"{label} {statistics.fmean(deltas):+.2f} ± {statistics.stdev(deltas):.2f}".replace("-", "−") in row
 
 
+def test_readme_long_protocol_row_is_the_published_run(repo_root):
+    """README's row of the longer fine-tuning protocol gives the numbers of results/multi30k_long_finetune:
+    each arm's test2016 mean ± sd (length penalty chosen on valid) and its mean at lenpen 1.0, and the t-tests."""
+    import json
+    import statistics
+
+    results = json.loads((repo_root / "results" / "multi30k_long_finetune" / "results.json").read_text())
+    row = next(line for line in (repo_root / "README.md").read_text().splitlines()
+               if line.startswith("| Multi30k En-De, beam-search fine-tuning for 3 epochs"))
+    assert len(results["seeds"]) == 5 and "LSTM, 5 seeds" in row
+    tuned, untuned = row.split("at lenpen 1.0")
+    for arm in ("tf", "hard", "soft", "soft_risk"):
+        s = results["summary"][arm]["test"]
+        assert re.search(re.escape(f"{arm} {s['bleu_mean']:.2f} ± {s['bleu_sd']:.2f}") + r"(?!\d)", tuned), arm
+        at_1 = statistics.fmean(scores["test"]["at_lenpen"]["1.0"]["bleu"]
+                                for scores in results["scores"][arm].values())
+        assert re.search(re.escape(f"{arm} {at_1:.2f}") + r"(?![\d ±])", untuned), arm
+    for arm, base in (("soft_risk", "tf"), ("soft_risk", "hard"), ("hard", "tf"), ("soft", "hard")):
+        t = results["ttest"][base][arm]["test"]
+        delta = f"{t['delta_mean']:+.2f}".replace("-", "−")
+        assert f"{arm} − {base} {delta} ± {t['delta_sd']:.2f} (p {t['p_value']:.2g})" in untuned, (arm, base)
+
+
 def test_the_readme_hugging_face_example_prints_what_it_says(repo_root, capsys):
     """The Quick start's search API block runs as written and prints the output its last comment shows."""
     pytest.importorskip("transformers")
