@@ -37,6 +37,11 @@ def test_readme_is_short_and_has_no_commit_hashes_issue_numbers_or_machine_paths
     assert not re.search(r"(/work/|/home/|/tmp/|/root/|\.\./shared)", text), "a machine path"
 
 
+def _readme_row(repo_root, start):
+    """README's line that begins with ``start`` (a table row)."""
+    return next(line for line in (repo_root / "README.md").read_text().splitlines() if line.startswith(start))
+
+
 def _table(text, first_option):
     """``{option: default}`` of the README table whose first row is ``first_option``."""
     lines = text.splitlines()
@@ -87,7 +92,7 @@ def test_readme_option_tables_are_the_dataclass_fields_with_their_defaults(repo_
 
 @pytest.mark.parametrize("option", ["--teacher-forcing-ratio"])
 def test_the_teacher_forcing_ratio_is_explained_as_a_loss_weight(repo_root, option):
-    row = next(line for line in (repo_root / "README.md").read_text().splitlines() if line.startswith(f"| `{option}`"))
+    row = _readme_row(repo_root, f"| `{option}`")
     assert "weight p of the teacher-forcing loss" in row and "not scheduled sampling" in row
 
 
@@ -98,8 +103,7 @@ def test_readme_demo_row_is_the_published_main_job_run(repo_root):
     import statistics
 
     results = json.loads((repo_root / "results" / "main_job_demo" / "results.json").read_text())
-    row = next(line for line in (repo_root / "README.md").read_text().splitlines()
-               if line.startswith("| the demo language pair"))
+    row = _readme_row(repo_root, "| the demo language pair")
     for arm in ("pretrained", "tf", "hard", "soft"):
         s = results["summary"][arm]["test"]
         shown = f"{arm} {s['bleu_mean']:.2f}" + (f" ± {s['bleu_sd']:.2f}" if s["n_seeds"] > 1 else "")
@@ -117,8 +121,7 @@ def test_readme_long_protocol_row_is_the_published_run(repo_root):
     import statistics
 
     results = json.loads((repo_root / "results" / "multi30k_long_finetune" / "results.json").read_text())
-    row = next(line for line in (repo_root / "README.md").read_text().splitlines()
-               if line.startswith("| Multi30k En-De, beam-search fine-tuning for 3 epochs"))
+    row = _readme_row(repo_root, "| Multi30k En-De, beam-search fine-tuning for 3 epochs")
     assert len(results["seeds"]) == 5 and "LSTM, 5 seeds" in row
     tuned, untuned = row.split("at lenpen 1.0")
     for arm in ("tf", "hard", "soft", "soft_risk"):
