@@ -45,6 +45,9 @@ def test_the_long_protocol_scores_checkpoint_best_at_a_length_penalty_chosen_on_
     assert set(config["default_arms"]) == {"tf", "hard", "soft", "soft_risk"}
     risk = config["arms"]["soft_risk"]
     assert risk["beam-loss"] == "risk" and risk["beam-risk-cost"] == "bleu_points"
+    # the optional hard_risk arm differs from soft_risk by the selection alone
+    hard_risk = config["arms"]["hard_risk"]
+    assert {**hard_risk, "topk-mode": "soft"} == risk and hard_risk["topk-mode"] == "hard"
 
 
 def test_the_long_protocol_also_decodes_test_at_the_default_length_penalty():
