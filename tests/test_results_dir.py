@@ -7,7 +7,8 @@ import json
 import pytest
 
 from fairseq_softtopk.experiments.publish import (PNG_COLOURS, absolute_paths, compact_png, publish,
-                                                  strip_absolute_paths, tidy_in_place)
+                                                  replace_paths, strip_absolute_paths, tidy_in_place)
+from fairseq_softtopk.experiments.publish import main as publish_main
 
 
 def _texts(root):
@@ -130,3 +131,50 @@ def test_tidy_in_place_gives_the_published_form(tmp_path):
     before = {p: p.read_bytes() for p in (tmp_path / "old").rglob("*") if p.is_file()}
     tidy_in_place(tmp_path / "old")
     assert before == {p: p.read_bytes() for p in (tmp_path / "old").rglob("*") if p.is_file()}
+
+
+def test_a_placeholder_names_a_file_the_reader_does_not_have_in_every_form(tmp_path):
+    """--placeholder PATH=NAME: the path as given, as another machine's copy is cut, and relative with ../ before
+    it, each a whole path; other files of the same name and longer paths are left alone."""
+    checkpoint = "/work/shared/models/tf/checkpoint_best.pt"
+    text = (f"--restore-file {checkpoint} | restore_file='/mnt/x/shared/models/tf/checkpoint_best.pt' | "
+            "--pretrained ../shared/models/tf/checkpoint_best.pt | shared/models/tf/checkpoint_best.pt | "
+            "/work/runs/seed1/checkpoint_best.pt | shared/models/tf/checkpoint_best.pt.bak | my/shared/models/tf/"
+            "checkpoint_best.pt")
+    assert replace_paths(text, {checkpoint: "TF_CHECKPOINT"}).split(" | ") == [
+        "--restore-file TF_CHECKPOINT", "restore_file='TF_CHECKPOINT'", "--pretrained TF_CHECKPOINT",
+        "TF_CHECKPOINT", "runs/seed1/checkpoint_best.pt", "shared/models/tf/checkpoint_best.pt.bak",
+        "my/shared/models/tf/checkpoint_best.pt"]
+    # no placeholder: only the absolute paths are cut
+    assert replace_paths(text) == strip_absolute_paths(text)
+
+
+def test_publish_and_tidy_write_the_placeholder_everywhere(tmp_path):
+    _run_dir(tmp_path / "run")
+    log = tmp_path / "run" / "seed1" / "tf" / "train.log"
+    log.write_text(log.read_text() + "restore_file='/work/x/shared/tf.pt'\n")
+    (tmp_path / "run" / "results.json").write_text(json.dumps({"command": "--pretrained ../shared/tf.pt"}))
+    publish(tmp_path / "run", tmp_path / "published", {"/work/x/shared/tf.pt": "TF_CHECKPOINT"})
+    texts = {p.name: t for p, t in _texts(tmp_path / "published")}
+    assert json.loads(texts["results.json"]) == {"command": "--pretrained TF_CHECKPOINT"}
+    assert texts["train.log.gz"].endswith("restore_file='TF_CHECKPOINT'\n")
+    assert not any("shared/" in t for t in texts.values())
+    # tidying a directory published without it names the same file the same way
+    _run_dir(tmp_path / "old")
+    (tmp_path / "old" / "results.md").write_text("`--pretrained shared/tf.pt`\n")
+    tidy_in_place(tmp_path / "old", {"shared/tf.pt": "TF_CHECKPOINT"})
+    assert (tmp_path / "old" / "results.md").read_text() == "`--pretrained TF_CHECKPOINT`\n"
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("shared/tf.pt", "write PATH=NAME"),
+    ("shared/tf.pt=TF CHECKPOINT", "write PATH=NAME"),
+    ("checkpoint_best.pt=TF_CHECKPOINT", "at least one directory"),
+    ("/checkpoint_best.pt=TF_CHECKPOINT", "at least one directory"),
+])
+def test_a_bad_placeholder_is_refused_before_anything_is_written(tmp_path, spec, message, capsys):
+    _run_dir(tmp_path / "run")
+    with pytest.raises(SystemExit) as stop:
+        publish_main(["--placeholder", spec, str(tmp_path / "run"), str(tmp_path / "published")])
+    assert stop.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "published").exists()

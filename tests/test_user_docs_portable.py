@@ -2,6 +2,7 @@
 names nothing only the project's own machines have: no machine paths, no ``../shared`` copies, no
 references to internal work items (issue numbers or letters) or working sessions."""
 
+import gzip
 import re
 from pathlib import Path
 
@@ -26,9 +27,10 @@ FORBIDDEN = (
 
 
 def user_documents(root):
-    """The user-facing text files under ``root``, sorted: README.md, docs/**, results/**/*.md,
-    checkpoints/**/README.md and every file of configs/."""
+    """The user-facing text files under ``root``, sorted: README.md, docs/**, results/**/*.md, benchmarks/*.md,
+    records/**/*.md, checkpoints/**/README.md and every file of configs/."""
     found = [root / "README.md", *(root / "docs").rglob("*.md"), *(root / "results").rglob("*.md"),
+             *(root / "benchmarks").glob("*.md"), *(root / "records").rglob("*.md"),
              *(root / "checkpoints").rglob("README.md"), *(p for p in (root / "configs").rglob("*") if p.is_file())]
     return sorted(p for p in found if p.is_file())
 
@@ -61,8 +63,8 @@ def test_the_user_documents_are_found():
     names = {str(p.relative_to(REPO)) for p in user_documents(REPO)}
     assert {"README.md", "docs/experiments.md", "configs/multi30k_en_de_pretrain.yaml",
             "configs/softtopk_transformer_multi30k.sh", "results/multi30k_beam_ablation/results.md",
-            "results/multi30k_beam_ablation/README.md",
-            "checkpoints/multi30k_en_de_transformer_tf/README.md"} <= names
+            "results/multi30k_beam_ablation/README.md", "benchmarks/bench_train_multi30k_lstm_risk_cpu.md",
+            "records/README.md", "checkpoints/multi30k_en_de_transformer_tf/README.md"} <= names
 
 
 @pytest.mark.parametrize("path", user_documents(REPO), ids=lambda p: str(p.relative_to(REPO)))
@@ -70,3 +72,17 @@ def test_user_documents_name_no_machine_paths_issues_or_sessions(path):
     found = offences(path.read_text(encoding="utf-8"))
     assert not found, "\n".join(f"{path.relative_to(REPO)}:{number}: {kind} {text!r} in: {line}"
                                 for number, kind, text, line in found)
+
+
+def test_published_arguments_scores_and_logs_name_no_machine_paths_issues_or_sessions():
+    """results/' JSON files (the configs' notes are copied there) and training logs: what the reports say, and no
+    file from outside the repository (a checkpoint there is named by a placeholder its README explains)."""
+    found = []
+    for path in sorted((REPO / "results").rglob("*")):
+        if path.suffix not in (".json", ".gz"):
+            continue
+        text = (gzip.open(path, "rt", encoding="utf-8").read() if path.suffix == ".gz"
+                else path.read_text(encoding="utf-8"))
+        found += [f"{path.relative_to(REPO)}:{number}: {kind} {match!r}"
+                  for number, kind, match, _ in offences(text)]
+    assert not found, "\n".join(found[:20])

@@ -5,10 +5,13 @@ figures (re-encoded with a 64-colour palette: a quarter of the bytes, the same p
 run's fairseq-train arguments and timings, its training log compressed), not what
 re-running the command produces again (checkpoints, hypotheses, ``eval.json`` with every
 hypothesis). Absolute paths are cut to the part a reader can resolve (from ``runs/``, ``data/``,
-``configs/``, ...), so that nothing names the machine that wrote them.
+``configs/``, ...), so that nothing names the machine that wrote them. A file a reader does not have
+(a checkpoint from outside the repository) is named by a placeholder the results' README explains
+(``--placeholder PATH=NAME``).
 
     python -m fairseq_softtopk.experiments.publish RUN_DIR results/NAME     # copy a finished run
     python -m fairseq_softtopk.experiments.publish --in-place results/NAME  # tidy a published one
+    ... --placeholder /data/models/tf/checkpoint_best.pt=TF_CHECKPOINT     # and name that file TF_CHECKPOINT
 """
 
 import argparse
@@ -18,7 +21,7 @@ import logging
 import re
 import sys
 from pathlib import Path
-from typing import Iterable, List
+from typing import Dict, Iterable, List, Optional
 
 #: path components from which a path is kept (the first one found, with what follows it)
 ANCHORS = ("runs", "data", "results", "configs", "checkpoints", "fairseq_softtopk", "scripts", "shared", "site-packages")
@@ -57,6 +60,47 @@ def absolute_paths(text: str) -> List[str]:
     return [m.group(0) for m in _ABSOLUTE.finditer(text) if m.group(0).count("/") >= 2]
 
 
+def placeholder_pattern(path: str) -> re.Pattern:
+    """The forms ``path`` takes in a run's text: as given, cut by :func:`strip_absolute_paths`, or relative
+    with leading ``../`` (``/m/shared/tf.pt``, ``shared/tf.pt``, ``../shared/tf.pt``), each a whole path.
+
+    Raises:
+        ValueError: ``path`` is empty or one component (a word that would match inside other text).
+    """
+    given = re.sub(r"^(?:\.\./)+", "", path.rstrip("/"))
+    if "/" not in given or given.startswith("/") and given.count("/") < 2:
+        raise ValueError(f"placeholder path {path!r}: give a file's path with at least one directory")
+    # ".../name" (an absolute path with no known anchor, cut) could be any file of that name: not a form
+    forms = {given} | {f for f in [strip_absolute_paths(given)] if not f.startswith(".../")}
+    alternatives = "|".join(re.escape(f) for f in sorted(forms, key=len, reverse=True))
+    return re.compile(rf"(?<![\w./~-])(?:\.\./)*(?:{alternatives})(?![\w./-])")
+
+
+def replace_paths(text: str, placeholders: Optional[Dict[str, str]] = None) -> str:
+    """``text`` with absolute paths stripped (:func:`strip_absolute_paths`) and each path of
+    ``placeholders`` (``{path: name}``), in any of its forms (:func:`placeholder_pattern`), written as its name."""
+    patterns = [(placeholder_pattern(path), name) for path, name in (placeholders or {}).items()]
+    for pattern, name in patterns:  # before stripping: the path exactly as given
+        text = pattern.sub(name, text)
+    text = strip_absolute_paths(text)
+    for pattern, name in patterns:  # after: as another machine's path is cut (/m/shared/x -> shared/x)
+        text = pattern.sub(name, text)
+    return text
+
+
+def parse_placeholder(spec: str) -> tuple:
+    """``"PATH=NAME"`` -> ``(PATH, NAME)``; NAME a word of letters, digits and underscores.
+
+    Raises:
+        ValueError: no ``=``, or NAME not such a word, or PATH not a path (:func:`placeholder_pattern`).
+    """
+    path, sep, name = spec.rpartition("=")
+    if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+        raise ValueError(f"--placeholder {spec!r}: write PATH=NAME, NAME a word such as TF_CHECKPOINT")
+    placeholder_pattern(path)
+    return path, name
+
+
 def _write_text(path: Path, text: str) -> None:
     if path.suffix == ".gz":
         # mtime 0: tidying again rewrites the same bytes (no churn in git)
@@ -83,9 +127,9 @@ def compact_png(source: Path, dest: Path) -> None:
     dest.write_bytes(data)
 
 
-def _copy_clean(source: Path, dest: Path) -> None:
-    """Copies ``source`` to ``dest`` with paths stripped (text) or re-encoded (PNG, :func:`compact_png`);
-    ``train.log`` is gzipped."""
+def _copy_clean(source: Path, dest: Path, placeholders: Optional[Dict[str, str]] = None) -> None:
+    """Copies ``source`` to ``dest`` with paths stripped and named (text, :func:`replace_paths`) or
+    re-encoded (PNG, :func:`compact_png`); ``train.log`` is gzipped."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     if source.suffix == ".png":
         compact_png(source, dest)
@@ -94,7 +138,7 @@ def _copy_clean(source: Path, dest: Path) -> None:
             else source.read_text(encoding="utf-8", errors="replace"))
     if source.name == "train.log":
         dest = dest.with_name("train.log.gz")
-    _write_text(dest, strip_absolute_paths(text))
+    _write_text(dest, replace_paths(text, placeholders))
 
 
 def _files(run_dir: Path) -> Iterable[Path]:
@@ -104,8 +148,9 @@ def _files(run_dir: Path) -> Iterable[Path]:
         yield from sorted(p for p in run_dir.rglob(name) if p.parent != run_dir)
 
 
-def publish(run_dir, dest) -> List[Path]:
-    """Copies the summaries of ``run_dir`` (an ablation's work directory) to ``dest``.
+def publish(run_dir, dest, placeholders: Optional[Dict[str, str]] = None) -> List[Path]:
+    """Copies the summaries of ``run_dir`` (an ablation's work directory) to ``dest``, each path of
+    ``placeholders`` (``{path: name}``) written as its name.
 
     Raises:
         FileNotFoundError: ``run_dir`` has no ``results.md``.
@@ -119,14 +164,15 @@ def publish(run_dir, dest) -> List[Path]:
     written = []
     for source in _files(run_dir):
         target = dest / source.relative_to(run_dir)
-        _copy_clean(source, target)
+        _copy_clean(source, target, placeholders)
         written.append(target.with_name("train.log.gz") if source.name == "train.log" else target)
     return written
 
 
-def tidy_in_place(published) -> None:
+def tidy_in_place(published, placeholders: Optional[Dict[str, str]] = None) -> None:
     """Brings a directory already under ``results/`` to the same form: drops :data:`DROPPED`,
-    gzips the training logs, strips absolute paths from every text file, re-encodes the figures."""
+    gzips the training logs, strips absolute paths from every text file and names those of
+    ``placeholders`` (``{path: name}``), re-encodes the figures."""
     published = Path(published)
     for pattern in DROPPED:
         for path in published.rglob(pattern):
@@ -134,7 +180,7 @@ def tidy_in_place(published) -> None:
     for path in sorted(published.rglob("*")):
         if not path.is_file():
             continue
-        _copy_clean(path, path)
+        _copy_clean(path, path, placeholders)
         if path.name == "train.log":
             path.unlink()
 
@@ -144,14 +190,21 @@ def main(argv=None) -> int:
     parser.add_argument("source", help="a finished ablation work directory (or, with --in-place, results/NAME)")
     parser.add_argument("dest", nargs="?", help="where to publish it, e.g. results/NAME (must not exist)")
     parser.add_argument("--in-place", action="store_true", help="tidy a directory already under results/")
+    parser.add_argument("--placeholder", action="append", default=[], metavar="PATH=NAME",
+                        help="write PATH (a file the reader does not have, as given, as published or with ../ "
+                             "before it) as NAME in every text file; repeatable")
     args = parser.parse_args(argv)
     try:
+        placeholders = dict(parse_placeholder(spec) for spec in args.placeholder)
+    except ValueError as error:
+        parser.error(str(error))
+    try:
         if args.in_place:
-            tidy_in_place(args.source)
+            tidy_in_place(args.source, placeholders)
         else:
             if not args.dest:
                 parser.error("give DEST, or --in-place")
-            for path in publish(args.source, args.dest):
+            for path in publish(args.source, args.dest, placeholders):
                 print(path)
     except (FileNotFoundError, FileExistsError) as error:
         parser.exit(2, f"publish: error: {error}\n")
