@@ -222,8 +222,37 @@ def test_causal_lm_loss_terms_against_independent_computations():
     out = beam_search(decoder, decoder.prompt(prompt_ids, prompt_ids.ne(0).long()), continuation, pad=-100,
                       bos=decoder.bos, config=config)
     torch.testing.assert_close(got, gold_token_loss(out, continuation, pad=-100).loss / 7)
-    with pytest.raises(ValueError, match="every row needs a prompt"):
+    with pytest.raises(ValueError, match="a row with labels needs a prompt"):
         beam(model(**inputs), inputs["input_ids"])
+
+
+def test_rows_and_batches_without_labels_train_nothing_and_give_no_nan():
+    """Every label -100 (truncation can leave only a prompt): the loss is 0 with a zero gradient, not 0 / 0; such a
+    row among others is left out of the search and the loss is the other rows' alone."""
+    from fairseq_softtopk.adapters.huggingface_loss import CausalLMBeamSearchLoss
+
+    config = BeamSearchConfig(beam=3, mode="hard")
+    model = tiny("gpt2")
+    rows, inputs, labels = _causal_batch()
+    loss_fn = CausalLMBeamSearchLoss(model, config, teacher_forcing_ratio=0.5)
+    # decoder-only: the second row without labels gives the first row's loss alone
+    empty_second = labels.clone()
+    empty_second[1] = -100
+    first_only = {key: value[:1] for key, value in inputs.items()}
+    torch.testing.assert_close(loss_fn(model(**inputs), empty_second), loss_fn(model(**first_only), labels[:1]))
+    nothing = torch.full_like(labels, -100)
+    loss = loss_fn(model(**inputs), nothing)
+    loss.backward()
+    assert float(loss) == 0.0 and all(p.grad is None or not p.grad.any() for p in model.parameters())
+    loss_fn.remove()
+    # encoder-decoder: the same for a batch without labels, with and without Trainer's token count
+    model = tiny("marian")
+    inputs, labels = _batch(model)
+    loss_fn = Seq2SeqBeamSearchLoss(model, config, teacher_forcing_ratio=0.5)
+    for count in (None, 7):
+        loss = loss_fn(model(**inputs), torch.full_like(labels, -100), num_items_in_batch=count)
+        loss.backward()
+        assert float(loss) == 0.0 and all(p.grad is None or not p.grad.any() for p in model.parameters())
 
 
 def test_trainer_trains_a_causal_lm_with_the_soft_beam_search_loss(tmp_path):
@@ -236,3 +265,17 @@ def test_trainer_trains_a_causal_lm_with_the_soft_beam_search_loss(tmp_path):
     loss_fn = CausalLMBeamSearchLoss(model, BeamSearchConfig(beam=2, epsilon=0.1), teacher_forcing_ratio=0.5)
     losses = _trainer_losses(transformers.Trainer, transformers.TrainingArguments, model, rows, loss_fn, tmp_path)
     assert len(losses) == 12 and sum(losses[-3:]) < 0.8 * sum(losses[:3]), losses
+
+
+def test_labels_padded_with_the_pad_id_are_refused():
+    """Labels padded with the tokenizer's pad id (not -100) would train the model to emit padding: refused, naming
+    the fix; a model whose pad is its EOS (a label then) takes them."""
+    model = tiny("marian")  # pad 0, EOS 1
+    inputs, labels = _batch(model)
+    loss_fn = Seq2SeqBeamSearchLoss(model, teacher_forcing_ratio=1.0)
+    with pytest.raises(ValueError, match="pad id 0: pad labels with -100"):
+        loss_fn(model(**inputs), labels.masked_fill(labels == -100, 0))
+    loss_fn.remove()
+    model.config.pad_token_id = model.config.eos_token_id
+    loss_fn = Seq2SeqBeamSearchLoss(model, teacher_forcing_ratio=1.0)
+    assert torch.isfinite(loss_fn(model(**inputs), labels.masked_fill(labels == -100, 1)))

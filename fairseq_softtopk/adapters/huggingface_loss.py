@@ -48,6 +48,16 @@ def default_config(teacher_forcing_ratio: float, beam: int = 5, epsilon: float =
     return BeamSearchConfig(beam=beam, epsilon=epsilon, selection_grad="capped", selection_grad_cap=grad_cap * unit)
 
 
+def _padding_id(model) -> Optional[int]:
+    """The model's pad id where no label can be it: ``None`` where the model has none or pads with its EOS (a label
+    then), or with an id of its EOS list."""
+    config = getattr(model, "config", None)
+    pad, eos = getattr(config, "pad_token_id", None), getattr(config, "eos_token_id", None)
+    if not isinstance(pad, int) or pad == eos or (isinstance(eos, (list, tuple)) and pad in eos):
+        return None
+    return pad
+
+
 class _BeamSearchLoss:
     """Args:
         model: the model being trained (the hook is put on it; :meth:`remove` takes it off).
@@ -79,6 +89,7 @@ class _BeamSearchLoss:
         self._searching = False
         self._hook = model.register_forward_pre_hook(self._record, with_kwargs=True)
         self._signature = inspect.signature(model.forward)
+        self._pad_id = _padding_id(model)
 
     def _record(self, module, args, kwargs):
         if not self._searching:  # by keyword or by position, as the model's forward binds them
@@ -96,17 +107,24 @@ class _BeamSearchLoss:
 
     def __call__(self, outputs, labels: Tensor, num_items_in_batch=None) -> Tensor:
         """The loss per label token (``num_items_in_batch`` tokens if given, as ``Trainer`` counts them over
-        gradient accumulation; else this batch's). ``outputs``: the model's teacher-forced output for ``labels``."""
+        gradient accumulation; else this batch's). ``outputs``: the model's teacher-forced output for ``labels``.
+        A batch without a label token (every label -100, as truncation can leave a long prompt) gives 0 with a zero
+        gradient, not 0 / 0; rows without a label are left out of the search."""
         logits = outputs.logits
         if logits.shape[:2] != labels.shape:
             raise ValueError(f"the outputs' logits are {tuple(logits.shape)} but the labels {tuple(labels.shape)}"
                              f"{self.shape_hint}")
+        if self._pad_id is not None and bool(labels.eq(self._pad_id).any()):
+            raise ValueError(f"the labels hold the model's pad id {self._pad_id}: pad labels with -100 "
+                             "(DataCollatorForSeq2Seq does, with its default label_pad_token_id), or they train "
+                             "the model to emit padding")
         logits, targets = self._aligned(logits, labels)
         lprobs = torch.log_softmax(logits.float(), -1)
         gold = lprobs.gather(-1, targets.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+        n_tokens = targets.ne(IGNORE).sum()
         loss = self.p * smoothed_nll(gold, lprobs.sum(-1), targets.ne(IGNORE), self.label_smoothing,
                                      lprobs.shape[-1])[0]
-        if self.p < 1.0:
+        if self.p < 1.0 and bool(n_tokens > 0):
             context, search_labels = self._search_inputs(outputs, labels)
             self._searching = True
             try:
@@ -118,7 +136,7 @@ class _BeamSearchLoss:
                                                            lprobs.shape[-1]).loss
             if out.scale_probe is not None:  # a zero through which a capped selection gradient follows the factor
                 loss = loss + out.scale_probe  # that multiplies the summed loss (the division below, a loss scale)
-        return loss / (num_items_in_batch if num_items_in_batch is not None else targets.ne(IGNORE).sum())
+        return loss / (num_items_in_batch if num_items_in_batch is not None else n_tokens.clamp_min(1))
 
     def _aligned(self, logits: Tensor, labels: Tensor):
         """``(logits, labels)`` position by position: the teacher-forcing term's prediction and target."""
@@ -163,7 +181,8 @@ class CausalLMBeamSearchLoss(_BeamSearchLoss):
 
     def prompts_and_continuations(self, labels: Tensor):
         """Each row's prompt (its attended tokens before the first label; left-padded, as the search takes them)
-        and continuation (its labels from there, -100-padded on the right), from the recorded call's inputs."""
+        and continuation (its labels from there, -100-padded on the right), from the recorded call's inputs; a row
+        without a label (nothing to train) is left out. The batch needs at least one row with a label."""
         ids, mask = self._inputs.get("input_ids"), self._inputs.get("attention_mask")
         if ids is None or ids.shape != labels.shape:
             raise ValueError("call the model with input_ids= (a keyword argument) of the labels' shape")
@@ -172,8 +191,11 @@ class CausalLMBeamSearchLoss(_BeamSearchLoss):
         continuations: List[List[int]] = []
         for row_ids, row_mask, row_labels in zip(ids.tolist(), mask.tolist(), labels.tolist()):
             first = next((i for i, label in enumerate(row_labels) if label != IGNORE), None)
-            if first is None or first == 0:
-                raise ValueError("every row needs a prompt (its first label after position 0) and a label")
+            if first is None:
+                continue
+            if first == 0:
+                raise ValueError("a row with labels needs a prompt: its first label after position 0 (the token at "
+                                 "position 0 is never predicted)")
             prompts.append([t for t, m in zip(row_ids[:first], row_mask[:first]) if m])
             if not prompts[-1]:
                 raise ValueError("a row has no attended token before its first label: no prompt to continue")
