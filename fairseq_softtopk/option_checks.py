@@ -18,9 +18,9 @@ and beyond float32's largest number (``3.4e38``) the solve fails.
 """
 
 import importlib.util
-import math
 from typing import Optional, Sequence
 
+from .number_checks import is_finite_number, is_integer
 from .renamed_options import flag
 
 __all__ = ["BACKEND_CHOICES", "EPSILON_RANGE", "check_backend_option", "check_bf16", "check_choice", "check_epsilon",
@@ -57,8 +57,7 @@ def check_number(name: str, value, low: Optional[float] = None, high: Optional[f
         low, high: the bounds (None: unbounded); ``low_open``/``high_open``: the bound itself is excluded.
         why: appended to the message in parentheses (what the range comes from).
     """
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    ok = number and (isinstance(value, int) or not integer) and math.isfinite(value)
+    ok = (is_integer(value) or not integer) and is_finite_number(value)
     if ok and low is not None:
         ok = value > low if low_open else value >= low
     if ok and high is not None:

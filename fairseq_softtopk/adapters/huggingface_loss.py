@@ -29,7 +29,7 @@ from torch import Tensor
 
 from ..modules.beam_search_config import BeamSearchConfig
 from ..modules.search_input_checks import check_config
-from ..ops._common import is_finite_number
+from ..number_checks import is_finite_number
 from ..modules.search_losses import gold_token_loss, smoothed_nll
 from ..search import beam_search
 from .huggingface import CausalLMSearchDecoder, Seq2SeqSearchDecoder

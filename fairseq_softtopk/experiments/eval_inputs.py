@@ -9,11 +9,12 @@ one line naming the flag or file, the value and what is wrong (``ValueError``, o
 cause out of the output of a fairseq tool that failed on a checkpoint anyway.
 """
 
-import math
 import os
 import re
 from pathlib import Path
 from typing import Optional
+
+from ..number_checks import is_finite_number, is_integer
 
 #: the last line of a fairseq tool that failed on a checkpoint (fairseq_softtopk.checkpoint_safety)
 _PLAIN_ERROR = re.compile(r"^\S*(?:Unsafe|Corrupt|Missing)CheckpointError: (.*)$", re.M)
@@ -53,19 +54,14 @@ def refused_checkpoint(output: str) -> Optional[str]:
             f"model's [{built}]; it was trained with {cause}")
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def check_decoding_numbers(beam, batch_size=None, lenpen=None) -> None:
     """Raises ``ValueError`` naming the setting and its value: ``beam`` and ``batch_size`` (None: the
     default) must be integers >= 1, ``lenpen`` (None: fairseq's default) a finite number."""
-    if not _is_int(beam) or beam < 1:
+    if not is_integer(beam) or beam < 1:
         raise ValueError(f"--beam must be an integer >= 1 (beams kept per sentence), got {beam!r}")
-    if batch_size is not None and (not _is_int(batch_size) or batch_size < 1):
+    if batch_size is not None and (not is_integer(batch_size) or batch_size < 1):
         raise ValueError(f"--batch-size must be an integer >= 1 (sentences per batch), got {batch_size!r}")
-    if lenpen is not None and (isinstance(lenpen, bool) or not isinstance(lenpen, (int, float))
-                               or not math.isfinite(lenpen)):
+    if lenpen is not None and not is_finite_number(lenpen):
         raise ValueError(f"--lenpen must be a finite number (fairseq's default is 1), got {lenpen!r}")
 
 

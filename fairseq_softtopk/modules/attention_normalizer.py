@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from fairseq_softtopk.ops import soft_topk, sparse_soft_topk
 from fairseq_softtopk.ops.kernels.backend import BACKENDS
-from fairseq_softtopk.ops._common import is_integer, is_positive_number, is_real
+from fairseq_softtopk.number_checks import is_integer, is_positive_number, is_real
 
 __all__ = ["ATTENTION_NORMALIZERS", "TOPK_NORMALIZERS", "AttentionNormalizer", "normalize_attention"]
 

@@ -8,7 +8,7 @@ from torch import Tensor
 
 from ..ops import COSTS
 from ..ops.kernels.backend import BACKENDS
-from ..ops._common import is_integer, is_positive_number
+from ..number_checks import is_integer, is_positive_number
 
 #: ``mode``: the sorted soft top-k selection (the paper's) or the exact top-k (the ablation)
 MODES = ("soft", "hard")

@@ -12,7 +12,7 @@ from typing import Any, Iterable, Optional, Set
 import torch
 from torch import Tensor
 
-from ..ops._common import is_finite_number, is_integer
+from ..number_checks import is_finite_number, is_integer
 
 
 def check_config(config, config_class) -> None:

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from .beam_search import BeamSearchOutput
 from .beam_search_to_eos import FinishedBeams
-from ..ops._common import is_finite_number
+from ..number_checks import is_finite_number
 from .sequence_risk import expected_risk, scale_costs, sentence_bleu_costs
 
 __all__ = ["GoldTokenLoss", "gold_token_loss", "risk_loss", "smoothed_nll"]

@@ -33,12 +33,13 @@ cannot tell the difference:
 """
 
 import math
-import numbers
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
+
+from ..number_checks import is_integer, is_positive_number, is_real
 
 COSTS = ("linear", "sqeuclidean", "paper")
 
@@ -97,28 +98,6 @@ def log_floor(dtype: torch.dtype) -> float:
 def working_dtype(dtype: torch.dtype) -> torch.dtype:
     """Half precision inputs are solved in float32; float32/float64 as they are."""
     return dtype if dtype in (torch.float32, torch.float64) else torch.float32
-
-
-def is_integer(value) -> bool:
-    """An integer, Python's or numpy's (a bool is not one)."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def is_real(value) -> bool:
-    """A real number, Python's or numpy's (a bool is not one)."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def is_finite_number(value) -> bool:
-    """A finite real number (Python's or numpy's), not a bool."""
-    # comparisons, not math.isfinite: under torch.compile a float argument is a symbolic float, which
-    # compares (NaN fails both) but which math.isfinite cannot trace
-    return is_real(value) and -math.inf < value < math.inf
-
-
-def is_positive_number(value) -> bool:
-    """A finite real number > 0 (Python's or numpy's), not a bool: an epsilon, a regularisation, a tolerance."""
-    return is_finite_number(value) and value > 0
 
 
 def check_inputs(scores: Tensor, k: int, epsilon: float, mask: Optional[Tensor], cost: str,

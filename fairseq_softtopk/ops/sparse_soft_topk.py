@@ -27,7 +27,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._common import check_inputs, is_positive_number, oriented_rows, restore_shape, threshold_vjp
+from ..number_checks import is_positive_number
+from ._common import check_inputs, oriented_rows, restore_shape, threshold_vjp
 from .kernels import sparse_soft_topk_op
 from .kernels.backend import check_backend
 from .simplex_projection import capped_cubic_threshold, capped_simplex_threshold
