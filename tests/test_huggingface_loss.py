@@ -279,3 +279,126 @@ def test_labels_padded_with_the_pad_id_are_refused():
     model.config.pad_token_id = model.config.eos_token_id
     loss_fn = Seq2SeqBeamSearchLoss(model, teacher_forcing_ratio=1.0)
     assert torch.isfinite(loss_fn(model(**inputs), labels.masked_fill(labels == -100, 1)))
+
+
+def _expected_risk_term(finished, references, counts, eos, pad, unit_scale, temperature=1.0):
+    """sum over sentences of counts[b] (its label tokens) x sum_l softmax(scores / T)_l * unit_scale *
+    (1 - BLEU+1(hyp_l, ref)), hypothesis by hypothesis (read up to their EOS); and the costs, to check they differ."""
+    from fairseq_softtopk.modules.sequence_risk import sentence_bleu, strip_sequence
+
+    total, all_costs = 0.0, []
+    for b in range(finished.scores.shape[0]):
+        reference = strip_sequence(references[b], eos, pad)
+        weights = torch.softmax(finished.scores[b].double() / temperature, -1)
+        costs = [unit_scale * (1.0 - sentence_bleu(strip_sequence(hyp.tolist(), eos, pad), reference))
+                 for hyp in finished.tokens[b]]
+        all_costs += costs
+        total += counts[b] * float((weights * torch.tensor(costs, dtype=torch.float64)).sum())
+    return total, all_costs
+
+
+def _hypothesis(finished, b, slot):
+    """Sentence ``b``'s finished hypothesis ``slot`` (best first), its EOS included, as a list."""
+    return finished.tokens[b, slot, :int(finished.lengths[b, slot])].tolist()
+
+
+@torch.no_grad()
+def test_the_risk_term_is_the_expected_cost_of_a_search_until_eos():
+    """beam_loss="risk", p = 0: each sentence's expected cost (BLEU points) of the hypotheses of a search that
+    stops at EOS or at step 1.2 * source length + 10, counted once per label token, divided by the token count."""
+    from fairseq_softtopk.search import beam_search_to_eos
+
+    model = tiny("marian")  # pad 0 (the search's padding), EOS 1
+    inputs, _ = _batch(model)
+    config = BeamSearchConfig(beam=3, mode="hard")
+    decoder = Seq2SeqSearchDecoder(model)
+    max_len = int(1.2 * inputs["input_ids"].shape[1] + 10)
+    finished = beam_search_to_eos(decoder, decoder.encode(inputs["input_ids"], inputs["attention_mask"]), 2,
+                                  pad=0, bos=decoder.bos, eos=1, max_len=max_len, config=config)
+    assert finished.tokens.shape[-1] <= max_len + 1
+    # references the hypotheses partly match (a hard search does not read them): costs from 0 to 100
+    references = [_hypothesis(finished, 0, 0), _hypothesis(finished, 1, 1)[:3] + [7, 1]]
+    labels = torch.full((2, max(map(len, references))), -100)
+    for b, reference in enumerate(references):
+        labels[b, :len(reference)] = torch.tensor(reference)
+    loss_fn = Seq2SeqBeamSearchLoss(model, config, teacher_forcing_ratio=0.0, beam_loss="risk",
+                                    risk_cost="bleu_points", risk_temperature=0.5)
+    decoder_inputs = torch.cat([torch.zeros(2, 1, dtype=torch.long), labels[:, :-1].clamp_min(0)], 1)
+    got = loss_fn(model(**dict(inputs, decoder_input_ids=decoder_inputs)), labels, num_items_in_batch=8)
+    expected, costs = _expected_risk_term(finished, references, list(map(len, references)), 1, 0, 100.0,
+                                          temperature=0.5)
+    assert min(costs) == 0.0 and 0 < max(costs) and len(set(costs)) > 2
+    assert abs(float(got) - expected / 8) < 1e-5 * expected
+
+
+@torch.no_grad()
+def test_a_causal_lm_risk_term_continues_the_prompts_until_eos():
+    from fairseq_softtopk.adapters.huggingface import CausalLMSearchDecoder
+    from fairseq_softtopk.adapters.huggingface_loss import CausalLMBeamSearchLoss
+    from fairseq_softtopk.search import beam_search_to_eos
+
+    model = tiny("gpt2")  # no pad token: the search pads with BOS 0; EOS 1
+    config = BeamSearchConfig(beam=3, mode="hard")
+    prompts = [[5, 6, 7], [11, 12]]
+    prompt_ids = torch.tensor([[5, 6, 7], [0, 11, 12]])  # left-padded
+    decoder = CausalLMSearchDecoder(model)
+    max_len = 6  # max_len_a 0 x the longest continuation + max_len_b 6
+    finished = beam_search_to_eos(decoder, decoder.prompt(prompt_ids, prompt_ids.ne(0).long()), 2, pad=0,
+                                  bos=decoder.bos, eos=1, max_len=max_len, config=config)
+    continuations = [_hypothesis(finished, 0, 1), [13, 14, 15, 1]]
+    assert 0 not in sum(continuations, [])
+    L = max(len(p) + len(c) for p, c in zip(prompts, continuations))
+    ids, mask, labels = torch.zeros(2, L, dtype=torch.long), torch.zeros(2, L, dtype=torch.long), torch.full((2, L), -100)
+    for b, (prompt, cont) in enumerate(zip(prompts, continuations)):  # right-padded, as a collator makes them
+        ids[b, :len(prompt) + len(cont)] = torch.tensor(prompt + cont)
+        mask[b, :len(prompt) + len(cont)] = 1
+        labels[b, len(prompt):len(prompt) + len(cont)] = torch.tensor(cont)
+    loss_fn = CausalLMBeamSearchLoss(model, config, teacher_forcing_ratio=0.0, beam_loss="risk", max_len_a=0.0,
+                                     max_len_b=6)
+    got = loss_fn(model(input_ids=ids, attention_mask=mask), labels)
+    expected, costs = _expected_risk_term(finished, continuations, list(map(len, continuations)), 1, 0, 1.0)
+    assert min(costs) == 0.0 and len(set(costs)) > 2
+    n_labels = sum(map(len, continuations))  # each predicted from the position before it
+    assert abs(float(got) - expected / n_labels) < 1e-5 * expected
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(beam_loss="mrt"), r"beam_loss must be one of \('gold', 'risk'\)"),
+    (dict(beam_loss="risk", risk_cost="chrf"), "risk_cost must be one of"),
+    (dict(beam_loss="risk", risk_temperature=0), "risk_temperature must be a number > 0"),
+    (dict(beam_loss="risk", lenpen=float("nan")), "lenpen must be a finite number"),
+    (dict(beam_loss="risk", max_len_b=2.5), "max_len_b an integer >= 0"),
+    (dict(beam_loss="risk", search_pad=1), r"search_pad must be a token id other than EOS \(1\)"),
+])
+def test_bad_risk_options_are_named_when_the_loss_is_built(options, message):
+    with pytest.raises(ValueError, match=message):
+        Seq2SeqBeamSearchLoss(tiny("marian"), **options)
+
+
+def test_a_model_without_a_token_to_pad_the_search_is_told_to_name_one():
+    from fairseq_softtopk.adapters.huggingface_loss import CausalLMBeamSearchLoss
+
+    model = tiny("gpt2")
+    model.config.bos_token_id = model.config.eos_token_id  # as GPT-2's own: BOS = EOS, no pad
+    with pytest.raises(ValueError, match="pass search_pad="):
+        CausalLMBeamSearchLoss(model, beam_loss="risk")
+    assert CausalLMBeamSearchLoss(model, beam_loss="risk", search_pad=0).search_pad == 0
+
+
+def test_a_plain_training_loop_lowers_the_risk_loss():
+    """p = 0.5, the cost in BLEU points (Edunov et al.'s setting): the loss falls over a few updates, and the
+    hypotheses' expected cost with it."""
+    model = tiny("marian").train()
+    inputs, labels = _batch(model)
+    labels[0, 4], labels[1, 2] = 1, 1
+    loss_fn = Seq2SeqBeamSearchLoss(model, BeamSearchConfig(beam=3, epsilon=0.1), teacher_forcing_ratio=0.5,
+                                    beam_loss="risk", risk_cost="bleu_points", max_len_b=4)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(15):
+        loss = loss_fn(model(**inputs), labels)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    assert losses[-1] < 0.8 * losses[0], losses

@@ -3,7 +3,12 @@
 ``loss = p * L_tf + (1 - p) * L_beam`` per label token (Xie et al. 2020, section 5.2; the plugin's fairseq criterion
 ``soft_beam_search``): ``L_tf`` the NLL of the labels under teacher forcing (the model's own outputs), ``L_beam`` the
 NLL of the labels along the best beam of the search (:func:`fairseq_softtopk.search.beam_search`, soft by default),
-both label-smoothed as fairseq's ``label_smoothed_cross_entropy``. A forward pre-hook on the model records the inputs
+both label-smoothed as fairseq's ``label_smoothed_cross_entropy``. With ``beam_loss="risk"``, ``L_beam`` is minimum
+risk instead (the criterion's ``--beam-loss risk``): the expected cost (``1 - BLEU+1`` on token ids, or in BLEU points)
+of the hypotheses of a search that decodes as ``generate`` does, until EOS
+(:func:`fairseq_softtopk.search.beam_search_to_eos`, :func:`~fairseq_softtopk.search.risk_loss`), each sentence's risk
+counted once per label token. On Multi30k, risk with the cost in BLEU points and ``p = 0.5`` (Edunov et al. 2018's
+setting) is the setting measured to gain over continued teacher forcing. A forward pre-hook on the model records the inputs
 of its teacher-forced call (the search's own calls are not recorded):
 
 * :class:`Seq2SeqBeamSearchLoss` (encoder-decoders): the search reuses the encoder output of that call
@@ -31,12 +36,16 @@ from ..modules.beam_search_config import BeamSearchConfig
 from ..modules.search_input_checks import check_config
 from ..number_checks import is_finite_number
 from ..modules.search_losses import gold_token_loss, smoothed_nll
-from ..search import beam_search
+from ..modules.beam_search_to_eos import search_max_len
+from ..modules.sequence_risk import RISK_COSTS
+from ..number_checks import is_integer
+from ..search import beam_search, beam_search_to_eos, risk_loss
 from .huggingface import CausalLMSearchDecoder, Seq2SeqSearchDecoder
 
 __all__ = ["CausalLMBeamSearchLoss", "Seq2SeqBeamSearchLoss", "default_config"]
 
 IGNORE = -100  # Hugging Face's label padding
+BEAM_LOSSES = ("gold", "risk")
 
 
 def default_config(teacher_forcing_ratio: float, beam: int = 5, epsilon: float = 0.1, grad_cap: float = 0.3
@@ -58,13 +67,47 @@ def _padding_id(model) -> Optional[int]:
     return pad
 
 
+def _eos_and_search_pad(model, search_pad: Optional[int]):
+    """``(eos, pad)`` of the search until EOS: the model's EOS (the first of a list) and ``search_pad``, else its
+    pad token, else its BOS (a token the search must never extend a hypothesis with).
+
+    Raises:
+        ValueError: no EOS, or no such token distinct from it.
+    """
+    config = model.config
+    eos = config.eos_token_id
+    eos = eos[0] if isinstance(eos, (list, tuple)) and eos else eos
+    if not is_integer(eos):
+        raise ValueError(f"beam_loss='risk' needs the model's EOS (config.eos_token_id), got {eos!r}")
+    if search_pad is None:
+        search_pad = next((t for t in (config.pad_token_id, getattr(config, "bos_token_id", None))
+                           if is_integer(t) and t != eos), None)
+        if search_pad is None:
+            raise ValueError("beam_loss='risk': the model's pad and BOS tokens are missing or its EOS; pass "
+                             "search_pad=, a token id the search never extends a hypothesis with")
+    elif not is_integer(search_pad) or search_pad == eos:
+        raise ValueError(f"search_pad must be a token id other than EOS ({eos}), got {search_pad!r}")
+    return int(eos), int(search_pad)
+
+
 class _BeamSearchLoss:
     """Args:
         model: the model being trained (the hook is put on it; :meth:`remove` takes it off).
         config: the search's options (default: :func:`default_config`, the fairseq criterion's defaults with the
             paper's epsilon: soft, beam 5, epsilon 0.1, the selection gradient capped at 0.3 gold-token gradients).
         teacher_forcing_ratio: ``p``; 1 is plain teacher forcing (no search).
-        label_smoothing: as fairseq's ``label_smoothed_cross_entropy``.
+        label_smoothing: as fairseq's ``label_smoothed_cross_entropy`` (the teacher-forcing term, and the beam term
+            of ``gold``).
+        beam_loss: ``"gold"`` (the labels' NLL along the best beam, the paper's) or ``"risk"`` (minimum risk of the
+            hypotheses of a search until EOS).
+        risk_cost: the cost's unit with ``risk``: ``"bleu"`` (``1 - BLEU+1``), ``"bleu_points"`` (100 times that,
+            Edunov et al.'s) or ``"minmax"`` (scaled over each sentence's hypotheses).
+        risk_temperature: of the softmax over the hypotheses' scores that weights their costs.
+        lenpen: ``generate``'s ``length_penalty`` in the search of ``risk`` (a score divided by length ** lenpen).
+        max_len_a, max_len_b: that search stops at step ``a * L + b`` (``L``: the source length; a decoder-only
+            model's longest label continuation), as fairseq-generate's ``--max-len-a/-b``.
+        search_pad: the token that never extends that search's hypotheses and pads them (default: the model's pad
+            token, else its BOS; it must not be its EOS).
 
     A subclass names its search decoder and says which logits predict which labels (:meth:`_aligned`) and what the
     search runs on (:meth:`_search_inputs`).
@@ -75,12 +118,29 @@ class _BeamSearchLoss:
     shape_hint = ""
 
     def __init__(self, model, config: Optional[BeamSearchConfig] = None, teacher_forcing_ratio: float = 0.8,
-                 label_smoothing: float = 0.0):
+                 label_smoothing: float = 0.0, beam_loss: str = "gold", risk_cost: str = "bleu",
+                 risk_temperature: float = 1.0, lenpen: float = 1.0, max_len_a: float = 1.2, max_len_b: int = 10,
+                 search_pad: Optional[int] = None):
         if not is_finite_number(teacher_forcing_ratio) or not 0.0 <= teacher_forcing_ratio <= 1.0:
             raise ValueError(f"teacher_forcing_ratio must be a number in [0, 1], got {teacher_forcing_ratio!r}")
         if not is_finite_number(label_smoothing) or not 0.0 <= label_smoothing < 1.0:
             raise ValueError(f"label_smoothing must be a number in [0, 1), got {label_smoothing!r}")
         check_config(config, BeamSearchConfig)
+        if beam_loss not in BEAM_LOSSES:
+            raise ValueError(f"beam_loss must be one of {BEAM_LOSSES}, got {beam_loss!r}")
+        if risk_cost not in RISK_COSTS:
+            raise ValueError(f"risk_cost must be one of {RISK_COSTS}, got {risk_cost!r}")
+        if not is_finite_number(risk_temperature) or risk_temperature <= 0:
+            raise ValueError(f"risk_temperature must be a number > 0, got {risk_temperature!r}")
+        if not is_finite_number(lenpen):
+            raise ValueError(f"lenpen must be a finite number, got {lenpen!r}")
+        if not is_finite_number(max_len_a) or max_len_a < 0 or not is_integer(max_len_b) or max_len_b < 0:
+            raise ValueError(f"max_len_a must be a number >= 0 and max_len_b an integer >= 0, got {max_len_a!r} "
+                             f"and {max_len_b!r}")
+        self.beam_loss, self.risk_cost, self.risk_temperature = beam_loss, risk_cost, float(risk_temperature)
+        self.lenpen, self.max_len_a, self.max_len_b = float(lenpen), float(max_len_a), int(max_len_b)
+        self.eos, self.search_pad = (_eos_and_search_pad(model, search_pad) if beam_loss == "risk"
+                                     else (None, None))
         self.decoder = self.decoder_class(model)
         self.config = config if config is not None else default_config(teacher_forcing_ratio)
         self.p = teacher_forcing_ratio
@@ -128,18 +188,38 @@ class _BeamSearchLoss:
             context, search_labels = self._search_inputs(outputs, labels)
             self._searching = True
             try:
-                out = beam_search(self.decoder, context, search_labels, pad=IGNORE, bos=self.decoder.bos,
-                                  config=self.config)
+                if self.beam_loss == "risk":
+                    out = beam_search_to_eos(self.decoder, context, search_labels.shape[0], pad=self.search_pad,
+                                             bos=self.decoder.bos, eos=self.eos, lenpen=self.lenpen,
+                                             max_len=self._max_len(context, search_labels), config=self.config)
+                else:
+                    out = beam_search(self.decoder, context, search_labels, pad=IGNORE, bos=self.decoder.bos,
+                                      config=self.config)
             finally:
                 self._searching = False
-            loss = loss + (1.0 - self.p) * gold_token_loss(out, search_labels, IGNORE, self.label_smoothing,
-                                                           lprobs.shape[-1]).loss
+            if self.beam_loss == "risk":  # each sentence's risk once per label token, as the criterion's
+                references = search_labels.masked_fill(search_labels.eq(IGNORE), self.search_pad)
+                risk = risk_loss(out, references, self.eos, self.search_pad, self.risk_temperature, self.risk_cost)
+                beam_term = (risk * search_labels.ne(IGNORE).sum(-1)).sum()
+            else:
+                beam_term = gold_token_loss(out, search_labels, IGNORE, self.label_smoothing, lprobs.shape[-1]).loss
+            loss = loss + (1.0 - self.p) * beam_term
             if out.scale_probe is not None:  # a zero through which a capped selection gradient follows the factor
                 loss = loss + out.scale_probe  # that multiplies the summed loss (the division below, a loss scale)
         return loss / (num_items_in_batch if num_items_in_batch is not None else n_tokens.clamp_min(1))
 
     def _aligned(self, logits: Tensor, labels: Tensor):
         """``(logits, labels)`` position by position: the teacher-forcing term's prediction and target."""
+        raise NotImplementedError
+
+    def _max_len(self, context, search_labels: Tensor) -> int:
+        """The last step of the search until EOS (``max_len_a * L + max_len_b``, :meth:`_length_basis`), within
+        the model's positions."""
+        length, positions_left = self._length_basis(context, search_labels)
+        return search_max_len(length, self.max_len_a, self.max_len_b, positions_left)
+
+    def _length_basis(self, context, search_labels: Tensor):
+        """``(L, positions the continuation may use, or None)`` for :meth:`_max_len`."""
         raise NotImplementedError
 
     def _search_inputs(self, outputs, labels: Tensor):
@@ -155,6 +235,9 @@ class Seq2SeqBeamSearchLoss(_BeamSearchLoss):
 
     def _aligned(self, logits: Tensor, labels: Tensor):
         return logits, labels
+
+    def _length_basis(self, context, search_labels: Tensor):
+        return context["hidden"].shape[1], getattr(self.decoder.model.config, "max_position_embeddings", None)
 
     def _search_inputs(self, outputs, labels: Tensor):
         hidden = outputs.encoder_last_hidden_state
@@ -178,6 +261,10 @@ class CausalLMBeamSearchLoss(_BeamSearchLoss):
 
     def _search_inputs(self, outputs, labels: Tensor):
         return self.prompts_and_continuations(labels)
+
+    def _length_basis(self, context, search_labels: Tensor):
+        positions = getattr(self.decoder.model.config, "max_position_embeddings", None)
+        return search_labels.shape[1], None if positions is None else positions - context["ids"].shape[1] + 1
 
     def prompts_and_continuations(self, labels: Tensor):
         """Each row's prompt (its attended tokens before the first label; left-padded, as the search takes them)
