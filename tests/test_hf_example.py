@@ -2,6 +2,7 @@
 written, a rerun trains nothing again, and bad data is named."""
 
 import json
+import shutil
 
 import pytest
 
@@ -51,6 +52,16 @@ def test_every_stage_runs_and_a_rerun_trains_nothing_again(tmp_path, capsys):
     assert len(stamps) == 2
     assert example.main(["--data", str(data), "--out", str(out), *ARGS]) == 0
     assert {p: p.stat().st_mtime_ns for p in out.rglob("model.safetensors")} == stamps
+    # minimum risk from the same teacher-forcing model: only the fine-tuning stage runs
+    risk_out = tmp_path / "risk"
+    shutil.copytree(out / "teacher_forcing", risk_out / "teacher_forcing")
+    (risk_out / "results.json").write_text(json.dumps({key: results[key] for key in ("teacher_forcing",
+                                                                                    "bleu_before")}))
+    assert example.main(["--data", str(data), "--out", str(risk_out), *ARGS, "--beam-loss", "risk",
+                         "--teacher-forcing-ratio", "0.5"]) == 0
+    risk = json.loads((risk_out / "results.json").read_text())
+    assert risk["soft_beam_search"]["args"]["beam_loss"] == "risk" and risk["soft_beam_search"]["log"][-1]["step"] == 2
+    assert risk["bleu_after"]["n_sentences"] == 6 and "teacher_forcing" in risk
 
 
 def test_bad_data_is_named(tmp_path):
