@@ -348,7 +348,8 @@ def test_a_causal_lm_risk_term_continues_the_prompts_until_eos():
     continuations = [_hypothesis(finished, 0, 1), [13, 14, 15, 1]]
     assert 0 not in sum(continuations, [])
     L = max(len(p) + len(c) for p, c in zip(prompts, continuations))
-    ids, mask, labels = torch.zeros(2, L, dtype=torch.long), torch.zeros(2, L, dtype=torch.long), torch.full((2, L), -100)
+    ids, labels = torch.zeros(2, L, dtype=torch.long), torch.full((2, L), -100)
+    mask = torch.zeros_like(ids)
     for b, (prompt, cont) in enumerate(zip(prompts, continuations)):  # right-padded, as a collator makes them
         ids[b, :len(prompt) + len(cont)] = torch.tensor(prompt + cont)
         mask[b, :len(prompt) + len(cont)] = 1

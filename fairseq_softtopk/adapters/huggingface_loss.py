@@ -8,8 +8,10 @@ risk instead (the criterion's ``--beam-loss risk``): the expected cost (``1 - BL
 of the hypotheses of a search that decodes as ``generate`` does, until EOS
 (:func:`fairseq_softtopk.search.beam_search_to_eos`, :func:`~fairseq_softtopk.search.risk_loss`), each sentence's risk
 counted once per label token. On Multi30k, risk with the cost in BLEU points and ``p = 0.5`` (Edunov et al. 2018's
-setting) is the setting measured to gain over continued teacher forcing. A forward pre-hook on the model records the inputs
-of its teacher-forced call (the search's own calls are not recorded):
+setting) is the setting measured to gain over continued teacher forcing.
+
+A forward pre-hook on the model records the inputs of its teacher-forced call (the search's own calls are not
+recorded):
 
 * :class:`Seq2SeqBeamSearchLoss` (encoder-decoders): the search reuses the encoder output of that call
   (``outputs.encoder_last_hidden_state``: both terms train the encoder) and its attention mask; the batches need
@@ -33,12 +35,11 @@ import torch
 from torch import Tensor
 
 from ..modules.beam_search_config import BeamSearchConfig
-from ..modules.search_input_checks import check_config
-from ..number_checks import is_finite_number
-from ..modules.search_losses import gold_token_loss, smoothed_nll
 from ..modules.beam_search_to_eos import search_max_len
+from ..modules.search_input_checks import check_config
+from ..modules.search_losses import gold_token_loss, smoothed_nll
 from ..modules.sequence_risk import RISK_COSTS
-from ..number_checks import is_integer
+from ..number_checks import is_finite_number, is_integer
 from ..search import beam_search, beam_search_to_eos, risk_loss
 from .huggingface import CausalLMSearchDecoder, Seq2SeqSearchDecoder
 
@@ -62,7 +63,7 @@ def _padding_id(model) -> Optional[int]:
     then), or with an id of its EOS list."""
     config = getattr(model, "config", None)
     pad, eos = getattr(config, "pad_token_id", None), getattr(config, "eos_token_id", None)
-    if not isinstance(pad, int) or pad == eos or (isinstance(eos, (list, tuple)) and pad in eos):
+    if not is_integer(pad) or pad == eos or (isinstance(eos, (list, tuple)) and pad in eos):
         return None
     return pad
 
