@@ -269,12 +269,16 @@ def test_trainer_trains_a_causal_lm_with_the_soft_beam_search_loss(tmp_path):
 
 def test_labels_padded_with_the_pad_id_are_refused():
     """Labels padded with the tokenizer's pad id (not -100) would train the model to emit padding: refused, naming
-    the fix; a model whose pad is its EOS (a label then) takes them."""
+    the fix; the pad id inside a row, and a model whose pad is its EOS (a label then), are taken."""
     model = tiny("marian")  # pad 0, EOS 1
     inputs, labels = _batch(model)
     loss_fn = Seq2SeqBeamSearchLoss(model, teacher_forcing_ratio=1.0)
-    with pytest.raises(ValueError, match="pad id 0: pad labels with -100"):
+    with pytest.raises(ValueError, match="padded with the model's pad id 0: pad labels with -100"):
         loss_fn(model(**inputs), labels.masked_fill(labels == -100, 0))
+    # the pad id inside a row is a label (a model that pads with its unknown token)
+    inside = labels.clone()
+    inside[0, 1] = 0
+    assert torch.isfinite(loss_fn(model(**inputs), inside))
     loss_fn.remove()
     model.config.pad_token_id = model.config.eos_token_id
     loss_fn = Seq2SeqBeamSearchLoss(model, teacher_forcing_ratio=1.0)

@@ -175,8 +175,10 @@ class _BeamSearchLoss:
         if logits.shape[:2] != labels.shape:
             raise ValueError(f"the outputs' logits are {tuple(logits.shape)} but the labels {tuple(labels.shape)}"
                              f"{self.shape_hint}")
-        if self._pad_id is not None and bool(labels.eq(self._pad_id).any()):
-            raise ValueError(f"the labels hold the model's pad id {self._pad_id}: pad labels with -100 "
+        # a row that ends with the pad id was padded with it (a pad id inside a row can be a label: some models
+        # pad with their unknown token)
+        if self._pad_id is not None and bool(labels[:, -1].eq(self._pad_id).any()):
+            raise ValueError(f"the labels are padded with the model's pad id {self._pad_id}: pad labels with -100 "
                              "(DataCollatorForSeq2Seq does, with its default label_pad_token_id), or they train "
                              "the model to emit padding")
         logits, targets = self._aligned(logits, labels)
