@@ -234,6 +234,12 @@ def test_numpy_scalars_give_the_python_numbers_result(op, strength, monkeypatch)
     assert set(seen) == {(int, float)} and len(seen) == 4
     with pytest.raises(ValueError, match="k must be an integer >= 1, got " + re.escape(repr(np.True_))):
         op(x, np.True_, **{strength: 0.3})
+    # dim too (it was refused: Python ints only); a bool still is
+    columns = x.reshape(2, 3).T.contiguous()
+    torch.testing.assert_close(op(columns, 2, dim=np.int64(0), **{strength: 0.3}),
+                               op(columns, 2, dim=0, **{strength: 0.3}), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="dim must be an integer"):
+        op(columns, 2, dim=np.True_, **{strength: 0.3})
 
 
 def test_bad_scores_raise():

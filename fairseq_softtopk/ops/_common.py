@@ -106,7 +106,7 @@ def check_inputs(scores: Tensor, k: int, epsilon: float, mask: Optional[Tensor],
 
     Returns:
         ``(k, epsilon, tol, max_iter)`` as Python ``int``/``float`` (numpy scalars, as a sweep over
-        ``np.linspace`` gives them, are accepted and converted).
+        ``np.linspace`` gives them, are accepted and converted; a numpy ``dim`` too: the callers take ``int(dim)``).
     """
     if not isinstance(scores, Tensor):
         raise ValueError(f"scores must be a torch.Tensor, got {type(scores).__name__}")
@@ -114,7 +114,7 @@ def check_inputs(scores: Tensor, k: int, epsilon: float, mask: Optional[Tensor],
         raise ValueError(f"scores must have a floating dtype, got {scores.dtype}")
     if scores.dim() == 0:
         raise ValueError("scores must have at least one dimension, got a scalar")
-    if isinstance(dim, bool) or not isinstance(dim, int) or not -scores.dim() <= dim < scores.dim():
+    if not is_integer(dim) or not -scores.dim() <= dim < scores.dim():
         raise ValueError(f"dim must be an integer in [{-scores.dim()}, {scores.dim() - 1}] for scores of shape "
                          f"{tuple(scores.shape)}, got {dim!r}")
     if scores.shape[dim] == 0:

@@ -183,6 +183,7 @@ def soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = True, ep
         tensor([1.0000, 0.0067, 0.9933, 0.0000])
     """
     k, epsilon, tol, max_iter = check_inputs(scores, k, epsilon, mask, cost, tol, max_iter, dim, largest)
+    dim = int(dim)
     kernel = False
     if backend != "torch":  # the default pays nothing for the option
         check_backend(backend)

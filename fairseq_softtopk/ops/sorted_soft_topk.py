@@ -150,6 +150,7 @@ def sorted_soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = T
         all the same. Python's default filter shows it once per call site.
     """
     k, epsilon, tol, max_iter = check_inputs(scores, k, epsilon, mask, cost, tol, max_iter, dim, largest)
+    dim = int(dim)
     kernel = False
     if backend != "torch":  # the default pays nothing for the option
         check_backend(backend)

@@ -135,6 +135,7 @@ def sorted_sparse_soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: b
     check_regularization(regularization, 2)
     k, regularization, tol, max_iter = check_inputs(scores, k, regularization, mask, "linear", tol, max_iter, dim,
                                                     largest)
+    dim = int(dim)
     kernel = not hard and _use_kernel(backend, scores, scores.shape[dim], k, "sorted_sparse_soft_topk")
     with torch.profiler.record_function("softtopk::sorted_sparse_soft_topk"):
         # the rows in units of lambda with the gaps that cannot matter capped (.sparse_rows)

@@ -147,6 +147,7 @@ def sparse_soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = T
     """
     check_regularization(regularization, p)
     k, regularization, _, _ = check_inputs(scores, k, regularization, mask, "linear", 1.0, 1, dim, largest)
+    dim = int(dim)
     kernel = False
     if backend != "torch":  # the default pays nothing for the option
         check_backend(backend)
