@@ -178,3 +178,23 @@ def test_a_bad_placeholder_is_refused_before_anything_is_written(tmp_path, spec,
         publish_main(["--placeholder", spec, str(tmp_path / "run"), str(tmp_path / "published")])
     assert stop.value.code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "published").exists()
+
+
+def test_the_long_protocol_hard_risk_rows_are_the_recorded_scores(repo_root):
+    """results/multi30k_long_finetune's hard_risk table: per seed, test2016 (lenpen chosen on valid), test at lenpen
+    1.0 and valid BLEU of tf / soft_risk / hard_risk as the runs' records scored them, and the test difference."""
+    import re
+
+    readme = (repo_root / "results" / "multi30k_long_finetune" / "README.md").read_text(encoding="utf-8")
+    records = repo_root / "records" / "multi30k_long_finetune"
+    rows = {int(m.group(1)): m.group(2) for m in re.finditer(r"^\| (\d) \| (\d.*)$", readme, re.M)}
+    assert sorted(rows) == [1, 2]
+    for seed, row in rows.items():
+        cells = [cell.strip() for cell in row.strip(" |").split("|")]
+        scores = {arm: json.loads(gzip.decompress((records / f"seed{seed}" / arm / "eval.json.gz").read_bytes()))
+                  ["subsets"] for arm in ("tf", "soft_risk", "hard_risk")}
+        for cell, read in zip(cells[:3], (lambda s: s["test"]["bleu"], lambda s: s["test"]["at_lenpen"]["1.0"]["bleu"],
+                                           lambda s: s["valid"]["bleu"])):
+            assert cell == " / ".join(f"{read(scores[arm]):.2f}" for arm in ("tf", "soft_risk", "hard_risk")), cell
+        delta = scores["hard_risk"]["test"]["bleu"] - scores["soft_risk"]["test"]["bleu"]
+        assert cells[3].startswith(f"{delta:+.2f} ("), cells[3]
