@@ -9,7 +9,8 @@ import shutil
 from pathlib import Path
 from typing import Sequence
 
-from data_prep.text import LineFn, map_lines
+from data_prep.text import map_lines
+from fairseq_softtopk.experiments.source_segmentation import sentencepiece_encoder, subword_nmt_encoder
 
 logger = logging.getLogger("data_prep")
 
@@ -72,23 +73,6 @@ def learn_bpe(kind: str, inputs: Sequence[Path], outputs: Sequence[Path], size: 
     else:
         raise ValueError(f"unknown BPE kind {kind!r}; choose one of {', '.join(BPE_KINDS)}")
     logger.info("learnt %s BPE (size %d) on %s", kind, size, ", ".join(map(str, inputs)))
-
-
-def subword_nmt_encoder(codes: str) -> LineFn:
-    """``apply_bpe.py -c codes`` for one line."""
-    from subword_nmt.apply_bpe import BPE
-
-    with open(codes, encoding="utf-8") as f:
-        bpe = BPE(f)
-    return bpe.process_line
-
-
-def sentencepiece_encoder(model: str) -> LineFn:
-    """Pieces of one line, joined by spaces."""
-    import sentencepiece as spm
-
-    processor = spm.SentencePieceProcessor(model_file=model)
-    return lambda line: " ".join(processor.encode(line, out_type=str))
 
 
 def apply_bpe(kind: str, model: Path, src: Path, dst: Path, workers: int) -> int:

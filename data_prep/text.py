@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator, List, Sequence, Tuple
 
 from data_prep.state import PrepError, check_same_line_count, count_lines
+from fairseq_softtopk.experiments.source_segmentation import moses_line_tokenizer
 
 logger = logging.getLogger("data_prep")
 
@@ -86,21 +87,6 @@ def map_lines(src: Path, dst: Path, factory: Callable[..., LineFn], args: tuple,
     if written != total:
         raise RuntimeError(f"{dst} has {written} lines, {src} has {total}")
     return total
-
-
-def moses_line_tokenizer(lang: str) -> LineFn:
-    """Moses ``normalize-punctuation.perl`` + ``remove-non-printing-char.perl`` +
-    ``tokenizer.perl -a -l LANG`` (aggressive dash splitting, HTML escaping), from sacremoses."""
-    from sacremoses import MosesPunctNormalizer, MosesTokenizer
-
-    normalizer = MosesPunctNormalizer(lang=lang, post_remove_control_chars=True)
-    tokenizer = MosesTokenizer(lang=lang)
-
-    def tokenize(line: str) -> str:
-        return tokenizer.tokenize(normalizer.normalize(line), aggressive_dash_splits=True,
-                                  return_str=True, escape=True)
-
-    return tokenize
 
 
 def tokenize_file(src: Path, dst: Path, lang: str, workers: int, desc: str = "") -> dict:

@@ -830,3 +830,64 @@ def test_bleu_command_passes_the_length_penalty_to_fairseq_generate(tmp_path, mo
     assert "--lenpen" in with_penalty and with_penalty[with_penalty.index("--lenpen") + 1] == "0.6"
     assert "--lenpen" not in without
     assert "chrF 100.00" in capsys.readouterr().out  # the hypothesis is scored (too short for 4-gram BLEU)
+
+
+@pytest.mark.slow
+def test_translate_sources_decode_with_each_runs_scored_checkpoint_and_are_recorded(micro, tmp_path, monkeypatch):
+    """--translate-sources: every finished run's scored checkpoint translates each NAME.SRC(.gz) of the directory
+    as it decoded the test set (the toy corpus is binarised from its raw text, so the segmenter is the identity
+    here: a source equal to the raw test set is translated to the run's test.hyp, line for line); a rerun
+    translates nothing again; the translations go into the records and come back with them; a run restored
+    without checkpoints keeps its translations."""
+    import shutil
+
+    from fairseq_softtopk.experiments import source_segmentation, source_translation
+
+    root, config, before = micro
+    work = tmp_path / "work"
+    shutil.copytree(root / "work", work)
+    sources = tmp_path / "heldout"
+    sources.mkdir()
+    test_lines = (root / "raw" / "test.src").read_text(encoding="utf-8").splitlines()
+    (sources / "copy_of_test.src").write_text("\n".join(test_lines) + "\n", encoding="utf-8")
+    (sources / "first_five.src.gz").write_bytes(gzip.compress(("\n".join(test_lines[:5]) + "\n").encode()))
+    (sources / "notes.txt").write_text("not a source\n")
+    monkeypatch.setattr(source_segmentation, "corpus_segmenter", lambda bpe_dir, lang: lambda line: line)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    with pytest.raises(ValueError, match="pass --data-dir"):
+        run_ablation(config, root / "bin", work, ref_dir=root / "raw", translate_sources=sources)
+    with pytest.raises(FileNotFoundError, match=r"holds no NAME.src or NAME.src.gz"):
+        run_ablation(config, root / "bin", work, ref_dir=root / "raw", translate_sources=tmp_path, bpe_dir=tmp_path)
+    assert not list(work.rglob("translations.json"))  # refused before any run
+    results = run_ablation(config, root / "bin", work, ref_dir=root / "raw", bootstrap_samples=200,
+                           translate_sources=sources, bpe_dir=tmp_path)
+    assert results["scores"] == before["scores"]
+    for run in ("pretrain", *(f"seed1/{arm}" for arm in ARMS)):
+        run_dir = work / run
+        hypotheses = (run_dir / "test.hyp").read_text(encoding="utf-8").splitlines()
+        assert len(hypotheses) == len(test_lines) == 30
+        assert (run_dir / "translations" / "copy_of_test.tgt").read_text(encoding="utf-8").splitlines() == hypotheses
+        assert (run_dir / "translations" / "first_five.tgt").read_text(encoding="utf-8").splitlines() == hypotheses[:5]
+        record = json.loads((run_dir / "translations.json").read_text())
+        assert sorted(record) == ["copy_of_test", "first_five"] and record["first_five"]["lines"] == 5
+        assert record["copy_of_test"]["checkpoint_sha256"] == checkpoint_digest(run_dir / "checkpoint_last.pt")
+    stamp = (work / "seed1" / "soft" / "translations" / "copy_of_test.tgt").stat().st_mtime_ns
+    translated = []
+    monkeypatch.setattr(source_translation, "translate_lines", lambda *args, **kwargs: translated.append(args))
+    run_ablation(config, root / "bin", work, ref_dir=root / "raw", bootstrap_samples=200,
+                 translate_sources=sources, bpe_dir=tmp_path)
+    assert translated == [] and \
+        (work / "seed1" / "soft" / "translations" / "copy_of_test.tgt").stat().st_mtime_ns == stamp
+
+    records = tmp_path / "records"
+    run_records.save_records(work, records)
+    assert (records / "seed1" / "hard" / "translations" / "first_five.tgt.gz").is_file()
+    elsewhere = tmp_path / "elsewhere"
+    run_records.restore_records(records, elsewhere, root / "bin", root / "raw")
+    for name in ("copy_of_test.tgt", "first_five.tgt"):
+        assert (elsewhere / "seed1" / "hard" / "translations" / name).read_bytes() == \
+            (work / "seed1" / "hard" / "translations" / name).read_bytes()
+    run_ablation(config, root / "bin", elsewhere, ref_dir=root / "raw", bootstrap_samples=200,
+                 translate_sources=sources, bpe_dir=tmp_path)  # no checkpoint needed: translated already
+    assert translated == [] and not list(elsewhere.rglob("*.pt"))
+    assert run_records.save_records(elsewhere, records)[0] == []  # the same records

@@ -338,6 +338,40 @@ def test_multi30k_end_to_end(multi30k):
     check_binarised(out, "en", "de", ("train", "valid", "test"))
 
 
+
+@pytest.mark.slow
+def test_a_source_translated_apart_from_the_corpus_is_segmented_and_decoded_as_its_test_split(multi30k, tmp_path):
+    """--translate-sources' path (fairseq_softtopk.experiments.source_translation): the raw English test set,
+    segmented by corpus_segmenter, is the script's BPE'd test set token for token; translated apart from the
+    corpus, it is binarised byte for byte as the script's test split, and a model trained on the corpus
+    (fairseq-train, 3 updates) gives the hypotheses fairseq-generate gives on that split, detokenised as the
+    scoring does."""
+    from conftest import run_fairseq
+    from fairseq_softtopk.experiments.fairseq_commands import PACKAGE_DIR
+    from fairseq_softtopk.experiments.scoring import evaluate_checkpoint
+    from fairseq_softtopk.experiments.source_segmentation import corpus_segmenter
+    from fairseq_softtopk.experiments.source_translation import binarise_source, translate_lines
+
+    out, files, _ = multi30k
+    raw = read_lines(out / "raw" / "test.en")
+    segment = corpus_segmenter(out / "bpe", "en")
+    assert [segment(line) for line in raw] == read_lines(out / "bpe" / "test.en")
+    binarised = binarise_source(raw, segment, out / "bin", ("en", "de"), tmp_path / "bin")
+    for suffix in ("bin", "idx"):
+        assert (binarised / f"test.en-de.en.{suffix}").read_bytes() == (out / "bin" / f"test.en-de.en.{suffix}").read_bytes()
+    run_fairseq("train", [out / "bin", "--user-dir", PACKAGE_DIR, "--arch", "softtopk_lstm_tiny",
+                          "--criterion", "soft_beam_search", "--teacher-forcing-ratio", 1.0, "--optimizer", "adam",
+                          "--lr", 0.01, "--max-update", 3, "--batch-size", 8, "--save-dir", tmp_path,
+                          "--no-epoch-checkpoints", "--num-workers", 0, "--cpu", "--seed", 1])
+    checkpoint = tmp_path / "checkpoint_last.pt"
+    eval_cfg = {"beam": 3, "post_process": "sentencepiece", "detok_lang": "de"}
+    got = translate_lines(checkpoint, out / "bin", raw, segment, ("en", "de"), 3, 1.4, eval_cfg)
+    expected = evaluate_checkpoint(str(out / "bin"), str(checkpoint), str(out / "raw" / "test.de"), beam=3,
+                                   post_process="sentencepiece", detok_lang="de", extra_args=["--lenpen", "1.4"],
+                                   keep_hypotheses=True)["hypotheses"]
+    assert got == expected and len(got) == len(raw) == 12
+
+
 # ---------------------------------------------------------------------------------------------
 # Errors: each stops with a message naming the file, and changes nothing it did not make
 

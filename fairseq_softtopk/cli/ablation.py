@@ -78,6 +78,11 @@ def main(argv=None) -> int:
                         help="fine-tuning runs at the same time (e.g. one per core with OMP_NUM_THREADS=1)")
     parser.add_argument("--quiet", action="store_true",
                         help="print one line per validation instead of fairseq's logs (kept in each train.log)")
+    parser.add_argument("--translate-sources", metavar="DIR",
+                        help="also translate every NAME.SRC (or NAME.SRC.gz) file of DIR, sources without references "
+                             "such as held-out test sets, with each run's scored checkpoint at its chosen length "
+                             "penalty: RUN/translations/NAME.TGT, detokenised, one line a source line; not scored "
+                             "(segmented with DATA_DIR/bpe: needs --data-dir)")
     parser.add_argument("--status", action="store_true",
                         help="print what each run of this command has done (finished with its BLEU, training at "
                              "update N, stopped, not started) and exit; safe beside the running command")
@@ -108,7 +113,9 @@ def main(argv=None) -> int:
             ref_dir = args.ref_dir or (Path(args.data_dir) / "raw" if args.data_dir else None)
             results = run_ablation(config, data_bin, args.work_dir, ref_dir, args.seeds, args.arms, args.pretrained,
                                    args.bootstrap_samples, verbose=not args.quiet, jobs=args.jobs,
-                                   command=command, score_pretrained=args.score_pretrained)
+                                   command=command, score_pretrained=args.score_pretrained,
+                                   translate_sources=args.translate_sources,
+                                   bpe_dir=Path(args.data_dir) / "bpe" if args.data_dir else None)
         except (FileNotFoundError, ValueError, RuntimeError) as error:
             parser.exit(1 if isinstance(error, RuntimeError) else 2, f"{parser.prog}: error: {error}\n")
         except RunStopped as stop:

@@ -185,3 +185,31 @@ def evaluate_pretrained(checkpoint: Path, out_dir: Path, data_bin: Path, ref_dir
     subsets = _score_subsets(checkpoint, out_dir, data_bin, ref_dir, eval_cfg, pair, checkpoint)
     write_json_atomic(cache, {"settings": settings, "sha256": digest, "subsets": subsets})
     return subsets
+
+
+def chosen_lenpen(subsets: Mapping[str, dict]) -> Optional[float]:
+    """The length penalty a run's scores were decoded at where the config chose it on valid (``lenpen_grid``);
+    None where the config's generation flags set it (or leave fairseq's default)."""
+    return next((entry["lenpen"] for entry in subsets.values() if "lenpen" in entry), None)
+
+
+def translate_scored_run(run_dir: Path, subsets: Mapping[str, dict], eval_cfg: Mapping, sources: Mapping[str, Path],
+                         bpe_dir: Path, data_bin: Path, pair: tuple) -> Optional[dict]:
+    """Translates ``sources`` (:func:`.source_translation.source_files`) with the checkpoint a finished run was
+    scored with, at the length penalty it chose (:func:`.source_translation.translate_run`; checked against
+    ``done.json``'s digest first). A run without that checkpoint (restored from records, which keep none) and
+    without its translations is skipped with a warning; returns ``translations.json``'s contents, or None then."""
+    from .source_segmentation import corpus_segmenter
+    from .source_translation import TRANSLATIONS_JSON, translate_run
+
+    name = f"checkpoint_{eval_cfg.get('checkpoint') or 'last'}.pt"
+    if not (run_dir / name).is_file():
+        recorded = run_dir / TRANSLATIONS_JSON
+        if recorded.is_file() and set(json.loads(recorded.read_text())) >= set(sources):
+            return json.loads(recorded.read_text())
+        logger.warning("%s has no %s to translate %s with (a run restored from records?): not translated", run_dir,
+                       name, ", ".join(sources))
+        return None
+    checkpoint = verify_run_checkpoint(run_dir, name)
+    return translate_run(run_dir, checkpoint, checkpoint_digest(checkpoint), chosen_lenpen(subsets), sources,
+                         corpus_segmenter(bpe_dir, pair[0]), data_bin, eval_cfg, pair)

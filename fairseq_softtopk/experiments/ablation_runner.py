@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .ablation_config import check_train_flags, stage_flags
-from .ablation_evaluation import evaluate_pretrained, evaluate_run
+from .ablation_evaluation import evaluate_pretrained, evaluate_run, translate_scored_run
 from .ablation_plot import plot_curves
 from .ablation_report import results_markdown, summarise
 from .ablation_training import read_train_stats, train_run, write_json_atomic
@@ -122,10 +122,26 @@ def check_work_dir(work_dir: Path) -> None:
         raise ValueError(f"work directory {work_dir} is a file: pass a directory (created if missing)")
 
 
+def check_translate_sources(translate_sources, bpe_dir, pair: tuple) -> Dict[str, Path]:
+    """``{NAME: path}`` of the sources to translate (:func:`.source_translation.source_files`; ``{}`` for None),
+    checked before anything trains: the files exist, and the corpus's BPE model to segment them with."""
+    if translate_sources is None:
+        return {}
+    from .source_segmentation import corpus_segmenter
+    from .source_translation import source_files
+
+    if bpe_dir is None:
+        raise ValueError("--translate-sources segments the sources as the corpus was, with DATA_DIR/bpe: "
+                         "pass --data-dir")
+    sources = source_files(Path(translate_sources), pair[0])
+    corpus_segmenter(Path(bpe_dir), pair[0])  # the model is there and loads
+    return sources
+
+
 def run_ablation(config: dict, data_bin, work_dir, ref_dir=None, seeds: Sequence[int] = (1,),
                  arms: Optional[Sequence[str]] = None, pretrained=None, bootstrap_samples: int = 1000,
                  verbose: bool = True, jobs: int = 1, command: Optional[str] = None,
-                 score_pretrained: bool = False) -> dict:
+                 score_pretrained: bool = False, translate_sources=None, bpe_dir=None) -> dict:
     """Pretrains (if needed), trains and evaluates every arm and seed, writes the report. A requested
     arm that cannot train here (:func:`unavailable_arms`) is skipped before anything runs, with a
     warning, and the report names it with the reason.
@@ -144,6 +160,10 @@ def run_ablation(config: dict, data_bin, work_dir, ref_dir=None, seeds: Sequence
         pretrained: use this teacher-forcing checkpoint instead of training ``pretrain``.
         score_pretrained: also score ``pretrained`` (the report's "pretrained" row; scores cached in
             ``work_dir/pretrained``).
+        translate_sources: a directory of source files without references (``NAME.SRC`` or
+            ``NAME.SRC.gz``) that every finished run's scored checkpoint also translates at its chosen
+            length penalty, into ``RUN/translations/NAME.TGT`` (:mod:`.source_translation`); not scored.
+        bpe_dir: the corpus's BPE model (``DATA_DIR/bpe``), with which ``translate_sources`` are segmented.
         verbose: print fairseq's logs (else one line per validation; the logs are kept in
             each run's ``train.log`` either way).
         jobs: fine-tuning runs trained (and evaluated) at the same time, each its own
@@ -168,6 +188,7 @@ def run_ablation(config: dict, data_bin, work_dir, ref_dir=None, seeds: Sequence
         logger.warning("skipping arm(s) %s: %s", ", ".join(a for a, w in skipped.items() if w == why), why)
     if pretrained is not None and not Path(pretrained).is_file():
         raise FileNotFoundError(f"pretrained checkpoint not found: {pretrained}")
+    sources = check_translate_sources(translate_sources, bpe_dir, pair)
 
     def train_and_score(run_dir: Path, flags: dict, finetune_from: Optional[Path], side_by_side: int) -> dict:
         """Trains one run (the cores shared among ``side_by_side`` runs) and scores it."""
@@ -176,8 +197,10 @@ def run_ablation(config: dict, data_bin, work_dir, ref_dir=None, seeds: Sequence
         with run_lock(run_dir), intra_op_threads(_threads_per_run(side_by_side)):
             train = train_run(data_bin, flags, run_dir, finetune_from=finetune_from, verbose=verbose,
                               alone=side_by_side <= 1)
-            return {"train": {**train, **read_train_stats(run_dir / "train.log")},
-                    "eval": evaluate_run(run_dir, data_bin, ref_dir, eval_cfg, pair)}
+            scores = evaluate_run(run_dir, data_bin, ref_dir, eval_cfg, pair)
+            if sources:
+                translate_scored_run(run_dir, scores, eval_cfg, sources, Path(bpe_dir), data_bin, pair)
+            return {"train": {**train, **read_train_stats(run_dir / "train.log")}, "eval": scores}
 
     per_seed, shared_pretrain = _pretraining(config, pretrained)
     start_ckpt = None if config["stage"] != "finetune" else \

@@ -32,10 +32,11 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from .ablation_evaluation import EVAL
 from .ablation_training import DONE, RUN
 from .publish import strip_absolute_paths
+from .source_translation import TRANSLATIONS, TRANSLATIONS_JSON
 
 LOG = "train.log"
-#: the files a finished run is kept by
-RECORDED = (RUN, DONE, EVAL, LOG)
+#: the files a finished run is kept by (with its ``translations/`` where it has them: :func:`_record_texts`)
+RECORDED = (RUN, DONE, EVAL, LOG, TRANSLATIONS_JSON)
 #: what a subset's scores say instead of a reference file where they were scored against the binarised target
 BINARISED_TARGET = "fairseq-generate T- lines (binarised target)"
 
@@ -97,20 +98,30 @@ def _finished_runs(work_dir: Path) -> List[Path]:
     return found
 
 
+def _recorded(name: str) -> bool:
+    """Whether a run's file (its path relative to the run directory) belongs to its record: the
+    :data:`RECORDED` files and the translations of ``--translate-sources`` that ``translations.json`` lists."""
+    return name in RECORDED or (name.startswith(f"{TRANSLATIONS}/") and name.count("/") == 1)
+
+
 def _record_texts(run_dir: Path) -> Dict[str, str]:
-    """``{file name: text as recorded}`` of the :data:`RECORDED` files ``run_dir`` has."""
+    """``{file name: text as recorded}`` of the :data:`RECORDED` files ``run_dir`` has, and of the translations
+    its ``translations.json`` lists (``translations/NAME.TGT``: hypotheses, kept byte for byte)."""
     texts = {}
     for name in RECORDED:
         if (run_dir / name).is_file():
             text = (run_dir / name).read_text(encoding="utf-8", errors="replace")
             texts[name] = _scores_as_recorded(text) if name == EVAL else strip_absolute_paths(text)
+    for entry in json.loads(texts.get(TRANSLATIONS_JSON, "{}")).values():
+        if _recorded(entry["translation"]) and (run_dir / entry["translation"]).is_file():
+            texts[entry["translation"]] = (run_dir / entry["translation"]).read_text(encoding="utf-8")
     return texts
 
 
 def _read_record(record_dir: Path) -> Dict[str, str]:
-    """``{file name: text}`` of a run's record (its ``NAME.gz`` files)."""
-    return {path.name[:-3]: gzip.decompress(path.read_bytes()).decode("utf-8")
-            for path in sorted(record_dir.glob("*.gz")) if path.name[:-3] in RECORDED}
+    """``{file name: text}`` of a run's record (its ``NAME.gz`` files, ``translations/`` included)."""
+    return {path.relative_to(record_dir).as_posix()[:-3]: gzip.decompress(path.read_bytes()).decode("utf-8")
+            for path in sorted(record_dir.rglob("*.gz")) if _recorded(path.relative_to(record_dir).as_posix()[:-3])}
 
 
 def _differing(one: Dict[str, str], other: Dict[str, str]) -> str:
@@ -146,6 +157,7 @@ def save_records(work_dir, records_dir) -> Tuple[List[str], List[str]]:
         tmp.mkdir(parents=True)
         for name, text in texts.items():
             # mtime 0: saving the same run again writes the same bytes
+            (tmp / f"{name}.gz").parent.mkdir(exist_ok=True)
             (tmp / f"{name}.gz").write_bytes(gzip.compress(text.encode("utf-8"), mtime=0))
         tmp.rename(record_dir)
         saved.append(str(rel))
@@ -222,9 +234,11 @@ def restore_records(records_dir, work_dir, data_bin=None, ref_dir=None) -> Tuple
         run_dir.mkdir(parents=True, exist_ok=True)
         # eval.json last: a run directory is finished only once its scores are there
         for name in sorted(texts, key=lambda name: name == EVAL):
-            tmp = run_dir / f".{name}.tmp"
+            target = run_dir / name
+            target.parent.mkdir(exist_ok=True)
+            tmp = target.with_name(f".{target.name}.tmp")
             tmp.write_text(texts[name], encoding="utf-8")
-            tmp.replace(run_dir / name)
+            tmp.replace(target)
         restored.append(str(rel))
     return restored, present
 
