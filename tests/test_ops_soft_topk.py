@@ -139,6 +139,38 @@ def test_mask_and_negative_infinity_equal_truncation(rng):
     torch.testing.assert_close(soft_topk(padded, 3, epsilon=0.2), out.detach())
 
 
+@pytest.mark.parametrize("operator", [soft_topk, sorted_soft_topk, sparse_soft_topk, sorted_sparse_soft_topk])
+@pytest.mark.parametrize("fixed_iterations", [False, True])
+def test_masked_entries_are_ignored_whatever_they_hold(rng, operator, fixed_iterations):
+    """NaN or either infinity where the mask excludes: the values and the gradient are those of finite entries
+    there (the masked entries get no gradient); NaN where the mask keeps an entry is still refused."""
+    x = torch.randn(3, 9, generator=rng, dtype=torch.float64)
+    mask = torch.zeros(3, 9, dtype=torch.bool)
+    mask[:, [1, 5]] = True
+    mask[2, 0] = True
+    if fixed_iterations and operator is sparse_soft_topk:
+        pytest.skip("sparse_soft_topk has no fixed-iteration solver")
+    options = {} if "sparse" in operator.__name__ else {"epsilon": 0.3}
+    if fixed_iterations:
+        options["fixed_iterations"] = True
+    results = []
+    for fill in (0.7, math.nan, math.inf, -math.inf):
+        scores = x.masked_fill(mask, fill).requires_grad_()
+        out = operator(scores, 3, mask=mask, **options)
+        out = out[0] if isinstance(out, tuple) else out
+        (out * torch.arange(out.numel(), dtype=out.dtype).reshape(out.shape)).sum().backward()
+        results.append((out.detach(), scores.grad))
+    for out, grad in results[1:]:
+        torch.testing.assert_close(out, results[0][0], rtol=0, atol=0)
+        torch.testing.assert_close(grad, results[0][1], rtol=0, atol=0)
+    assert bool((results[1][1][mask] == 0).all()) and bool(torch.isfinite(results[1][0]).all())
+    if not fixed_iterations:  # the fixed-iteration solvers never look at the data
+        kept_nan = x.masked_fill(mask, math.nan)
+        kept_nan[0, 2] = math.nan
+        with pytest.raises(ValueError, match="scores contain NaN where the mask keeps them"):
+            operator(kept_nan, 3, mask=mask, **options)  # options hold no fixed_iterations here
+
+
 def test_k_equal_to_valid_count_selects_everything():
     x = torch.tensor([[0.3, -1.0, 2.0, -float("inf")]], requires_grad=True)
     out = soft_topk(x, 3, epsilon=0.1)
@@ -194,6 +226,22 @@ def test_linear_cost_is_translation_invariant(rng):
 def test_bad_arguments_raise(kwargs, message):
     with pytest.raises(ValueError, match=message):
         soft_topk(torch.randn(8), **kwargs)
+
+
+@pytest.mark.parametrize("op, strength", [(soft_topk, "epsilon"), (sorted_soft_topk, "epsilon"),
+                                          (sparse_soft_topk, "regularization"),
+                                          (sorted_sparse_soft_topk, "regularization")])
+def test_number_arguments_given_as_tensors_are_refused_naming_what_to_pass(op, strength):
+    """A tensor k or epsilon (a 0-dim one, or one that requires grad: the operators are not differentiable in it)
+    is refused naming the argument and the conversion, not as "must be a finite number" of its repr."""
+    scores = torch.randn(8)
+    with pytest.raises(ValueError, match=r"k must be a Python or numpy number, got a tensor of shape \(\): "
+                                         r"pass k.item\(\) or int\(k\)"):
+        op(scores, torch.tensor(3), **{strength: 0.5})
+    with pytest.raises(ValueError, match=f"{strength} must be a Python or numpy number, got a tensor of shape "
+                                         rf"\(\) that requires grad: pass {strength}.item\(\) \(the operators are "
+                                         f"not differentiable in {strength}\\)"):
+        op(scores, 3, **{strength: torch.tensor(0.5, requires_grad=True)})
 
 
 @pytest.mark.parametrize("op, strength", [(soft_topk, "epsilon"), (sorted_soft_topk, "epsilon"),

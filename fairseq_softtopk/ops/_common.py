@@ -100,6 +100,15 @@ def working_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype in (torch.float32, torch.float64) else torch.float32
 
 
+def refuse_tensor(name: str, value, convert: str = "item()") -> None:
+    """``ValueError`` where a number argument (``k``, ``epsilon``, ``tol``, ...) is a tensor: the operators take
+    Python or numpy numbers, and are not differentiable in them (a tensor that requires grad would get none)."""
+    if isinstance(value, Tensor):
+        what = f"a tensor of shape {tuple(value.shape)}" + (" that requires grad" if value.requires_grad else "")
+        raise ValueError(f"{name} must be a Python or numpy number, got {what}: pass {name}.{convert} (the operators "
+                         f"are not differentiable in {name})")
+
+
 def check_inputs(scores: Tensor, k: int, epsilon: float, mask: Optional[Tensor], cost: str,
                  tol: float, max_iter: int, dim: int = -1, largest: bool = True) -> Tuple[int, float, float, int]:
     """Raises ``ValueError`` naming the problem for bad arguments (not data-dependent ones).
@@ -110,6 +119,9 @@ def check_inputs(scores: Tensor, k: int, epsilon: float, mask: Optional[Tensor],
     """
     if not isinstance(scores, Tensor):
         raise ValueError(f"scores must be a torch.Tensor, got {type(scores).__name__}")
+    refuse_tensor("k", k, "item() or int(k)")
+    for name, value in (("epsilon", epsilon), ("tol", tol), ("max_iter", max_iter)):
+        refuse_tensor(name, value)
     if not scores.is_floating_point():
         raise ValueError(f"scores must have a floating dtype, got {scores.dtype}")
     if scores.dim() == 0:
@@ -199,19 +211,22 @@ def checked_rows(scores: Tensor, k: int, dim: int, largest: bool,
     x = x.reshape(-1, n).to(working_dtype(scores.dtype))
     # The common case, every score finite, in one reduction: a sum is finite only if no entry is
     # NaN or infinite (if it overflows, the entry-wise checks below decide).
+    excluded = None if mask is None else mask.detach().movedim(dim, -1).reshape(-1, n)
     finite = bool(torch.isfinite(x.sum())) or bool(torch.isfinite(x).all())
     if not finite:
-        if torch.isnan(x).any():
-            raise ValueError("scores contain NaN")
+        # a masked entry is ignored whatever it holds (NaN, either infinity), as the losing infinity is
+        kept = x if excluded is None else x.masked_fill(excluded, 0.0)
+        if torch.isnan(kept).any():
+            raise ValueError("scores contain NaN" + ("" if mask is None else " where the mask keeps them"))
         losing_inf, winning_inf = (-float("inf"), float("inf")) if largest else (float("inf"), -float("inf"))
-        if (x == winning_inf).any():
+        if (kept == winning_inf).any():
             raise ValueError(f"scores contain {winning_inf}; only {losing_inf} (= excluded) is allowed "
                              f"with largest={largest}")
         valid = x != losing_inf
     else:
         valid = torch.ones_like(x, dtype=torch.bool)
-    if mask is not None:
-        valid &= ~mask.detach().movedim(dim, -1).reshape(-1, n)
+    if excluded is not None:
+        valid &= ~excluded
     all_valid = finite and mask is None
     n_valid = torch.full((x.shape[0],), n, device=x.device) if all_valid else valid.sum(-1)
     if x.shape[0] > 0 and int(n_valid.min()) < k:

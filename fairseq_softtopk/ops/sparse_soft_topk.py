@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from ..number_checks import is_positive_number
-from ._common import check_inputs, oriented_rows, restore_shape, threshold_vjp
+from ._common import check_inputs, oriented_rows, refuse_tensor, restore_shape, threshold_vjp
 from .kernels import sparse_soft_topk_op
 from .kernels.backend import check_backend
 from .simplex_projection import capped_cubic_threshold, capped_simplex_threshold
@@ -37,6 +37,7 @@ from .sparse_rows import UNSORTED_GAP_CAP, sparse_rows
 
 def check_regularization(regularization: float, p: float) -> None:
     """Raises ``ValueError`` naming the problem for a bad ``regularization`` or ``p``."""
+    refuse_tensor("regularization", regularization)
     if not is_positive_number(regularization):
         raise ValueError(f"regularization must be a finite number > 0, got {regularization!r}")
     if p not in SUPPORTED_P:
