@@ -19,7 +19,8 @@ def register() -> None:
     """Registers the models and criterions with fairseq, allowlists checkpoint globals and makes a
     refused, damaged or missing checkpoint a plain error (:mod:`.checkpoint_safety`); in fairseq-train, SIGUSR1
     then saves a checkpoint and training goes on (:mod:`.checkpoint_on_signal`); a run resumed in a later epoch
-    gets the training batches of the run never stopped (:mod:`.resumed_batches`). Raises RuntimeError
+    gets the training batches of the run never stopped (:mod:`.resumed_batches`); in fairseq's commands a bad
+    option value is reported in one line (:mod:`.option_error`). Raises RuntimeError
     under a torch older than 2.6, whose ``torch.load`` is not weights-only by default; warns (once per
     process) when ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` turns weights-only loading off. Raises ImportError
     (:class:`.extras.MissingExtraError`) naming the install commands where fairseq or a package it imports is
@@ -41,6 +42,9 @@ def register() -> None:
     resumed_runs_get_the_same_batches()  # a run resumed in a later epoch gets the batches of one never stopped
 
     save_checkpoint_on_signal()  # in fairseq-train only: SIGUSR1 saves checkpoint_last.pt and training goes on
+    from .option_error import install_one_line_report
+
+    install_one_line_report()  # in fairseq's commands only: a bad option value is one line, not a traceback
 
 
 if sys.modules.get("fairseq") is not None:  # loaded as fairseq's --user-dir (or after `import fairseq`)

@@ -21,10 +21,12 @@ import importlib.util
 from typing import Optional, Sequence
 
 from .number_checks import is_finite_number, is_integer
+from .option_error import OptionError
 from .renamed_options import flag
 
 __all__ = ["BACKEND_CHOICES", "EPSILON_RANGE", "check_backend_option", "check_bf16", "check_choice", "check_epsilon",
-           "check_number", "requested_bf16", "requested_cpu"]
+           "check_number", "requested_batch_size", "requested_bf16",
+           "requested_cpu"]
 
 #: the choices of --topk-backend and --attention-topk-backend (the operators' ``backend``)
 BACKEND_CHOICES = ["auto", "torch", "triton"]
@@ -64,7 +66,7 @@ def check_number(name: str, value, low: Optional[float] = None, high: Optional[f
         ok = value < high if high_open else value <= high
     if not ok:
         reason = f" ({why})" if why else ""
-        raise ValueError(f"{flag(name)} must be {_range_text(low, high, low_open, high_open, integer)}{reason}, "
+        raise OptionError(f"{flag(name)} must be {_range_text(low, high, low_open, high_open, integer)}{reason}, "
                          f"got {value!r}")
 
 
@@ -77,14 +79,14 @@ def check_epsilon(name: str, value, allow_zero: str = "") -> None:
         check_number(name, value, low, high)
     except ValueError:
         zero = f"0 ({allow_zero}) or " if allow_zero else ""
-        raise ValueError(f"{flag(name)} must be {zero}a number in [{low:g}, {high:g}] (smaller: a hard selection "
+        raise OptionError(f"{flag(name)} must be {zero}a number in [{low:g}, {high:g}] (smaller: a hard selection "
                          f"already, which floating point then breaks; larger: no selection), got {value!r}") from None
 
 
 def check_choice(name: str, value, choices: Sequence[str]) -> None:
     """Raises ``ValueError`` unless ``str(value)`` is one of ``choices``."""
     if str(value) not in choices:
-        raise ValueError(f"{flag(name)} must be one of {list(choices)}, got {value!r}")
+        raise OptionError(f"{flag(name)} must be one of {list(choices)}, got {value!r}")
 
 
 def requested_bf16(cfg) -> bool:
@@ -112,6 +114,18 @@ def requested_cpu(cfg) -> bool:
     return value is True
 
 
+def requested_batch_size(cfg) -> Optional[int]:
+    """fairseq's ``--batch-size`` (sentences a batch at most) where ``cfg`` has it (``II("dataset.batch_size")``),
+    else None (not given, or an interpolation that cannot be resolved)."""
+    from omegaconf.errors import InterpolationResolutionError
+
+    try:
+        value = getattr(cfg, "batch_size", None)
+    except InterpolationResolutionError:
+        return None
+    return value if is_integer(value) and value > 0 else None
+
+
 def check_backend_option(name: str, value, cpu: bool) -> None:
     """Raises ``ValueError`` unless ``value`` is one of :data:`BACKEND_CHOICES` and can run here: ``triton``
     needs the training on a GPU (not ``--cpu``, and CUDA available) or Triton's interpreter
@@ -131,11 +145,11 @@ def check_backend_option(name: str, value, cpu: bool) -> None:
     interpreted = interpreter_requested()
     if (cpu or not torch.cuda.is_available()) and not interpreted:
         where = "--cpu was given" if cpu else "torch finds no CUDA device"
-        raise ValueError(f"{flag(name)} triton runs the Triton kernels on a GPU (or under TRITON_INTERPRET=1, for "
+        raise OptionError(f"{flag(name)} triton runs the Triton kernels on a GPU (or under TRITON_INTERPRET=1, for "
                          f"tests), but {where}; use {flag(name)} auto or torch, got {str(value)!r}")
     error = triton_import_error()
     if error:
-        raise ValueError(f"{flag(name)} triton needs the triton package (pip install triton), which does not import "
+        raise OptionError(f"{flag(name)} triton needs the triton package (pip install triton), which does not import "
                          f"here ({error}); use {flag(name)} auto or torch, got {str(value)!r}")
 
 
@@ -143,4 +157,4 @@ def check_bf16(bf16: bool) -> None:
     """Refuses ``--bf16`` where torch_xla cannot be imported: fairseq 0.12's ``--bf16`` implies ``--tpu``, and
     its trainer then fails at start-up with an ``AttributeError`` on ``xla_device``."""
     if bf16 and importlib.util.find_spec("torch_xla") is None:
-        raise ValueError(f"--bf16 (or --memory-efficient-bf16) is not available here: {BF16_REASON}")
+        raise OptionError(f"--bf16 (or --memory-efficient-bf16) is not available here: {BF16_REASON}")

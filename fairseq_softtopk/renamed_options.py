@@ -10,6 +10,8 @@ keeps working and is told, with a ``FutureWarning`` (shown by default, unlike
 import warnings
 from typing import Any, Dict, Optional, Sequence
 
+from .option_error import OptionError
+
 #: old field name -> new field name
 RENAMED_OPTIONS: Dict[str, str] = {
     "candidate_pool": "topk_candidate_pool",
@@ -43,9 +45,9 @@ def use_renamed(old: str, old_value: Any, new_value: Any, new_default: Any,
     warnings.warn(f"{flag(old)} is deprecated and will be removed; use {flag(new)} (same meaning)",
                   FutureWarning, stacklevel=3)
     if choices is not None and str(old_value) not in choices:
-        raise ValueError(f"{flag(old)} (deprecated alias of {flag(new)}) must be one of {list(choices)}, "
+        raise OptionError(f"{flag(old)} (deprecated alias of {flag(new)}) must be one of {list(choices)}, "
                          f"got {old_value!r}")
     if new_value != new_default and str(new_value) != str(old_value):
-        raise ValueError(f"{flag(old)} {old_value} and {flag(new)} {new_value} disagree; {flag(old)} is the "
+        raise OptionError(f"{flag(old)} {old_value} and {flag(new)} {new_value} disagree; {flag(old)} is the "
                          f"deprecated name of {flag(new)}: give only {flag(new)}")
     return type(new_default)(old_value) if not isinstance(new_default, str) else str(old_value)

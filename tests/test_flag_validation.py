@@ -237,7 +237,10 @@ def test_fairseq_train_stops_before_any_update_naming_the_flag(toy_data_bin, tmp
                        cwd=tmp_path, check=False)
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"ValueError: --topk-epsilon must be {EPS_RANGE}") and last.endswith("got -1.0"), last
+    # one line, as argparse's errors: no traceback through fairseq's start-up
+    assert last.startswith(f"fairseq-train: error: --topk-epsilon must be {EPS_RANGE}") and last.endswith("got -1.0"), \
+        last
+    assert "Traceback" not in proc.stderr
     output = proc.stdout + proc.stderr
     assert "criterion: SoftBeamSearchCriterion" not in output and "num_updates" not in output  # never trained
     assert not list(tmp_path.rglob("crash.pt")) and not list(tmp_path.rglob("*.pt"))
@@ -264,3 +267,90 @@ def test_the_ablation_check_refuses_a_bad_value_of_the_third_arm_before_anything
         message = str(error.value)
         assert named in message and EPS_RANGE in message and f"{value} {config_path}: {section})" in message, message
         assert not work.exists()  # nothing ran, nothing was written
+
+
+def _memory(monkeypatch, gib: float):
+    """The device memory the selection's check sees, set to ``gib`` GiB."""
+    from fairseq_softtopk.modules import selection_memory
+
+    monkeypatch.setattr(selection_memory, "available_memory", lambda device=None: int(gib * 2 ** 30))
+
+
+def test_a_beam_whose_selection_cannot_fit_in_memory_is_refused_when_built(tmp_path, monkeypatch):
+    """The option check bounds one decoding step's soft selection for a batch of --batch-size sentences (of one
+    without it): 8 sentences of 500 beams over 624 types need at least 1.7 x the float64 plan (8 x 501 x 312,000)
+    and the float32 weights (8 x 312,000 x 500): 20.5 GiB, refused on a machine with 16; the hard ablation, the
+    sparse selection and teacher forcing alone are not refused."""
+    from fairseq_softtopk.modules.selection_memory import soft_selection_bytes
+
+    dictionary = tmp_path / "dicts"
+    dictionary.mkdir()
+    for lang in ("src", "tgt"):  # the toy corpus's size: 620 words and 4 special symbols
+        (dictionary / f"dict.{lang}.txt").write_text("".join(f"w{i} 1\n" for i in range(620)))
+    expected = 1.7 * 8 * 8 * 501 * 500 * 624 + 4 * 8 * 500 * 624 * 500
+    assert soft_selection_bytes(8, 500, 624) == int(expected)
+    _memory(monkeypatch, 16)
+    with pytest.raises(ValueError, match=r"^--train-beam 500 needs at least 20.5 GiB for one decoding step's soft "
+                                         r"selection of 8 sentences .* more than the 16.0 GiB the CPU has available: "
+                                         r"lower --train-beam or --batch-size$"):
+        build_with(dictionary, S, "--train-beam 500 --batch-size 8".split())
+    with pytest.raises(ValueError, match=r"^--train-beam 500 needs at least 2.6 GiB .* of 1 sentence .* lower "
+                                         r"--train-beam$"):
+        _memory(monkeypatch, 2)
+        build_with(dictionary, S, "--train-beam 500 --max-tokens 1000".split())
+    _memory(monkeypatch, 16)
+    for fine in ("--train-beam 500 --batch-size 6", "--train-beam 500 --batch-size 8 --topk-mode hard",
+                 "--train-beam 500 --batch-size 8 --topk-regularizer quadratic",
+                 "--train-beam 500 --batch-size 8 --teacher-forcing-ratio 1.0", "--train-beam 500 --max-tokens 1000"):
+        build_with(dictionary, S, fine.split())
+
+
+def build_with(data_dir, component: str, flags):
+    """:func:`build` with another dictionary size."""
+    from fairseq import options, tasks
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+    argv = [str(data_dir), "--user-dir", USER_DIR, "--task", "translation", "--source-lang", "src",
+            "--target-lang", "tgt", "--cpu", "--arch", "softtopk_lstm_tiny", "--criterion", component, *flags]
+    cfg = convert_namespace_to_omegaconf(options.parse_args_and_arch(options.get_training_parser(), argv))
+    task = tasks.setup_task(cfg.task)
+    return task.build_criterion(cfg.criterion)
+
+
+def test_a_batch_whose_selection_cannot_fit_in_memory_stops_before_its_search(monkeypatch):
+    """--max-tokens batches: the criterion checks each batch's own sentence count before the search, naming
+    --train-beam and the batch options; a batch that fits trains."""
+    import torch
+    from fairseq.data import Dictionary
+
+    from builders import build_criterion, build_model, make_sample
+
+    dictionary = Dictionary()
+    for i in range(620):
+        dictionary.add_symbol(f"w{i}")
+    criterion = build_criterion(dictionary, train_beam=200, teacher_forcing_ratio=0.5)
+    model = build_model(dictionary, dtype=torch.float32)
+    rng = torch.Generator().manual_seed(0)
+    _memory(monkeypatch, 1)
+    with pytest.raises(ValueError, match=r"^--train-beam 200 needs at least 1.6 GiB .* of 4 sentences .*, in a "
+                                         r"batch of this size: lower --train-beam, or the batch \(--max-tokens, "
+                                         r"--batch-size\)$"):
+        criterion(model, make_sample(dictionary, rng, [3, 2, 3, 2]))
+    loss, _, _ = criterion(model, make_sample(dictionary, rng, [3, 2]))  # 0.8 GiB
+    assert torch.isfinite(loss)
+
+
+def test_fairseq_train_refuses_a_beam_that_cannot_fit_in_one_line(toy_data_bin, tmp_path):
+    """The toy corpus (624 types) at --train-beam 600 and 64 sentences a batch: at least 236 GiB a step, refused
+    before the first update in one line (it was the kernel's out-of-memory kill, without a word)."""
+    from fairseq_softtopk.modules.selection_memory import available_memory, soft_selection_bytes
+
+    if available_memory() > soft_selection_bytes(64, 600, 624):
+        pytest.skip("this machine has the memory such a beam needs")
+    proc = run_fairseq("train", [str(toy_data_bin[1]), "--user-dir", USER_DIR, "--arch", "softtopk_lstm_tiny",
+                                 "--criterion", "soft_beam_search", "--train-beam", "600", "--optimizer", "adam",
+                                 "--lr", "0.01", "--batch-size", "64", "--max-update", "2", "--cpu",
+                                 "--save-dir", str(tmp_path / "save"), "--num-workers", "0"], cwd=tmp_path, check=False)
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("fairseq-train: error: --train-beam 600 needs at least 236.0 GiB") and "Traceback" not in proc.stderr

@@ -14,8 +14,9 @@ from typing import Optional
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from omegaconf import II
 
+from ..option_error import OptionError
 from ..option_checks import (BACKEND_CHOICES, check_backend_option, check_bf16, check_choice, check_epsilon,
-                             check_number, requested_bf16, requested_cpu)
+                             check_number, requested_batch_size, requested_bf16, requested_cpu)
 from ..renamed_options import alias_metadata, flag, use_renamed
 
 #: the choices of --topk-grad
@@ -110,6 +111,7 @@ class SoftBeamSearchConfig(FairseqDataclass):
     sentence_avg: bool = II("optimization.sentence_avg")
     bf16: bool = II("common.bf16")  # refused without torch_xla (option_checks.check_bf16)
     cpu: bool = II("common.cpu")  # --topk-backend triton is refused with --cpu (option_checks.check_backend_option)
+    batch_size: Optional[int] = II("dataset.batch_size")  # the beams' memory is bounded per batch (_check_memory)
 
 
 #: the criterion's option names (the fields of SoftBeamSearchConfig)
@@ -125,8 +127,10 @@ def resolve_renamed(options) -> SimpleNamespace:
         ValueError: an old and a new name that disagree, or an old value outside the choices.
     """
     defaults = {f.name: f.default for f in dataclasses.fields(SoftBeamSearchConfig)}
-    values = {name: getattr(options, name, defaults[name]) for name in OPTION_NAMES if name not in ("bf16", "cpu")}
+    values = {name: getattr(options, name, defaults[name]) for name in OPTION_NAMES
+              if name not in ("bf16", "cpu", "batch_size")}
     values["bf16"], values["cpu"] = requested_bf16(options), requested_cpu(options)
+    values["batch_size"] = requested_batch_size(options)
     given_as = {}  # new name -> the deprecated one it was given as (named in the errors)
     for old, new, choices in (("candidate_pool", "topk_candidate_pool", None),
                               ("selection_grad", "topk_grad", TOPK_GRAD_CHOICES),
@@ -160,7 +164,7 @@ def check_soft_beam_search_options(options: SimpleNamespace, vocab_size: Optiona
                     if str(error).startswith(flag(new) + " ")), None)
         if old is None:
             raise
-        raise ValueError(f"{error} (given as {flag(old)}, its deprecated name)") from None
+        raise OptionError(f"{error} (given as {flag(old)}, its deprecated name)") from None
 
 
 def _check_options(o: SimpleNamespace, vocab_size: Optional[int]) -> None:
@@ -186,6 +190,25 @@ def _check_options(o: SimpleNamespace, vocab_size: Optional[int]) -> None:
     check_number("topk_epsilon_anneal_updates", o.topk_epsilon_anneal_updates, 0, integer=True)
     check_number("topk_epsilon_relative", o.topk_epsilon_relative, 0.0, why="0 = off")
     _check_combinations(o)
+    if vocab_size is not None:
+        _check_memory(o, vocab_size)
+
+
+def _check_memory(o: SimpleNamespace, vocab_size: int) -> None:
+    """A soft search whose first batch could not select its beams in the device's memory (a batch of
+    ``--batch-size`` sentences, else of one): refused naming ``--train-beam`` and the memory
+    (:mod:`~fairseq_softtopk.modules.selection_memory`; the criterion checks every batch's own size too)."""
+    if o.teacher_forcing_ratio >= 1.0 or str(o.topk_mode) != "soft" or str(o.topk_regularizer) != "entropic":
+        return
+    import torch
+
+    from ..modules.selection_memory import selection_memory_problem
+
+    device = torch.device("cuda" if torch.cuda.is_available() and not o.cpu else "cpu")
+    problem = selection_memory_problem(o.batch_size or 1, o.train_beam, vocab_size, o.topk_candidate_pool, device)
+    if problem:
+        raise OptionError(f"--train-beam {o.train_beam} {problem}: lower --train-beam"
+                          f"{' or --batch-size' if o.batch_size else ''}")
 
 
 def _check_beam(o: SimpleNamespace, vocab_size: Optional[int]) -> None:
@@ -202,7 +225,7 @@ def _check_beam(o: SimpleNamespace, vocab_size: Optional[int]) -> None:
     check_number("train_beam", o.train_beam, 2 if risk else 1, high, integer=True, why="; ".join(why))
     pool = o.topk_candidate_pool
     if isinstance(pool, bool) or not isinstance(pool, int) or (pool != 0 and pool < o.train_beam):
-        raise ValueError(f"--topk-candidate-pool must be 0 (all candidates) or an integer >= --train-beam "
+        raise OptionError(f"--topk-candidate-pool must be 0 (all candidates) or an integer >= --train-beam "
                          f"({o.train_beam}), got {pool!r}")
 
 
@@ -212,7 +235,7 @@ def check_max_len(max_len_a, max_len_b) -> None:
     check_number("beam_max_len_a", max_len_a, 0.0)
     check_number("beam_max_len_b", max_len_b, 0, integer=True)
     if max_len_a + max_len_b < 1:
-        raise ValueError(f"--beam-max-len-a + --beam-max-len-b must be >= 1 (the search ends at int(a * source "
+        raise OptionError(f"--beam-max-len-a + --beam-max-len-b must be >= 1 (the search ends at int(a * source "
                          f"length + b) tokens, which must allow one), got {max_len_a} + {max_len_b}")
 
 
@@ -221,25 +244,25 @@ def _check_combinations(o: SimpleNamespace) -> None:
     mode, cost, regularizer, compiled = str(o.topk_mode), str(o.topk_cost), str(o.topk_regularizer), \
         str(o.topk_compile) != "none"
     if (o.topk_epsilon_start > 0) != (o.topk_epsilon_anneal_updates > 0):
-        raise ValueError("an epsilon schedule needs both --topk-epsilon-start and --topk-epsilon-anneal-updates "
+        raise OptionError("an epsilon schedule needs both --topk-epsilon-start and --topk-epsilon-anneal-updates "
                          f"(got {o.topk_epsilon_start} and {o.topk_epsilon_anneal_updates})")
     if o.topk_epsilon_start > 0 and mode != "soft":
-        raise ValueError("--topk-epsilon-start is an option of --topk-mode soft")
+        raise OptionError("--topk-epsilon-start is an option of --topk-mode soft")
     if o.topk_fixed_iterations and mode != "soft":
-        raise ValueError("--topk-fixed-iterations is an option of --topk-mode soft (hard mode never waits on a "
+        raise OptionError("--topk-fixed-iterations is an option of --topk-mode soft (hard mode never waits on a "
                          "solver)")
     if compiled and not (o.topk_fixed_iterations and mode == "soft"):
-        raise ValueError("--topk-compile needs --topk-fixed-iterations (the default solve reads values on the "
+        raise OptionError("--topk-compile needs --topk-fixed-iterations (the default solve reads values on the "
                          "host, which torch.compile cannot trace whole)")
     if compiled and o.topk_epsilon_start > 0:
-        raise ValueError("--topk-compile does not go with an epsilon schedule (--topk-epsilon-start): every new "
+        raise OptionError("--topk-compile does not go with an epsilon schedule (--topk-epsilon-start): every new "
                          "epsilon would compile the solve again")
     if regularizer == "quadratic" and (mode != "soft" or cost != "linear"):
-        raise ValueError("--topk-regularizer quadratic is an option of --topk-mode soft with --topk-cost linear "
+        raise OptionError("--topk-regularizer quadratic is an option of --topk-mode soft with --topk-cost linear "
                          f"(got --topk-mode {mode} --topk-cost {cost})")
     if regularizer == "quadratic" and compiled:
-        raise ValueError("--topk-compile is not available with --topk-regularizer quadratic (its solve is run "
+        raise OptionError("--topk-compile is not available with --topk-regularizer quadratic (its solve is run "
                          "eagerly, also with --topk-fixed-iterations)")
     if o.topk_epsilon_relative > 0 and (mode != "soft" or cost != "linear"):
-        raise ValueError("--topk-epsilon-relative is an option of --topk-mode soft with --topk-cost linear "
+        raise OptionError("--topk-epsilon-relative is an option of --topk-mode soft with --topk-cost linear "
                          f"(got --topk-mode {mode} --topk-cost {cost})")

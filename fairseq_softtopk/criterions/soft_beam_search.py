@@ -48,6 +48,8 @@ from fairseq.criterions import FairseqCriterion, register_criterion
 
 from ..modules.beam_search_config import annealed_epsilon
 from ..modules.search_losses import gold_token_loss, risk_loss
+from ..modules.selection_memory import selection_memory_problem
+from ..option_error import OptionError
 from .. import search as search_api
 from ._soft_beam_search_config import SoftBeamSearchConfig, check_soft_beam_search_options, resolve_renamed
 from .loss_terms import teacher_forcing_loss, weighted_risk
@@ -65,7 +67,7 @@ class SoftBeamSearchCriterion(FairseqCriterion):
                  candidate_pool=None, selection_grad=None, selection_grad_cap=None, sentence_avg=False,
                  beam_loss="gold", beam_loss_temperature=1.0, beam_lenpen=1.0, beam_max_len_a=1.2, beam_max_len_b=10,
                  topk_regularizer="entropic", topk_backend="auto", beam_risk_cost="bleu", log_term_gnorm_interval=0,
-                 bf16=False, cpu=False):
+                 bf16=False, cpu=False, batch_size=None):
         # the keyword arguments (the config's fields, as build_criterion fills them): no other local exists yet
         given = SimpleNamespace(**{name: value for name, value in locals().items() if name not in ("self", "task")
                                    and not name.startswith("__")})
@@ -93,6 +95,7 @@ class SoftBeamSearchCriterion(FairseqCriterion):
                                                   compile="" if str(o.topk_compile) == "none" else str(o.topk_compile))
         self.p = o.teacher_forcing_ratio
         self.label_smoothing = o.label_smoothing
+        self.vocab_size = len(task.target_dictionary)
         #: set to a list to collect every selection-gradient norm (scripts/diagnostics/diagnose_beam_gradients.py)
         self.record_selection_grads: Optional[List[float]] = None
         self.sentence_avg = o.sentence_avg
@@ -115,6 +118,12 @@ class SoftBeamSearchCriterion(FairseqCriterion):
         search = self.search_config(model)
 
         run_beam = self.p < 1.0
+        if run_beam and search.mode == "soft" and search.regularizer == "entropic":
+            problem = selection_memory_problem(target.size(0), search.beam, self.vocab_size, search.candidate_pool,
+                                               target.device)
+            if problem:
+                raise OptionError(f"--train-beam {search.beam} {problem}, in a batch of this size: lower --train-beam, "
+                                  f"or the batch (--max-tokens, --batch-size)")
         observe = run_beam and search.mode == "soft" and search.selection_grad != "none" and model.training
         stats = None
         if observe:
