@@ -145,7 +145,7 @@ def test_huggingface_example_prints_the_losses_recomputed():
     decoder = Seq2SeqSearchDecoder(model)
     out = beam_search(decoder, decoder.encode(src), labels, pad=-100, bos=decoder.bos,
                       config=BeamSearchConfig(beam=5, mode="soft", epsilon=0.1))
-    soft_loss = -(out.gold_lprobs * mask).sum() / mask.sum()
+    soft_loss = (-(out.gold_lprobs * mask).sum() + out.scale_probe) / mask.sum()  # the cap's unit (the default)
     soft_loss.backward()
     best, best_scores, loss, norm = blocks["soft"]
     assert torch.equal(best, out.tokens[torch.arange(len(src)), out.best_beam])

@@ -207,7 +207,7 @@ def test_soft_search_gradient_matches_finite_differences(family):
     decoder = _decoder(family, model)
     ids, mask = _sources(family)
     labels = _labels([3, 3])
-    config = BeamSearchConfig(beam=2, epsilon=0.5, tol=1e-12, max_iter=200)
+    config = BeamSearchConfig(beam=2, epsilon=0.5, tol=1e-12, max_iter=200, selection_grad="full")
     context = _context(family, decoder, ids, mask)
     if family in SEQ2SEQ:
         def loss(hidden):
