@@ -37,8 +37,13 @@ def search_loss(model, src, labels, mode):
     decoder = Seq2SeqSearchDecoder(model)  # the adapter: embeds tokens, steps the decoder, mixes its cache
     out = beam_search(decoder, decoder.encode(src), labels, pad=-100, bos=decoder.bos,
                       config=BeamSearchConfig(beam=5, mode=mode, epsilon=0.1))
-    # the paper's beam loss: the NLL of the gold tokens along the best final beam, averaged over the label tokens
-    return out, gold_token_loss(out, labels, pad=-100).loss / labels.ne(-100).sum()
+    # the paper's beam loss: the NLL of the gold tokens along the best final beam, averaged over the label tokens;
+    # soft mode adds the scale probe (a zero), through which the selection gradient's cap (the default) counts in
+    # gold-token gradients (BeamSearchConfig(selection_grad="full") for the paper's exact gradient)
+    loss = gold_token_loss(out, labels, pad=-100).loss
+    if out.scale_probe is not None:
+        loss = loss + out.scale_probe
+    return out, loss / labels.ne(-100).sum()
 
 
 def main():

@@ -207,7 +207,7 @@ def test_soft_search_gradient_matches_finite_differences(family):
     decoder = _decoder(family, model)
     ids, mask = _sources(family)
     labels = _labels([3, 3])
-    config = BeamSearchConfig(beam=2, epsilon=0.5, tol=1e-12, max_iter=200)
+    config = BeamSearchConfig(beam=2, epsilon=0.5, tol=1e-12, max_iter=200, selection_grad="full")
     context = _context(family, decoder, ids, mask)
     if family in SEQ2SEQ:
         def loss(hidden):
@@ -253,3 +253,23 @@ def test_a_sliding_window_layer_is_refused():
     cache.layers.append(DynamicSlidingWindowLayer(sliding_window=4))
     with pytest.raises(TypeError, match="layer 0 of the cache is a DynamicSlidingWindowLayer"):
         mix_cache(cache, torch.ones(1, 1, 1), None)
+
+
+@pytest.mark.parametrize("family", ["marian", "t5", "gpt2", "llama"])
+@torch.no_grad()
+def test_the_adapters_pass_the_cache_without_a_deprecation_warning(family, caplog):
+    """transformers 5.24 renamed ``past_key_values`` to ``cache`` (the old name warns that it goes in 5.40): the
+    adapters use the name of the installed version, so a search warns of nothing, neither as a warning nor in
+    transformers' log (tests/test_transformers_versions.py runs this on the lowest and the highest version)."""
+    import logging
+    import warnings
+
+    model = tiny(family)
+    decoder = _decoder(family, model)
+    ids, mask = _sources(family)
+    with warnings.catch_warnings(), caplog.at_level(logging.WARNING, logger="transformers"):
+        warnings.simplefilter("error")
+        out = beam_search(decoder, _context(family, decoder, ids, mask), _labels([3, 2]), pad=-100, bos=decoder.bos,
+                          config=BeamSearchConfig(beam=2))
+    assert out.tokens.shape == (2, 2, 3)
+    assert not [r.getMessage() for r in caplog.records if "past_key_values" in r.getMessage()]

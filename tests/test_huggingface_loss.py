@@ -401,7 +401,66 @@ def test_a_plain_training_loop_lowers_the_risk_loss():
     model = tiny("marian").train()
     inputs, labels = _batch(model)
     labels[0, 4], labels[1, 2] = 1, 1
-    loss_fn = Seq2SeqBeamSearchLoss(model, BeamSearchConfig(beam=3, epsilon=0.1), teacher_forcing_ratio=0.5,
-                                    beam_loss="risk", risk_cost="bleu_points", max_len_b=4)
+    loss_fn = Seq2SeqBeamSearchLoss(model, BeamSearchConfig(beam=3, epsilon=0.1, selection_grad="full"),
+                                    teacher_forcing_ratio=0.5, beam_loss="risk", risk_cost="bleu_points", max_len_b=4)
     losses = _plain_loop_losses(model, inputs, labels, loss_fn)
     assert losses[-1] < 0.8 * losses[0], losses
+
+
+@pytest.mark.parametrize("loss_class, p", [("seq2seq", 1.0), ("seq2seq", 0.0), ("causal", 1.0), ("causal", 0.5)])
+def test_a_label_outside_the_vocabulary_is_named_with_its_row(loss_class, p):
+    """An id >= the vocabulary's size indexed past the logits (a raw "index out of bounds", a device-side assert on
+    CUDA), a negative one other than -100 was read as token 0 by teacher forcing: both refused, naming the id, the
+    vocabulary's size and the row, whatever the loss's weights."""
+    from fairseq_softtopk.adapters.huggingface_loss import CausalLMBeamSearchLoss
+
+    if loss_class == "seq2seq":
+        model = tiny("marian")
+        inputs, labels = _batch(model)
+        loss_fn = Seq2SeqBeamSearchLoss(model, BeamSearchConfig(beam=2, mode="hard"), teacher_forcing_ratio=p)
+    else:
+        model = tiny("gpt2")
+        _, inputs, labels = _causal_batch()
+        loss_fn = CausalLMBeamSearchLoss(model, BeamSearchConfig(beam=2, mode="hard"), teacher_forcing_ratio=p)
+    for bad in (65, 40, -5):
+        wrong = labels.clone()
+        wrong[1, 3] = bad
+        with pytest.raises(ValueError, match=rf"^label {bad} \(row 1, position 3\) is no token id of the model's "
+                                             rf"vocabulary of 40 .*labels must be in \[0, 40\) or -100"):
+            loss_fn(model(**inputs), wrong)
+    assert torch.isfinite(loss_fn(model(**inputs), labels))  # the control: the same batch, valid ids
+
+
+def _reference_beam_term(model, prompt, continuation, config):
+    """The gold-token NLL of the hard search continuing ``prompt`` along ``continuation`` (one row)."""
+    from fairseq_softtopk.adapters.huggingface import CausalLMSearchDecoder
+
+    decoder = CausalLMSearchDecoder(model)
+    ids = torch.tensor([prompt])
+    target = torch.tensor([continuation])
+    out = beam_search(decoder, decoder.prompt(ids), target, pad=-100, bos=decoder.bos, config=config)
+    return gold_token_loss(out, target, pad=-100).loss
+
+
+@torch.no_grad()
+def test_a_causal_lm_row_with_a_masked_span_inside_its_labels_is_refused():
+    """Multi-turn chat rows: labels [-100 x 3, a, b, -100, c] (the model's own turn masked in between). The search
+    continued the prompt with [a, b, c], a sequence that never occurs, whatever the masked token: the beam term did
+    not depend on it. Now refused, naming the rule and what to do; teacher forcing alone (p = 1, no search) takes
+    such rows, and a row with -100 only before and after its labels is searched as before."""
+    from fairseq_softtopk.adapters.huggingface_loss import CausalLMBeamSearchLoss
+
+    model = tiny("gpt2")
+    config = BeamSearchConfig(beam=3, mode="hard")
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 1]])
+    labels = torch.tensor([[-100, -100, -100, 8, 9, -100, 11, 1]])
+    loss_fn = CausalLMBeamSearchLoss(model, config, teacher_forcing_ratio=0.0)
+    with pytest.raises(ValueError, match=r"^row 0 has -100 at position 5, between its labels \(positions 3 to 7\): "
+                                         r".*one contiguous run .*its own row.*teacher_forcing_ratio=1.0"):
+        loss_fn(model(input_ids=ids), labels)
+    teacher = CausalLMBeamSearchLoss(model, config, teacher_forcing_ratio=1.0)
+    assert torch.isfinite(teacher(model(input_ids=ids), labels))
+    # -100 after the run (attended tokens that are not trained): the search follows the run alone
+    tail = torch.tensor([[-100, -100, -100, 8, 9, 10, -100, -100]])
+    expected = _reference_beam_term(model, [5, 6, 7], [8, 9, 10], config) / 3
+    torch.testing.assert_close(loss_fn(model(input_ids=ids), tail), expected)

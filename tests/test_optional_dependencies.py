@@ -74,4 +74,4 @@ def test_the_hugging_face_adapters_name_their_extra_without_transformers(repo_ro
 def test_the_hugging_face_extra_is_declared(repo_root):
     text = (repo_root / "pyproject.toml").read_text()
     dependencies = text.split("dependencies = [", 1)[1].split("]", 1)[0]
-    assert "transformers" not in dependencies and 'hf = ["transformers>=5.23,<6"]' in text
+    assert "transformers" not in dependencies and 'hf = ["transformers>=5.23,<5.40", "accelerate>=1.1"]' in text

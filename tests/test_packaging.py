@@ -294,3 +294,25 @@ def test_setup_venv_installs_and_pins_the_dev_extra():
               if "==" in line and not line.startswith("#")}
     assert wanted - installed == set()
     assert wanted - pinned == set()
+
+
+def test_the_hf_extra_installs_what_the_trainer_example_needs(ops_install, tmp_path):
+    """``pip install "fairseq-softtopk[hf]"`` in the virtualenv of the tests above (the extra of the installed
+    package, with the pinned versions) brings transformers and accelerate (Seq2SeqTrainer raises ImportError
+    without it), and examples/huggingface_trainer.py runs there on the installed package (a copy of the script
+    outside the checkout)."""
+    python, _, _ = ops_install
+    pip_install(python, "-c", str(REPO / "constraints.txt"), "fairseq-softtopk[hf]")
+    versions = installed(python, tmp_path)
+    assert {"transformers", "accelerate"} <= set(versions), sorted(versions)
+    script = tmp_path / "examples" / "huggingface_trainer.py"
+    script.parent.mkdir()
+    shutil.copy2(REPO / "examples" / "huggingface_trainer.py", script)
+    proc = subprocess.run([str(python), "-c", "import runpy, sys, fairseq_softtopk; "
+                           "print('package:', fairseq_softtopk.__file__); runpy.run_path(sys.argv[1], run_name='__main__')",
+                           str(script)], capture_output=True, text=True, cwd=tmp_path,
+                          env={key: value for key, value in clean_env().items() if key != "PYTHONPATH"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    package = re.search(r"^package: (.*)$", proc.stdout, re.M).group(1)
+    assert Path(package).is_relative_to(python.parents[1])
+    assert re.search(r"^generate\(num_beams=4\) after: \d+ of 8 right$", proc.stdout, re.M), proc.stdout

@@ -126,7 +126,7 @@ def test_soft_search_gradient_matches_finite_differences():
     soft selection (implicit gradient of the sorted SOFT top-k) and the mixed inputs and states."""
     decoder = GRUDecoder(seed=1)
     encoder_out, target = _batch([3, 3], seed=5)
-    config = BeamSearchConfig(beam=2, epsilon=0.5, tol=1e-12, max_iter=200)
+    config = BeamSearchConfig(beam=2, epsilon=0.5, tol=1e-12, max_iter=200, selection_grad="full")
 
     def loss(hidden):
         out = beam_search(decoder, {"hidden": hidden}, target, pad=-100, bos=BOS, config=config)
@@ -353,3 +353,107 @@ def test_importing_the_search_api_does_not_import_fairseq():
     code = "import sys, fairseq_softtopk.search; assert 'fairseq' not in sys.modules, 'fairseq imported'"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+class FaultyDecoder(GRUDecoder):
+    """GRUDecoder whose ``step`` goes wrong at step ``at``: log-probabilities too wide, too narrow, with an extra
+    dimension, or with NaN (two entries) or +inf (one) in them."""
+
+    def __init__(self, fault, at=1):
+        super().__init__()
+        self.fault, self.at, self.calls = fault, at, 0
+
+    def step(self, inputs, state, encoder_out):
+        lprobs, state = super().step(inputs, state, encoder_out)
+        t, self.calls = self.calls, self.calls + 1
+        if t == self.at:
+            if self.fault == "wide":
+                lprobs = torch.cat([lprobs, lprobs[:, :2]], -1)
+            elif self.fault == "narrow":
+                lprobs = lprobs[:, :-1]
+            elif self.fault == "unsqueezed":
+                lprobs = lprobs.unsqueeze(1)
+            else:
+                lprobs = lprobs.clone()
+                if self.fault == "nan":
+                    lprobs[0, 3] = lprobs[2, 5] = float("nan")
+                else:
+                    lprobs[1, 4] = float("inf")
+        return lprobs, state
+
+
+SEARCHES = {"soft": dict(), "hard": dict(mode="hard"), "soft_pool": dict(candidate_pool=4),
+            "sparse": dict(regularizer="quadratic")}
+
+
+def _search(decoder, search, to_eos):
+    encoder_out, target = _batch([4, 3])
+    config = BeamSearchConfig(beam=3, **SEARCHES[search])
+    if to_eos:
+        return beam_search_to_eos(decoder, encoder_out, 2, pad=0, bos=BOS, eos=EOS, max_len=5, config=config)
+    return beam_search(decoder, encoder_out, target, pad=-100, bos=BOS, config=config)
+
+
+@pytest.mark.parametrize("to_eos", [False, True])
+@pytest.mark.parametrize("search", SEARCHES)
+@pytest.mark.parametrize("fault, got", [("wide", "(6, 11)"), ("narrow", "(6, 8)"), ("unsqueezed", "(6, 1, 9)")])
+def test_a_step_of_the_wrong_width_is_named(fault, got, search, to_eos):
+    """Log-probabilities wider than the embedding matrix's rows indexed past it (a raw RuntimeError); narrower ones
+    at a later step, or (rows, 1, V), were searched as if they were right, silently: named, with the step."""
+    with pytest.raises(ValueError, match=rf"^decoder.step returned log-probabilities of shape {re.escape(got)} at "
+                                         rf"step 1; the search expects \(6, 9\): \(batch \* beam, V\), V the rows of "
+                                         rf"decoder.embedding_matrix\(\)$"):
+        _search(FaultyDecoder(fault), search, to_eos)
+
+
+@pytest.mark.parametrize("to_eos", [False, True])
+@pytest.mark.parametrize("search", SEARCHES)
+@pytest.mark.parametrize("fault, count", [("nan", 2), ("inf", 1)])
+def test_nan_or_inf_log_probabilities_are_named_with_the_step_and_their_number(fault, count, search, to_eos):
+    """NaN log-probabilities gave a NaN loss (the soft and the hard search: the default one's window left them out
+    of the selection) or the operator's "scores contain NaN", without the step; now one error names both. The
+    control: the same decoder without the fault searches."""
+    with pytest.raises(ValueError, match=rf"^decoder.step returned {count} NaN or \+inf log-probabilities at step 1 "
+                                         r"\(of its \(6, 9\) output\): each must be finite, or -inf"):
+        _search(FaultyDecoder(fault), search, to_eos)
+    assert _search(FaultyDecoder(fault, at=99), search, to_eos) is not None
+
+
+def test_the_step_output_checks_add_no_host_read_to_the_soft_search():
+    """The NaN check of the soft search is the selection operator's own (it reads the scores on the host to check
+    them): no host synchronisation in a decoding step outside the selection, forward or backward."""
+    from fairseq_softtopk.dispatch_count import DispatchCounter
+
+    encoder_out, target = _batch([5, 3, 4])
+    with DispatchCounter() as counter:
+        out = beam_search(GRUDecoder(), encoder_out, target, pad=-100, bos=BOS, config=BeamSearchConfig(beam=3))
+        (gold_token_loss(out, target, pad=-100).loss + out.scale_probe).backward()
+    syncs = counter.by_innermost("syncs")
+    assert syncs["sorted_soft_topk"] >= target.shape[1] and "beam_step" not in syncs and "backward" not in syncs
+    assert syncs["other"] <= 2, syncs  # the target's check before the search
+
+
+def test_the_default_selection_gradient_is_capped_as_the_criterions():
+    """``BeamSearchConfig()`` caps the selection gradient as the fairseq criterion does by default (the exact one
+    reached norms of 1e12 on Multi30k and wrecked the model): the same gradient as ``selection_grad="capped"`` with
+    the criterion's cap, not the paper's exact one, which stays one argument away."""
+    pytest.importorskip("fairseq")
+    import dataclasses
+
+    from fairseq_softtopk.criterions.soft_beam_search import SoftBeamSearchConfig
+
+    criterion = {f.name: f.default for f in dataclasses.fields(SoftBeamSearchConfig)}
+    default = BeamSearchConfig()
+    assert (default.selection_grad, default.selection_grad_cap) == (str(criterion["topk_grad"]),
+                                                                    criterion["topk_grad_cap"]) == ("capped", 0.3)
+    encoder_out, target = _batch([5, 4], seed=4)
+    grads = {}
+    for name, options in {"default": {}, "capped": dict(selection_grad="capped", selection_grad_cap=0.3),
+                          "full": dict(selection_grad="full")}.items():
+        hidden = encoder_out["hidden"].clone().requires_grad_(True)
+        out = beam_search(GRUDecoder(seed=1), {"hidden": hidden}, target, pad=-100, bos=BOS,
+                          config=BeamSearchConfig(beam=3, epsilon=0.05, **options))
+        loss = gold_token_loss(out, target, pad=-100).loss
+        grads[name] = torch.autograd.grad(loss if out.scale_probe is None else loss + out.scale_probe, hidden)[0]
+    assert torch.equal(grads["default"], grads["capped"])
+    assert float((grads["full"] - grads["capped"]).norm()) > 0.01 * float(grads["full"].norm())  # the cap acts

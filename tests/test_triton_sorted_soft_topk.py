@@ -456,7 +456,7 @@ def test_a_beam_search_step_on_the_kernels_selects_as_the_torch_path(rng, fixed_
     for backend in ("torch", "triton"):
         leaf = scores.clone().requires_grad_()
         config = BeamSearchConfig(beam=3, epsilon=0.1, tol=1e-5, max_iter=30, fixed_iterations=fixed_iterations,
-                                  backend=backend)
+                                  backend=backend, selection_grad="full")
         selection = select_beams(leaf, 3, config, leaf.detach().topk(4).values[:, -1:])
         dense = torch.zeros(2, 90, 3, device=DEVICE).scatter_add(
             1, selection.candidates.unsqueeze(-1).expand(-1, -1, 3), selection.weights)

@@ -18,6 +18,7 @@ linear-attention layer holds other state, and the error names it rather than mix
 checkpointing in training mode makes Hugging Face layers drop their cache: it is refused too.
 """
 
+import inspect
 from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
@@ -70,6 +71,9 @@ class _HFSearchDecoder:
             raise ValueError(f"{type(model).__name__} has gradient checkpointing on: in training mode its layers "
                              f"drop the key/value cache the search mixes (model.gradient_checkpointing_disable())")
         self.model = model
+        # the cache's keyword and output field: "cache" from transformers 5.24 (where "past_key_values" warns that
+        # it goes in 5.40), "past_key_values" before
+        self.cache_name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self.embeddings = model.get_input_embeddings()
         pad = model.config.pad_token_id
         self.excluded_tokens = list(excluded_tokens) if excluded_tokens is not None else (
@@ -85,6 +89,12 @@ class _HFSearchDecoder:
 
     def mix_state(self, state, weights: Tensor, order: Optional[Tensor]):
         return mix_cache(state, weights, order)
+
+    def _call(self, cache, **inputs):
+        """``(the model's output, its new cache)`` for a call with ``cache`` (under the transformers version's name)
+        and ``use_cache=True``."""
+        out = self.model(**inputs, **{self.cache_name: cache}, use_cache=True)
+        return out, getattr(out, self.cache_name)
 
     @staticmethod
     def _lprobs(logits: Tensor) -> Tensor:
@@ -121,9 +131,9 @@ class Seq2SeqSearchDecoder(_HFSearchDecoder):
         return None  # the model builds its default cache at the first step
 
     def step(self, inputs: Tensor, state, encoder_out: dict):
-        out = self.model(encoder_outputs=(encoder_out["hidden"],), attention_mask=encoder_out["mask"],
-                         decoder_inputs_embeds=inputs.unsqueeze(1), past_key_values=state, use_cache=True)
-        return self._lprobs(out.logits), out.past_key_values
+        out, cache = self._call(state, encoder_outputs=(encoder_out["hidden"],), attention_mask=encoder_out["mask"],
+                                decoder_inputs_embeds=inputs.unsqueeze(1))
+        return self._lprobs(out.logits), cache
 
 
 class ContinuationState(NamedTuple):
@@ -168,18 +178,17 @@ class CausalLMSearchDecoder(_HFSearchDecoder):
         if ids.shape[1] > 1:
             head = mask[:, :-1]
             positions = (head.cumsum(-1) - 1).clamp_min(0)  # as generate: padding does not shift the positions
-            cache = self.model(input_ids=ids[:, :-1], attention_mask=head, position_ids=positions,
-                               use_cache=True).past_key_values
+            cache = self._call(None, input_ids=ids[:, :-1], attention_mask=head, position_ids=positions)[1]
         return ContinuationState(cache, mask, True)
 
     def step(self, inputs: Tensor, state: ContinuationState, prompt: dict):
         if state.first:
             inputs = self.embed(prompt["ids"][:, -1])
         positions = state.mask.sum(-1, keepdim=True) - 1
-        out = self.model(inputs_embeds=inputs.unsqueeze(1), attention_mask=state.mask, past_key_values=state.cache,
-                         position_ids=positions, use_cache=True)
+        out, cache = self._call(state.cache, inputs_embeds=inputs.unsqueeze(1), attention_mask=state.mask,
+                                position_ids=positions)
         mask = torch.cat([state.mask, state.mask.new_ones(state.mask.shape[0], 1)], 1)
-        return self._lprobs(out.logits), ContinuationState(out.past_key_values, mask, False)
+        return self._lprobs(out.logits), ContinuationState(cache, mask, False)
 
     def mix_state(self, state: ContinuationState, weights: Tensor, order: Optional[Tensor]) -> ContinuationState:
         return ContinuationState(mix_cache(state.cache, weights, order), state.mask, state.first)

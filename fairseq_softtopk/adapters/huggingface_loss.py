@@ -17,7 +17,12 @@ recorded):
   (``outputs.encoder_last_hidden_state``: both terms train the encoder) and its attention mask; the batches need
   ``decoder_input_ids`` (``DataCollatorForSeq2Seq(tokenizer, model=model)``) and labels padded with -100;
 * :class:`CausalLMBeamSearchLoss` (decoder-only): each row's prompt is its tokens before the first label (labels
-  -100 on the prompt and the padding, as for supervised fine-tuning), and the search continues the prompts.
+  -100 on the prompt and the padding, as for supervised fine-tuning), and the search continues the prompts; a row's
+  labels must be one contiguous run (-100 between two labels, as multi-turn chat data has, is refused: the search
+  would follow a sequence that never occurs).
+
+Labels other than -100 must be token ids of the model's vocabulary (refused with the id, the vocabulary's size and
+the row, before anything indexes with them).
 
 Use::
 
@@ -175,12 +180,7 @@ class _BeamSearchLoss:
         if logits.shape[:2] != labels.shape:
             raise ValueError(f"the outputs' logits are {tuple(logits.shape)} but the labels {tuple(labels.shape)}"
                              f"{self.shape_hint}")
-        # a row that ends with the pad id was padded with it (a pad id inside a row can be a label: some models
-        # pad with their unknown token)
-        if self._pad_id is not None and bool(labels[:, -1].eq(self._pad_id).any()):
-            raise ValueError(f"the labels are padded with the model's pad id {self._pad_id}: pad labels with -100 "
-                             "(DataCollatorForSeq2Seq does, with its default label_pad_token_id), or they train "
-                             "the model to emit padding")
+        self._check_labels(labels, logits.shape[-1])
         logits, targets = self._aligned(logits, labels)
         lprobs = torch.log_softmax(logits.float(), -1)
         gold = lprobs.gather(-1, targets.clamp_min(0).unsqueeze(-1)).squeeze(-1)
@@ -210,6 +210,25 @@ class _BeamSearchLoss:
             if out.scale_probe is not None:  # a zero through which a capped selection gradient follows the factor
                 loss = loss + out.scale_probe  # that multiplies the summed loss (the division below, a loss scale)
         return loss / (num_items_in_batch if num_items_in_batch is not None else n_tokens.clamp_min(1))
+
+    def _check_labels(self, labels: Tensor, vocab: int) -> None:
+        """Every label is -100 or a token id in ``[0, vocab)`` (a larger one would index past the logits: a raw
+        error on the CPU, a device-side assert on CUDA), and no row is padded with the model's pad id; one host read
+        where all is well."""
+        bad = labels.ne(IGNORE) & ((labels < 0) | (labels >= vocab))
+        # a row that ends with the pad id was padded with it (a pad id inside a row can be a label: some models
+        # pad with their unknown token)
+        padded = labels[:, -1].eq(self._pad_id) if self._pad_id is not None else bad.new_zeros(())
+        if not bool(torch.stack([bad.any(), padded.any()]).any()):
+            return
+        if bool(bad.any()):
+            row, position = (int(i) for i in bad.nonzero()[0])
+            raise ValueError(f"label {int(labels[row, position])} (row {row}, position {position}) is no token id of "
+                             f"the model's vocabulary of {vocab} (its logits' last size): labels must be in [0, "
+                             f"{vocab}) or {IGNORE} (not trained)")
+        raise ValueError(f"the labels are padded with the model's pad id {self._pad_id}: pad labels with -100 "
+                         "(DataCollatorForSeq2Seq does, with its default label_pad_token_id), or they train "
+                         "the model to emit padding")
 
     def _aligned(self, logits: Tensor, labels: Tensor):
         """``(logits, labels)`` position by position: the teacher-forcing term's prediction and target."""
@@ -272,24 +291,35 @@ class CausalLMBeamSearchLoss(_BeamSearchLoss):
     def prompts_and_continuations(self, labels: Tensor):
         """Each row's prompt (its attended tokens before the first label; left-padded, as the search takes them)
         and continuation (its labels from there, -100-padded on the right), from the recorded call's inputs; a row
-        without a label (nothing to train) is left out. The batch needs at least one row with a label."""
+        without a label (nothing to train) is left out. The batch needs at least one row with a label, and each
+        row's labels must be one contiguous run (no -100 between two labels: refused, as the search cannot follow
+        them)."""
         ids, mask = self._inputs.get("input_ids"), self._inputs.get("attention_mask")
         if ids is None or ids.shape != labels.shape:
             raise ValueError("call the model with input_ids= (a keyword argument) of the labels' shape")
         mask = mask if mask is not None else torch.ones_like(ids)
         prompts: List[List[int]] = []
         continuations: List[List[int]] = []
-        for row_ids, row_mask, row_labels in zip(ids.tolist(), mask.tolist(), labels.tolist()):
-            first = next((i for i, label in enumerate(row_labels) if label != IGNORE), None)
-            if first is None:
+        for row, (row_ids, row_mask, row_labels) in enumerate(zip(ids.tolist(), mask.tolist(), labels.tolist())):
+            trained = [i for i, label in enumerate(row_labels) if label != IGNORE]
+            if not trained:
                 continue
+            first, last = trained[0], trained[-1]
+            if last - first + 1 != len(trained):
+                # the search would continue the prompt with the labels alone, a sequence that never occurs
+                gap = next(i for i in range(first, last) if row_labels[i] == IGNORE)
+                raise ValueError(f"row {row} has -100 at position {gap}, between its labels (positions {first} to "
+                                 f"{last}): the beam term searches one continuation of the prompt, so a row's labels "
+                                 f"must be one contiguous run after it (-100 only before, and as padding after); give "
+                                 f"each trained span (a chat turn) its own row, what precedes it the prompt, or train "
+                                 f"such rows with teacher_forcing_ratio=1.0")
             if first == 0:
                 raise ValueError("a row with labels needs a prompt: its first label after position 0 (the token at "
                                  "position 0 is never predicted)")
             prompts.append([t for t, m in zip(row_ids[:first], row_mask[:first]) if m])
             if not prompts[-1]:
                 raise ValueError("a row has no attended token before its first label: no prompt to continue")
-            continuations.append([label for label in row_labels[first:] if label != IGNORE])
+            continuations.append(row_labels[first:last + 1])
         P, T = max(map(len, prompts)), max(map(len, continuations))
         prompt_ids = ids.new_zeros(len(prompts), P)
         prompt_mask = ids.new_zeros(len(prompts), P)

@@ -12,7 +12,7 @@ cumulative log-likelihood and the *sorted* top-k of these scores picks the next 
   gradient flows through the selection.
 
 The gradient through the selection (soft mode) is controlled by ``selection_grad``:
-``"full"`` is the paper's exact gradient; ``"capped"`` caps its norm where it enters each
+``"full"`` is the paper's exact gradient; ``"capped"`` (the default) caps its norm where it enters each
 step's operator, per sentence (:func:`fairseq_softtopk.ops.cap_row_grad_norm`), because the
 exact gradient compounds over the steps (the selection at step t mixes the states that score
 step t + 1) and explodes where candidates are within about epsilon of each other at a rank
@@ -45,7 +45,8 @@ from torch import Tensor
 from .beam_search_config import SELECTION_GRADS, BeamSearchConfig, GradientObserver
 from .beam_selection import near_ties, relative_scale, select_beams
 from . import selection_observer
-from .search_input_checks import check_beam_fits, check_gold_target, check_token_id
+from .search_input_checks import (bad_lprobs, bad_lprobs_error, check_beam_fits, check_gold_target, check_step_output,
+                                  check_token_id)
 
 __all__ = ["SELECTION_GRADS", "BeamSearchConfig", "BeamSearchOutput", "GradientObserver", "mix_embeddings",
            "mix_rows", "mix_state", "unroll_beam_search"]
@@ -181,11 +182,17 @@ def unroll_beam_search(decoder, encoder_out, reorder_encoder_out: Callable, targ
     cum = None
     records: List[StepRecord] = []
     counts = SearchCounts()
+    V = embeddings.shape[0]
+    # NaN and +inf log-probabilities: the soft selection's operator reads the scores on the host (its check
+    # refuses them), the hard one nothing: its steps' counts are read once, after the search
+    bad_counts: Optional[List[Tensor]] = [] if config.mode == "hard" and not config.fixed_iterations else None
     for t in range(T):
         with torch.profiler.record_function("softtopk::beam_step"):  # one decoding step (counted per step)
-            lprobs, new_state = decoder.step(inputs, state, enc)  # (B*k) x V
-            V = lprobs.shape[-1]
-            lprobs = lprobs.view(batch, k, V)
+            step_lprobs, new_state = decoder.step(inputs, state, enc)  # (B*k) x V
+            check_step_output(step_lprobs, batch * k, V, t)
+            if bad_counts is not None:
+                bad_counts.append(bad_lprobs(step_lprobs))
+            lprobs = step_lprobs.view(batch, k, V)
             gold = target[:, t].clamp_min(0).view(batch, 1, 1).expand(batch, k, 1)
             gold_lprobs, smooth_lprobs = lprobs.gather(-1, gold).squeeze(-1), lprobs.sum(-1)
             lprobs = lprobs.to(torch.promote_types(lprobs.dtype, torch.float32))  # scores in >= float32
@@ -196,12 +203,23 @@ def unroll_beam_search(decoder, encoder_out, reorder_encoder_out: Callable, targ
                 cum[:, 0] = 0.0
             scores = (cum.unsqueeze(-1) + lprobs).view(batch, k * V)  # candidate (i, j) -> i*V + j
             # a sentence's last selection reaches no loss term: not live
-            step = next_beams(scores, new_state, decoder, embeddings, config, t < lengths - 1, grad_observer, counts,
-                              t)
+            try:
+                step = next_beams(scores, new_state, decoder, embeddings, config, t < lengths - 1, grad_observer,
+                                  counts, t)
+            except ValueError:  # the operator's refusal of NaN or +inf scores: name the step that made them
+                count = bad_lprobs(step_lprobs)
+                if int(count):
+                    raise bad_lprobs_error(count, t, step_lprobs.shape) from None
+                raise
             cum = scores.gather(1, step.best_cand)
             records.append(StepRecord(step.best_cand // V, step.best_cand % V, cum, gold_lprobs, smooth_lprobs,
                                       step.sharpness, step.near_tie))
             inputs, state = step.inputs, step.state
+    if bad_counts:
+        bad = torch.stack(bad_counts)
+        if bool(bad.any()):  # the hard search's one read of them
+            t = int(bad.nonzero()[0, 0])
+            raise bad_lprobs_error(bad[t], t, (batch * k, V))
     gold, smooth, best_beam = _backtrack(records, lengths)
     # a sentence's final beams are those after its own last step (a shorter one's run on past its end)
     last_step = (lengths - 1).clamp_min(0)

@@ -35,8 +35,14 @@ class BeamSearchConfig:
     tol: float = 1e-4
     max_iter: int = 50
     candidate_pool: int = 0  # 0: all k*V candidates; m > 0: the m best by hard selection
-    selection_grad: str = "full"  # soft mode: "full" | "capped" | "none" (see the beam_search module)
-    selection_grad_cap: float = 1.0  # "capped": largest gradient norm per sentence and step
+    #: soft mode: "capped" (the exact gradient, capped per sentence and step: the fairseq criterion's default),
+    #: "full" (the paper's exact gradient, which explodes where candidates nearly tie) or "none" (see the beam_search
+    #: module)
+    selection_grad: str = "capped"
+    #: "capped": the largest norm of the gradient reaching a step's selection, per sentence, in gold-token gradients
+    #: (one label token's gradient in a summed loss) where ``BeamSearchOutput.scale_probe`` is added to the loss
+    #: (the losses and the criterion add it), else absolute; 0.3: the criterion's ``--topk-grad-cap``
+    selection_grad_cap: float = 0.3
     epsilon_relative: float = 0.0  # > 0: per row, epsilon = max(epsilon, this * mean gap of the k+1 best)
     fixed_iterations: bool = False  # soft mode: the search without host synchronisation (select_beams)
     compile: str = ""  # with fixed_iterations: the solve under torch.compile in this mode (COMPILE_MODES)

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from .beam_search import SearchCounts, StepRecord, next_beams
 from .beam_search_config import BeamSearchConfig, GradientObserver
-from .search_input_checks import check_eos_search
+from .search_input_checks import bad_lprobs, bad_lprobs_error, check_eos_search, check_step_output
 
 __all__ = ["FinishedBeams", "search_max_len", "unroll_beam_search_to_eos"]
 
@@ -105,10 +105,12 @@ def unroll_beam_search_to_eos(decoder, encoder_out, reorder_encoder_out, batch: 
     counts = SearchCounts()
     sharpness_sum = near_tie_sum = None
     sharpness_count = None
+    V = embeddings.shape[0]
     for t in range(max_len + 1):  # always ends at a break: every sentence done, or step max_len
         with torch.profiler.record_function("softtopk::beam_step"):
             lprobs, new_state = decoder.step(inputs, state, enc)
-            V = lprobs.shape[-1]
+            check_step_output(lprobs, batch * k, V, t)
+            bad = bad_lprobs(lprobs)
             lprobs = lprobs.view(batch, k, V).to(torch.promote_types(lprobs.dtype, torch.float32))
             lprobs = lprobs.index_fill(-1, banned, -float("inf"))
             if t == 0:  # fairseq's min_len 1: no empty hypothesis
@@ -140,7 +142,12 @@ def unroll_beam_search_to_eos(decoder, encoder_out, reorder_encoder_out, batch: 
             fin_steps = torch.where(filled, t, fin_steps)
             fin_beams = torch.where(filled, (placed.long() * (best.indices // V).unsqueeze(-1)).sum(1), fin_beams)
             n_finished = n_finished + ends.long().sum(1)
-            if t >= max_len or bool((n_finished >= k).all()):  # one host read per step, as fairseq's generator
+            # one host read per step, as fairseq's generator: whether every sentence is done, and the step's NaN and
+            # +inf log-probabilities
+            all_done, n_bad = torch.stack([(n_finished >= k).all().long(), bad]).tolist()
+            if n_bad:
+                raise bad_lprobs_error(n_bad, t, (batch * k, V))
+            if t >= max_len or all_done:
                 break
             live = n_finished < k
             # the next beams: the best k other candidates (soft or hard), as in the gold unroll

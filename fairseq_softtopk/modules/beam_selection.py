@@ -152,7 +152,8 @@ def select_beams(scores: Tensor, beam: int, config: BeamSearchConfig, kth: Tenso
             pool_scores, ids = scores.topk(pool, dim=-1, sorted=True)
         elif not pool and config.cost == "linear" and not config.fixed_iterations and config.regularizer == "entropic":
             floor = candidate_window(kth, beam, config.epsilon, config.tol, n_out=n)
-            ids, valid = compact_rows(scores.detach() >= floor)
+            # NaN is kept in the window (not >= the floor, nor below it): the operator's check then refuses it
+            ids, valid = compact_rows(~(scores.detach() < floor))
             pool_scores = scores.gather(1, ids).masked_fill(~valid, -float("inf"))
         else:
             ids = torch.arange(n, device=scores.device).expand(batch, n)

@@ -5,8 +5,13 @@ its tokens is read at the wrong positions; an encoder output with a row too many
 
 The checks of the target's values read the data on the host (one read per search); the sync-free search
 (``fixed_iterations``) skips them, as it reads nothing of the data on the host.
+
+What the decoder's ``step`` returns is checked at every step: its shape (free: no data is read), and whether its
+log-probabilities hold NaN or ``+inf`` (:func:`bad_lprobs`, :func:`bad_lprobs_error`), where the search reads the
+data on the host anyway (see :mod:`.beam_search`), so that the check adds no host synchronisation to a soft search.
 """
 
+import math
 from typing import Any, Iterable, Optional, Set
 
 import torch
@@ -110,3 +115,24 @@ def check_eos_search(batch, pad, bos, eos, max_len, lenpen, vocab: int, beam: Op
         raise ValueError(f"lenpen must be a finite number, got {lenpen!r}")
     if beam is not None:
         check_beam_fits(beam, vocab, (pad, eos), "never first (padding, and EOS: no empty hypothesis)")
+
+
+def check_step_output(lprobs, rows: int, vocab: int, t: int) -> None:
+    """``decoder.step``'s log-probabilities at step ``t`` are a ``(rows, vocab)`` tensor, ``vocab`` the rows of the
+    decoder's embedding matrix (the tokens a beam can take as its next input). Reads only the shape."""
+    if not torch.is_tensor(lprobs) or tuple(lprobs.shape) != (rows, vocab):
+        got = tuple(lprobs.shape) if torch.is_tensor(lprobs) else type(lprobs).__name__
+        raise ValueError(f"decoder.step returned log-probabilities of shape {got} at step {t}; the search expects "
+                         f"({rows}, {vocab}): (batch * beam, V), V the rows of decoder.embedding_matrix()")
+
+
+def bad_lprobs(lprobs: Tensor) -> Tensor:
+    """The number of NaN and ``+inf`` entries of ``lprobs`` (a 0-dim tensor on its device: nothing is read)."""
+    return (~(lprobs < math.inf)).sum()
+
+
+def bad_lprobs_error(count, t: int, shape) -> ValueError:
+    """The error for ``count`` NaN or ``+inf`` log-probabilities at step ``t`` (``shape``: the step's output)."""
+    return ValueError(f"decoder.step returned {int(count)} NaN or +inf log-probabilities at step {t} (of its "
+                      f"{tuple(shape)} output): each must be finite, or -inf for a token never chosen (look for an "
+                      f"overflow, fp16 say, or a division by zero in the decoder)")
