@@ -172,6 +172,25 @@ def test_bad_seeds_and_work_dir_are_one_line_errors(tmp_path, capsys, args, mess
     assert not (tmp_path / "work").exists()
 
 
+def test_a_pretrained_checkpoint_whose_tensor_bytes_changed_is_refused_before_anything_runs(tmp_path, capsys):
+    """--pretrained with bytes overwritten inside a tensor (same size, the zip's CRC-32 wrong; torch loads it): the
+    arms were fine-tuned from it and --score-pretrained scored it; now one line names it, and nothing runs."""
+    from conftest import overwrite_tensor_bytes
+
+    data_bin, work = _fake_data_bin(tmp_path / "bin"), tmp_path / "work"
+    pretrained = tmp_path / "tf.pt"
+    torch.save({"model": {"w": torch.arange(4096.0)}}, pretrained)
+    member = overwrite_tensor_bytes(pretrained)
+    with pytest.raises(SystemExit) as exit_info:
+        ablation_cli.main([str(REPO / "configs" / "toy_finetune.yaml"), "--data-bin", str(data_bin), "--work-dir",
+                           str(work), "--pretrained", str(pretrained), "--score-pretrained"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1
+    assert f"{pretrained} is not a complete checkpoint: its member {member} fails its CRC-32 check" in err
+    assert err.rstrip().endswith("Nothing was trained or scored: pass a whole copy of it as --pretrained.")
+    assert not work.exists()
+
+
 BEAMGRAD_INSTALL = "pip install --no-build-isolation beamgrad==2.3.0"
 
 

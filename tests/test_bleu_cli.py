@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 
+from conftest import overwrite_tensor_bytes
 from fairseq_softtopk.cli import bleu
 from fairseq_softtopk.experiments import scoring
 from fairseq_softtopk.experiments.scoring import refused_checkpoint
@@ -123,6 +124,20 @@ def test_a_truncated_or_missing_checkpoint_is_named(toy_data_bin, tmp_path, caps
     assert f"{cut} is not a complete checkpoint: " in err and f"{len(whole) // 3:,} bytes" in err
     err = _run(capsys, data_bin, tmp_path / "none.pt", "--ref", raw / "test.tgt")
     assert err.endswith(f"checkpoint not found: {tmp_path / 'none.pt'}")
+
+
+def test_a_checkpoint_whose_tensor_bytes_changed_is_named_before_translating(toy_data_bin, tmp_path, capsys,
+                                                                             no_generation):
+    """Bytes overwritten inside a tensor (same size, the zip's CRC-32 wrong): torch loads the file without a word,
+    and it was translated and scored; now the whole file is read first, and the error names it and the member."""
+    raw, data_bin = toy_data_bin
+    damaged = _checkpoint(tmp_path / "damaged.pt", _dictionary_size(data_bin, "src"), _dictionary_size(data_bin, "tgt"))
+    size = damaged.stat().st_size
+    member = overwrite_tensor_bytes(damaged)
+    assert damaged.stat().st_size == size and torch.load(damaged, weights_only=True)  # loads: nothing said
+    err = _run(capsys, data_bin, damaged, "--ref", raw / "test.tgt")
+    assert f"{damaged} is not a complete checkpoint: its member {member} fails its CRC-32 check" in err
+    assert err.endswith("Nothing was translated: score a whole copy of it.")
 
 
 class _Call:

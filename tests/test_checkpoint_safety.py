@@ -156,6 +156,23 @@ def test_a_damaged_or_foreign_file_and_a_missing_one_are_named(whole_checkpoint,
         load(str(tmp_path / "no_such.pt"))
 
 
+def test_a_checkpoint_whose_tensor_bytes_changed_is_refused_by_fairseqs_loader(whole_checkpoint):
+    """Bytes overwritten inside a tensor, the size kept: torch checks no CRC and loaded it (training resumed from it,
+    fairseq-generate scored it); fairseq's loader under the plugin now reads the file whole first."""
+    import torch
+
+    from conftest import overwrite_tensor_bytes
+
+    member = overwrite_tensor_bytes(whole_checkpoint)
+    assert torch.load(whole_checkpoint, weights_only=True)["model"]["w"].shape == (64, 64)  # torch says nothing
+    with pytest.raises(checkpoint_safety.CorruptCheckpointError) as error:
+        _fairseq_loader()(str(whole_checkpoint))
+    assert str(error.value) == (
+        f"{whole_checkpoint} is not a complete checkpoint: its member {member} fails its CRC-32 check; "
+        f"{whole_checkpoint.stat().st_size:,} bytes; the bytes changed after they were written: damaged on disk or in "
+        f"a copy? It was not loaded.")
+
+
 def test_a_truncated_checkpoint_is_one_line_from_fairseq_generate(toy_data_bin, whole_checkpoint, tmp_path):
     """Through a real fairseq-generate (the plugin as --user-dir), as the scoring runs it: one line
     naming the file, not fairseq's config dump and a traceback ending in OSError [Errno 22]."""

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, clean_env, run_fairseq
+from conftest import REPO, clean_env, overwrite_tensor_bytes, run_fairseq
 from fairseq_softtopk.cli import ablation as ablation_cli
 from fairseq_softtopk.experiments import ablation_training, child_processes, run_lock
 from fairseq_softtopk.experiments.checkpoint_integrity import CheckpointChanged, checkpoint_digest, verify_run_checkpoint
@@ -524,23 +524,45 @@ def test_a_stale_lock_is_taken_over_with_a_log_line_and_released(tmp_path, caplo
     assert not (tmp_path / "run.lock").exists()
 
 
+def _small_checkpoint(path: Path) -> bytes:
+    """A whole torch checkpoint (zip archive) at ``path``; returns its bytes."""
+    import torch
+
+    torch.save({"model": {"w": torch.arange(4096.0)}}, path)
+    return path.read_bytes()
+
+
 def test_done_json_without_a_checksum_gets_one_keeping_its_time_then_a_change_is_refused(tmp_path, caplog):
     """A run finished before checksums were recorded: its digest is recorded at the first reuse (done.json keeps
     its modification time, which older eval.json caches are keyed on); a later change of the file is an error."""
     checkpoint = tmp_path / "checkpoint_last.pt"
-    checkpoint.write_bytes(b"weights" * 100)
+    weights = _small_checkpoint(checkpoint)
     (tmp_path / "done.json").write_text(json.dumps({"args": [], "finished": "2026-01-01 00:00:00"}))
     os.utime(tmp_path / "done.json", ns=(10 ** 18, 10 ** 18))
     with caplog.at_level("INFO", logger="ablation"):
         assert verify_run_checkpoint(tmp_path) == checkpoint
     assert "recorded the SHA-256 of checkpoint_last.pt in done.json" in caplog.text
     done = json.loads((tmp_path / "done.json").read_text())
-    assert done["checkpoint_sha256"] == hashlib.sha256(b"weights" * 100).hexdigest() and done["args"] == []
+    assert done["checkpoint_sha256"] == hashlib.sha256(weights).hexdigest() and done["args"] == []
     assert (tmp_path / "done.json").stat().st_mtime_ns == 10 ** 18
-    checkpoint.write_bytes(b"weightz" * 100)
+    overwrite_tensor_bytes(checkpoint)
     with pytest.raises(CheckpointChanged, match=re.escape(done["checkpoint_sha256"])) as error:
         verify_run_checkpoint(tmp_path)
-    assert str(checkpoint) in str(error.value) and hashlib.sha256(b"weightz" * 100).hexdigest() in str(error.value)
+    assert str(checkpoint) in str(error.value) and checkpoint_digest(checkpoint) in str(error.value)
+
+
+def test_done_json_without_a_checksum_does_not_record_the_digest_of_a_damaged_file(tmp_path):
+    """The digest recorded at the first reuse vouches for the file from then on: a file whose tensor bytes changed
+    (its zip CRC wrong; torch loads it) is refused then, not recorded."""
+    checkpoint = tmp_path / "checkpoint_last.pt"
+    _small_checkpoint(checkpoint)
+    member = overwrite_tensor_bytes(checkpoint)
+    (tmp_path / "done.json").write_text(json.dumps({"args": [], "finished": "2026-01-01 00:00:00"}))
+    with pytest.raises(CheckpointChanged, match=rf"^{re.escape(str(checkpoint))} is not a whole checkpoint \(its member "
+                       rf"{re.escape(member)} fails its CRC-32 check.* records no digest .* nothing was trained or "
+                       r"scored with it$"):
+        verify_run_checkpoint(tmp_path)
+    assert "checkpoint_sha256" not in json.loads((tmp_path / "done.json").read_text())
 
 
 def test_a_checkpoint_last_cut_short_is_named_before_fairseq_train_starts(tmp_path):
@@ -555,6 +577,26 @@ def test_a_checkpoint_last_cut_short_is_named_before_fairseq_train_starts(tmp_pa
     with pytest.raises(RuntimeError, match=rf"{run / 'checkpoint_last.pt'} is cut short .* copy the newest intact "
                                            rf"checkpoint, {run / 'checkpoint_1_8.pt'}"):
         ablation_training.train_run(tmp_path / "bin", flags, run)
+    assert "train.log" not in os.listdir(run)  # fairseq-train did not start
+
+
+def test_a_checkpoint_last_whose_tensor_bytes_changed_is_named_before_fairseq_train_resumes(tmp_path):
+    """Bytes overwritten inside a tensor of checkpoint_last.pt (same size, the zip's CRC-32 wrong): torch loads it,
+    and the run resumed from it; now it is named, with the intact checkpoint to resume from, before fairseq-train
+    starts."""
+    run = tmp_path / "run"
+    run.mkdir()
+    _small_checkpoint(run / "checkpoint_1_8.pt")
+    (run / "checkpoint_last.pt").write_bytes((run / "checkpoint_1_8.pt").read_bytes())
+    member = overwrite_tensor_bytes(run / "checkpoint_last.pt")
+    flags = {"arch": "softtopk_lstm_tiny", "max-update": 8}
+    with pytest.raises(RuntimeError) as error:
+        ablation_training.train_run(tmp_path / "bin", flags, run)
+    assert str(error.value) == (
+        f"{run / 'checkpoint_last.pt'} is not a whole checkpoint (its member {member} fails its CRC-32 check; "
+        f"{(run / 'checkpoint_last.pt').stat().st_size:,} bytes; the bytes changed after they were written: damaged "
+        f"on disk or in a copy?); nothing was trained: copy the newest intact checkpoint, {run / 'checkpoint_1_8.pt'}, "
+        f"to {run / 'checkpoint_last.pt'} and rerun")
     assert "train.log" not in os.listdir(run)  # fairseq-train did not start
 
 

@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
+from ..checkpoint_safety import check_whole_checkpoint
 from .ablation_config import check_train_flags, stage_flags
 from .ablation_evaluation import evaluate_pretrained, evaluate_run, translate_scored_run
 from .ablation_plot import plot_curves
@@ -188,6 +189,8 @@ def run_ablation(config: dict, data_bin, work_dir, ref_dir=None, seeds: Sequence
         logger.warning("skipping arm(s) %s: %s", ", ".join(a for a, w in skipped.items() if w == why), why)
     if pretrained is not None and not Path(pretrained).is_file():
         raise FileNotFoundError(f"pretrained checkpoint not found: {pretrained}")
+    if pretrained is not None:  # whole, before anything trains from it or scores it (torch checks no CRC)
+        check_whole_checkpoint(pretrained, "Nothing was trained or scored: pass a whole copy of it as --pretrained.")
     sources = check_translate_sources(translate_sources, bpe_dir, pair)
 
     def train_and_score(run_dir: Path, flags: dict, finetune_from: Optional[Path], side_by_side: int) -> dict:

@@ -11,7 +11,9 @@ is then, with a log line.
 
 :func:`check_resumable` finds a ``checkpoint_last.pt`` cut short: fairseq writes a checkpoint
 atomically under its first name, but *copies* it to ``checkpoint_last.pt``, so a run stopped
-during that copy leaves a truncated file.
+during that copy leaves a truncated file. It reads the file whole (every zip member's CRC-32), so a
+file whose bytes changed after fairseq wrote them is named too: torch checks no CRC, and would resume
+from it without a word. A done.json without a digest is trusted only for a whole file.
 """
 
 import hashlib
@@ -76,7 +78,14 @@ def verify_run_checkpoint(run_dir: Path, name: str = LAST) -> Path:
     found = checkpoint_digest(checkpoint)
     key = digest_key(name)
     expected = done.get(key)
-    if expected is None:  # finished before digests were recorded: trust the file as it is now
+    if expected is None:  # finished before digests were recorded: trust the file as it is now, if whole
+        from fairseq_softtopk.checkpoint_safety import describe_damage
+
+        damage = describe_damage(checkpoint)
+        if damage:
+            raise CheckpointChanged(f"{checkpoint} is not a whole checkpoint ({damage}), and {done_path} records no "
+                                    f"digest to check it by. Restore the file (e.g. from a copy of the run), or move "
+                                    f"{run_dir} away to train that run again; nothing was trained or scored with it")
         _rewrite_keeping_mtime(done_path, {**done, key: found})
         logger.info("%s: recorded the SHA-256 of %s in done.json (written before checksums)", run_dir, name)
         return checkpoint
@@ -89,15 +98,23 @@ def verify_run_checkpoint(run_dir: Path, name: str = LAST) -> Path:
 
 
 def check_resumable(run_dir: Path) -> None:
-    """Raises ``RuntimeError`` when ``run_dir/checkpoint_last.pt`` is a zip archive (torch's format)
-    cut short, naming the newest intact checkpoint to resume from instead."""
+    """Raises ``RuntimeError`` when ``run_dir/checkpoint_last.pt`` is not a whole checkpoint: a zip archive
+    (torch's format) cut short, or one whose bytes changed after fairseq wrote them (a member fails its CRC-32:
+    torch would load it without a word), or no checkpoint at all
+    (:func:`fairseq_softtopk.checkpoint_safety.describe_damage`), naming the newest intact checkpoint to resume
+    from instead."""
+    from fairseq_softtopk.checkpoint_safety import describe_damage
+
     checkpoint = Path(run_dir) / LAST
+    damage = describe_damage(checkpoint)
+    if damage is None:
+        return  # whole (or an old pickle-format checkpoint, which cannot be checked this cheaply)
     with open(checkpoint, "rb") as f:
-        is_zip_archive = f.read(4) == b"PK\x03\x04"
-    if not is_zip_archive or zipfile.is_zipfile(checkpoint):
-        return  # intact (or an old pickle-format checkpoint, which cannot be checked this cheaply)
-    others = sorted((p for p in Path(run_dir).glob("checkpoint*.pt") if p.name != LAST and zipfile.is_zipfile(p)),
+        cut_short = f.read(4) == b"PK\x03\x04" and not zipfile.is_zipfile(checkpoint)
+    others = sorted((p for p in Path(run_dir).glob("checkpoint*.pt") if p.name != LAST and describe_damage(p) is None),
                     key=lambda p: p.stat().st_mtime)
     advice = (f"copy the newest intact checkpoint, {others[-1]}, to {checkpoint} and rerun" if others else
               f"move {checkpoint} away to train the run from its start")
-    raise RuntimeError(f"{checkpoint} is cut short (the run was stopped while fairseq copied it): {advice}")
+    what = "is cut short (the run was stopped while fairseq copied it)" if cut_short else \
+        f"is not a whole checkpoint ({damage})"
+    raise RuntimeError(f"{checkpoint} {what}; nothing was trained: {advice}")

@@ -346,6 +346,9 @@ def _checked_generate(data_bin: str, checkpoint: str, ref: Optional[str], subset
     references = read_lines(ref) if ref else None
     if references is not None:  # before translating: a wrong reference is found in seconds, not after generation
         check_reference_lines(ref, len(references), data_bin, subset, extra_args)
+    from fairseq_softtopk.checkpoint_safety import check_whole_checkpoint
+
+    check_whole_checkpoint(checkpoint, "Nothing was translated: score a whole copy of it.")  # torch checks no CRC
     check_checkpoint_matches_data(checkpoint, data_bin, **_language_args(extra_args))
     stdout = run_fairseq_generate(data_bin, checkpoint, subset, beam, batch_size, post_process, extra_args)
     if references is None:
