@@ -98,6 +98,34 @@ def test_fresh_removes_only_what_the_main_job_recorded_creating(tmp_path):
                               "seed_corpus_do_not_delete/corpus.txt"]
 
 
+@pytest.mark.parametrize("entry", ["../victim", "{victim}", ".", "", "seed1/../../victim"])
+def test_fresh_refuses_a_marker_naming_anything_but_an_entry_of_the_work_directory(tmp_path, capsys, entry):
+    """main_job.json is a file anyone can edit: listing "../victim" or an absolute path, --fresh deleted a directory
+    outside the work directory ("." or "": the work directory itself, data and all). Now it is one line naming the
+    entry, and nothing is deleted."""
+    work, victim = tmp_path / "work", tmp_path / "victim"
+    (victim / "keep").mkdir(parents=True)
+    (victim / "keep" / "thesis.tex").write_text("mine")
+    record_created(work, ["bin", "seed1", "results.md"])
+    (work / "seed1").mkdir()
+    (work / "bin").mkdir()
+    marker = json.loads((work / MARKER).read_text())
+    marker["created"].append(entry.format(victim=victim))
+    (work / MARKER).write_text(json.dumps(marker))
+    before, outside = _listing(work), _listing(tmp_path)
+    with pytest.raises(ValueError, match=r"not the name of an entry of .*nothing was deleted"):
+        clear_for_fresh(work)
+    assert _listing(tmp_path) == outside
+    # through the command (--arms nope: were the check missing, the job would stop soon after, not train)
+    with pytest.raises(SystemExit) as exit_info:
+        main_job.main(["--work-dir", str(work), "--fresh", "--seeds", "1", "--sizes", "20", "5", "5", "--pretrain",
+                       "--arms", "nope"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1
+    assert f"--fresh: {work / MARKER} lists {entry.format(victim=victim)!r}, not the name of an entry of {work}" in err
+    assert _listing(work) == before and (victim / "keep" / "thesis.tex").read_text() == "mine"
+
+
 @pytest.mark.parametrize("args, message", [
     (["--seeds", "1", "2", "1"], "--seeds: seeds [1] are given more than once (1 2 1)"),
     (["--work-dir", "{file}"], "--work-dir: work directory {file} is a file")])

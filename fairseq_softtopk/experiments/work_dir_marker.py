@@ -6,7 +6,9 @@ create (one that does not exist yet): its data (``raw``, ``bin``), its runs (``s
 ``pretrain``) and its reports. :func:`clear_for_fresh` removes the listed runs and reports (the
 data are kept) and refuses, naming it, a non-empty directory without the marker (another
 tool's, e.g. an ablation's work directory, or a main job's from before the marker) and a run
-directory there that the marker does not list.
+directory there that the marker does not list. The marker is only trusted to name entries of the work
+directory: one listing anything else (``../x``, an absolute path, ``.``) is refused before anything is
+deleted.
 """
 
 import json
@@ -38,6 +40,14 @@ def read_marker(work: Path) -> Optional[dict]:
     return marker if isinstance(marker, dict) and isinstance(marker.get("created"), list) else None
 
 
+def is_plain_name(name) -> bool:
+    """Whether ``name`` names an entry directly inside a directory: a string that is not empty, ``.`` or ``..``
+    and holds no path separator (so not an absolute path, nor one that leaves the directory)."""
+    separators = {"/", os.sep, os.altsep} - {None}
+    return isinstance(name, str) and name not in ("", ".", "..") and not any(sep in name for sep in separators) \
+        and "\0" not in name
+
+
 def record_created(work: Path, names: Iterable[str]) -> None:
     """Adds to the marker those of ``names`` (top-level entries of ``work``) that do not exist yet,
     the ones the main job will create; creates ``work`` if missing."""
@@ -59,8 +69,9 @@ def clear_for_fresh(work: Path) -> List[Path]:
     Returns:
         the paths removed.
     Raises:
-        ValueError: ``work`` is not empty and has no marker, or holds a run directory the marker
-            does not list, or a run there is in use by a live process; nothing is removed then.
+        ValueError: ``work`` is not empty and has no marker, or the marker lists something that is not a
+            plain name (:func:`is_plain_name`), or ``work`` holds a run directory the marker does not list, or a
+            run there is in use by a live process; nothing is removed then.
     """
     work = Path(work)
     if not work.is_dir() or not any(work.iterdir()):
@@ -71,6 +82,11 @@ def clear_for_fresh(work: Path) -> List[Path]:
         raise ValueError(f"--fresh: {work} was not made by the main job (no {MARKER}; it holds "
                          f"{', '.join(entries[:8])}{', ...' if len(entries) > 8 else ''}): nothing was deleted. Pass "
                          f"a new or empty --work-dir, or delete what you want retrained yourself")
+    unsafe = [name for name in marker["created"] if not is_plain_name(name)]
+    if unsafe:  # the marker is a file anyone can edit: deleting what it names must stay inside the work directory
+        raise ValueError(f"--fresh: {work / MARKER} lists {', '.join(map(repr, unsafe[:3]))}, not the name of an "
+                         f"entry of {work} (the main job records only names such as seed1 or results.md): nothing "
+                         f"was deleted. Remove those entries from it, or delete what you want retrained yourself")
     foreign = [name for name in entries if RUN_ENTRY.fullmatch(name) and name not in marker["created"]]
     if foreign:
         raise ValueError(f"--fresh: {work} holds {', '.join(foreign)}, which the main job did not create ({MARKER} "
