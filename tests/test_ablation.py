@@ -155,9 +155,12 @@ def test_misspelt_config_flags_are_named_with_their_section_before_any_run(tmp_p
 
 @pytest.mark.parametrize("args, message", [
     (["--seeds", "3", "1", "3"], "--seeds: seeds [3] are given more than once (3 1 3)"),
+    (["--jobs", "0"], "--jobs: runs trained at the same time must be an integer >= 1, got 0"),
+    (["--jobs", "-2"], "--jobs: runs trained at the same time must be an integer >= 1, got -2"),
     (["--work-dir", "{file}"], "--work-dir: work directory {file} is a file")])
-def test_bad_seeds_and_work_dir_are_one_line_errors(tmp_path, capsys, args, message):
-    """Duplicate seeds trained one run twice over; a file as work directory ended in a traceback."""
+def test_bad_seeds_jobs_and_work_dir_are_one_line_errors(tmp_path, capsys, args, message):
+    """Duplicate seeds trained one run twice over; --jobs 0 was taken (as one); a file as work directory ended in a
+    traceback."""
     file = tmp_path / "notes.txt"
     file.write_text("not a directory")
     args = [arg.format(file=file) for arg in args]
@@ -169,6 +172,8 @@ def test_bad_seeds_and_work_dir_are_one_line_errors(tmp_path, capsys, args, mess
     with pytest.raises(ValueError, match=r"seeds \[1, 2\] are given more than once"):
         run_ablation(load_config(REPO / "configs" / "toy_finetune.yaml"), _fake_data_bin(tmp_path / "bin"),
                      tmp_path / "work", seeds=[1, 2, 2, 1])
+    with pytest.raises(ValueError, match=r"runs trained at the same time must be an integer >= 1, got 0"):
+        run_ablation(load_config(REPO / "configs" / "toy_finetune.yaml"), tmp_path / "bin", tmp_path / "work", jobs=0)
     assert not (tmp_path / "work").exists()
 
 

@@ -128,8 +128,9 @@ def test_fresh_refuses_a_marker_naming_anything_but_an_entry_of_the_work_directo
 
 @pytest.mark.parametrize("args, message", [
     (["--seeds", "1", "2", "1"], "--seeds: seeds [1] are given more than once (1 2 1)"),
+    (["--jobs", "0"], "--jobs: runs trained at the same time must be an integer >= 1, got 0"),
     (["--work-dir", "{file}"], "--work-dir: work directory {file} is a file")])
-def test_bad_seeds_and_work_dir_are_one_line_errors(tmp_path, capsys, args, message):
+def test_bad_seeds_jobs_and_work_dir_are_one_line_errors(tmp_path, capsys, args, message):
     file = tmp_path / "notes.txt"
     file.write_text("not a directory")
     args = [arg.format(file=file) for arg in args]

@@ -50,8 +50,8 @@ from typing import Sequence
 
 from fairseq_softtopk.experiments.ablation_config import load_config
 from fairseq_softtopk.experiments.ablation_report import results_markdown
-from fairseq_softtopk.experiments.ablation_runner import (check_seeds, check_work_dir, run_ablation, run_plan,
-                                                           select_arms)
+from fairseq_softtopk.experiments.ablation_runner import (check_jobs, check_seeds, check_work_dir, run_ablation,
+                                                           run_plan, select_arms)
 from fairseq_softtopk.experiments.run_status import status_lines
 from fairseq_softtopk.experiments.child_processes import RunStopped, stop_on_signals
 from fairseq_softtopk.extras import exit_unless_installed
@@ -91,7 +91,8 @@ def main(argv=None) -> int:
     exit_unless_installed(parser, "experiments")  # one line naming the extra, before anything imports it
     typed = ["fairseq-softtopk-ablation", *(sys.argv[1:] if argv is None else argv)]
     command = " ".join(typed)
-    for flag, check, value in (("--seeds", check_seeds, args.seeds), ("--work-dir", check_work_dir, Path(args.work_dir))):
+    for flag, check, value in (("--seeds", check_seeds, args.seeds), ("--jobs", check_jobs, args.jobs),
+                               ("--work-dir", check_work_dir, Path(args.work_dir))):
         try:
             check(value)
         except ValueError as error:

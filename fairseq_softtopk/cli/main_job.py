@@ -43,7 +43,7 @@ from fairseq_softtopk.data.demo_language_pair import DEMO_SPLITS
 from fairseq_softtopk.experiments.ablation_config import load_config
 from fairseq_softtopk.experiments.ablation_report import results_markdown
 from fairseq_softtopk.cli.ablation import stopped_message
-from fairseq_softtopk.experiments.ablation_runner import check_seeds, check_work_dir, run_ablation
+from fairseq_softtopk.experiments.ablation_runner import check_jobs, check_seeds, check_work_dir, run_ablation
 from fairseq_softtopk.experiments.child_processes import RunStopped, stop_on_signals
 from fairseq_softtopk.experiments.fairseq_commands import PACKAGE_DIR, binarize_generated_corpus
 from fairseq_softtopk.experiments.reference_comparison import compare, comparison_markdown
@@ -95,7 +95,8 @@ def main(argv=None) -> int:
                        f"from a clone of the repository (it reads configs/demo_finetune.yaml and results/), "
                        f"e.g. `make demo` there, not from an installed package\n")
     work = Path(args.work_dir)
-    for flag, check, value in (("--seeds", check_seeds, args.seeds), ("--work-dir", check_work_dir, work)):
+    for flag, check, value in (("--seeds", check_seeds, args.seeds), ("--jobs", check_jobs, args.jobs),
+                               ("--work-dir", check_work_dir, work)):
         try:
             check(value)
         except ValueError as error:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..checkpoint_safety import check_whole_checkpoint
+from ..number_checks import is_integer
 from .ablation_config import check_train_flags, stage_flags
 from .ablation_evaluation import evaluate_pretrained, evaluate_run, translate_scored_run
 from .ablation_plot import plot_curves
@@ -117,6 +118,12 @@ def check_seeds(seeds: Sequence[int]) -> None:
                          f"list each seed once")
 
 
+def check_jobs(jobs: int) -> None:
+    """``ValueError`` unless ``jobs`` (runs trained at the same time) is an integer >= 1."""
+    if not is_integer(jobs) or jobs < 1:
+        raise ValueError(f"runs trained at the same time must be an integer >= 1, got {jobs!r}")
+
+
 def check_work_dir(work_dir: Path) -> None:
     """``ValueError`` where ``work_dir`` exists and is not a directory (it is created when missing)."""
     if work_dir.exists() and not work_dir.is_dir():
@@ -167,7 +174,7 @@ def run_ablation(config: dict, data_bin, work_dir, ref_dir=None, seeds: Sequence
         bpe_dir: the corpus's BPE model (``DATA_DIR/bpe``), with which ``translate_sources`` are segmented.
         verbose: print fairseq's logs (else one line per validation; the logs are kept in
             each run's ``train.log`` either way).
-        jobs: fine-tuning runs trained (and evaluated) at the same time, each its own
+        jobs: fine-tuning runs trained (and evaluated) at the same time (>= 1), each its own
             fairseq-train process; results do not depend on it.
     Returns:
         the ``results.json`` contents.
@@ -179,6 +186,7 @@ def run_ablation(config: dict, data_bin, work_dir, ref_dir=None, seeds: Sequence
     data_bin, work_dir = Path(data_bin), Path(work_dir)
     ref_dir = Path(ref_dir) if ref_dir is not None else None
     check_seeds(seeds)
+    check_jobs(jobs)
     check_work_dir(work_dir)
     check_data_bin(data_bin)
     check_train_flags(config)  # every stage and arm, before the first one trains
