@@ -5,6 +5,7 @@ reports, end to end) and of the scoring and paired bootstrap (experiments.scorin
 import gzip
 import json
 import logging
+import os
 import random
 import sys
 import types
@@ -194,6 +195,38 @@ def test_a_pretrained_checkpoint_whose_tensor_bytes_changed_is_refused_before_an
     assert f"{pretrained} is not a complete checkpoint: its member {member} fails its CRC-32 check" in err
     assert err.rstrip().endswith("Nothing was trained or scored: pass a whole copy of it as --pretrained.")
     assert not work.exists()
+
+
+def test_a_work_directory_under_a_file_is_one_line(tmp_path, capsys):
+    """--work-dir under a regular file (refused even as root) ended in a NotADirectoryError traceback."""
+    file = tmp_path / "notes.txt"
+    file.write_text("not a directory")
+    with pytest.raises(SystemExit) as exit_info:
+        ablation_cli.main([str(REPO / "configs" / "toy_finetune.yaml"), "--data-bin", str(tmp_path / "bin"),
+                           "--work-dir", str(file / "work")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1
+    assert err.strip().endswith(f"--work-dir: work directory {file / 'work'} cannot be created: {file} is a file, not "
+                                f"a directory")
+    assert file.read_text() == "not a directory"
+
+
+def test_a_work_directory_without_write_permission_is_one_line(tmp_path, capsys):
+    """A work directory (or, while it is missing, its parent) this user cannot write ended in a PermissionError
+    traceback; found by trying to create a file, as os.access says yes to root whatever the mode."""
+    if os.geteuid() == 0:
+        pytest.skip("root writes into a directory whatever its mode: this case needs a user that file modes bind")
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    for work, what in ((locked / "work", f"be created: creating a file in {locked}"),
+                       (locked, "be written: creating a file in it")):
+        with pytest.raises(SystemExit) as exit_info:
+            ablation_cli.main([str(REPO / "configs" / "toy_finetune.yaml"), "--data-bin", str(tmp_path / "bin"),
+                               "--work-dir", str(work)])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1
+        assert f"--work-dir: work directory {work} cannot {what} failed (Permission denied)" in err
+    assert not list(locked.iterdir())
 
 
 BEAMGRAD_INSTALL = "pip install --no-build-isolation beamgrad==2.3.0"

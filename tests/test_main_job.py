@@ -2,6 +2,7 @@
 shrunken demo corpus."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -139,6 +140,24 @@ def test_bad_seeds_jobs_and_work_dir_are_one_line_errors(tmp_path, capsys, args,
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and message.format(file=file) in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "work").exists()
+
+
+def test_a_work_directory_under_a_file_or_unwritable_is_one_line(tmp_path, capsys):
+    """--work-dir under a regular file ended in a NotADirectoryError traceback (and one this user cannot write, in a
+    PermissionError traceback: tried only where file modes bind the user, not as root)."""
+    file = tmp_path / "notes.txt"
+    file.write_text("not a directory")
+    cases = [(file / "work", f"cannot be created: {file} is a file, not a directory")]
+    if os.geteuid() != 0:
+        (tmp_path / "locked").mkdir(mode=0o500)
+        cases.append((tmp_path / "locked" / "work", f"cannot be created: creating a file in {tmp_path / 'locked'}"))
+    for work, message in cases:
+        with pytest.raises(SystemExit) as exit_info:
+            main_job.main(["--work-dir", str(work), "--seeds", "1"])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1
+        assert f"--work-dir: work directory {work} {message}" in err
+    assert file.read_text() == "not a directory"
 
 
 def test_an_incomplete_bin_holding_other_files_is_not_deleted(tmp_path):

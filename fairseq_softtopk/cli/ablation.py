@@ -42,6 +42,7 @@ and ``DIR/raw``)::
 """
 
 import argparse
+import functools
 import logging
 import shlex
 import sys
@@ -91,8 +92,9 @@ def main(argv=None) -> int:
     exit_unless_installed(parser, "experiments")  # one line naming the extra, before anything imports it
     typed = ["fairseq-softtopk-ablation", *(sys.argv[1:] if argv is None else argv)]
     command = " ".join(typed)
+    work_dir_check = functools.partial(check_work_dir, writable=not args.status)  # --status writes nothing
     for flag, check, value in (("--seeds", check_seeds, args.seeds), ("--jobs", check_jobs, args.jobs),
-                               ("--work-dir", check_work_dir, Path(args.work_dir))):
+                               ("--work-dir", work_dir_check, Path(args.work_dir))):
         try:
             check(value)
         except ValueError as error:

@@ -5,6 +5,7 @@ to run, scheduling every stage, arm and seed (each run trained by :mod:`.ablatio
 
 import logging
 import os
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
@@ -124,10 +125,29 @@ def check_jobs(jobs: int) -> None:
         raise ValueError(f"runs trained at the same time must be an integer >= 1, got {jobs!r}")
 
 
-def check_work_dir(work_dir: Path) -> None:
-    """``ValueError`` where ``work_dir`` exists and is not a directory (it is created when missing)."""
-    if work_dir.exists() and not work_dir.is_dir():
-        raise ValueError(f"work directory {work_dir} is a file: pass a directory (created if missing)")
+def check_work_dir(work_dir: Path, writable: bool = True) -> None:
+    """``ValueError`` where ``work_dir`` cannot serve as a work directory (it is created when missing): it is a
+    file, or under one; with ``writable``, a file cannot be created in it (or, while it is missing, in its
+    nearest existing parent). That is found by trying (a probe file, removed at once): ``os.access`` says yes to
+    root whatever the mode, and knows nothing of other reasons a write fails."""
+    work_dir = Path(work_dir)
+    existing = work_dir
+    try:
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        if existing == work_dir and not work_dir.is_dir():
+            raise ValueError(f"work directory {work_dir} is a file: pass a directory (created if missing)")
+        if not existing.is_dir():
+            raise ValueError(f"work directory {work_dir} cannot be created: {existing} is a file, not a directory")
+        if writable:
+            descriptor, probe = tempfile.mkstemp(prefix=".write-probe-", dir=existing)
+            os.close(descriptor)
+            os.unlink(probe)
+    except OSError as error:
+        what = "be written: creating a file in it" if existing == work_dir else \
+            f"be created: creating a file in {existing}"
+        raise ValueError(f"work directory {work_dir} cannot {what} failed ({error.strerror or error}); pass a "
+                         f"directory you can write") from None
 
 
 def check_translate_sources(translate_sources, bpe_dir, pair: tuple) -> Dict[str, Path]:
