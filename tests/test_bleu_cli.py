@@ -86,6 +86,25 @@ def test_an_output_directory_without_write_permission_is_named(toy_data_bin, tmp
     assert f"no permission to create files in {locked}" in err
 
 
+@pytest.mark.skipif(not os.path.isdir("/sys/kernel"), reason="needs Linux's /sys, where nobody creates files")
+def test_an_output_where_even_root_cannot_create_files_is_found_by_trying(toy_data_bin, tmp_path, capsys,
+                                                                         no_generation):
+    """--hyp-out in /sys (or another place where os.access says yes to root and the write fails): the whole subset
+    was translated, then a PermissionError traceback, no BLEU printed. Now a file is created there first (and
+    removed), so the error comes before translating; a place that takes files passes and leaves nothing behind."""
+    raw, data_bin = toy_data_bin
+    ckpt = _checkpoint(tmp_path / "c.pt", _dictionary_size(data_bin, "src"), _dictionary_size(data_bin, "tgt"))
+    hyp = "/sys/kernel/softtopk_test.hyp"
+    err = _run(capsys, data_bin, ckpt, "--ref", raw / "test.tgt", "--hyp-out", hyp)
+    assert f"--hyp-out {hyp} cannot be written: " in err and "/sys/kernel" in err.split("cannot be written: ")[1]
+    (tmp_path / "out").mkdir()
+    (tmp_path / "scores.json").write_text("earlier")
+    with pytest.raises(AssertionError, match="fairseq-generate ran"):
+        bleu.main([str(data_bin), str(ckpt), "--ref", str(raw / "test.tgt"), "--hyp-out", str(tmp_path / "out" / "h"),
+                   "--json", str(tmp_path / "scores.json")])
+    assert not list((tmp_path / "out").iterdir()) and (tmp_path / "scores.json").read_text() == "earlier"
+
+
 def test_a_missing_data_directory_or_subset_is_named(toy_data_bin, tmp_path, capsys, no_generation):
     """fairseq's FileNotFoundError traceback came after the config dump."""
     raw, data_bin = toy_data_bin

@@ -3,7 +3,8 @@
 fairseq-generate reports bad input (``--beam 0``, a missing data directory, a checkpoint trained with
 another dictionary, a damaged checkpoint file) with a traceback after a long config dump, some of it
 only after it has loaded everything; an output file that cannot be written was found only after the
-whole translation. :mod:`.scoring` and ``fairseq-softtopk-bleu`` run these checks first: each raises
+whole translation. :mod:`.scoring` and ``fairseq-softtopk-bleu`` run these checks first (an output file by
+trying to write there: :func:`check_output_file`): each raises
 one line naming the flag or file, the value and what is wrong (``ValueError``, or
 ``FileNotFoundError`` for a missing file or directory). :func:`refused_checkpoint` pulls the
 cause out of the output of a fairseq tool that failed on a checkpoint anyway.
@@ -11,6 +12,7 @@ cause out of the output of a fairseq tool that failed on a checkpoint anyway.
 
 import os
 import re
+import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -67,22 +69,34 @@ def check_decoding_numbers(beam, batch_size=None, lenpen=None) -> None:
 
 def check_output_file(path, flag: str) -> None:
     """Raises ``ValueError`` naming ``flag`` and ``path`` when ``path`` could not be written later: it is a
-    directory, a parent of it is a file, or there is no permission to write it or to create it in the
-    nearest existing parent directory. Creates nothing."""
+    directory, a parent of it is a file, or it cannot be opened for writing (an existing file, opened to append
+    and closed unchanged) or a file cannot be created in the nearest existing parent directory (a probe file,
+    removed at once). Found by trying: ``os.access`` says yes to root whatever the mode, and knows nothing of
+    file systems that refuse every write (``/sys``, ``/proc``). Leaves nothing behind."""
     path = Path(path)
     if path.is_dir():
         raise ValueError(f"{flag} {path} is a directory; give the name of a file to write")
     if path.exists():
-        if not os.access(path, os.W_OK):
-            raise ValueError(f"{flag} {path} cannot be written: no permission to write that file")
+        try:  # non-blocking: a FIFO without a reader fails at once instead of waiting
+            os.close(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK))
+        except OSError as error:
+            why = "no permission to write that file" if isinstance(error, PermissionError) else \
+                f"opening it for writing failed ({error.strerror or error})"
+            raise ValueError(f"{flag} {path} cannot be written: {why}") from None
         return
     parent = path.parent
     while not parent.exists() and parent != parent.parent:  # the directories that would be created
         parent = parent.parent
     if not parent.is_dir():
         raise ValueError(f"{flag} {path} cannot be written: {parent} is a file, not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"{flag} {path} cannot be written: no permission to create files in {parent}")
+    try:
+        descriptor, probe = tempfile.mkstemp(prefix=".write-probe-", dir=parent)
+        os.close(descriptor)
+        os.unlink(probe)
+    except OSError as error:
+        why = f"no permission to create files in {parent}" if isinstance(error, PermissionError) else \
+            f"creating a file in {parent} failed ({error.strerror or error})"
+        raise ValueError(f"{flag} {path} cannot be written: {why}") from None
 
 
 def data_directory(data_bin: str) -> Path:
