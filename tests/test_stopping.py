@@ -513,6 +513,59 @@ def test_a_live_lock_refuses_the_run_naming_the_process_and_the_directory(tmp_pa
             pass
 
 
+def test_a_second_command_on_a_work_directory_in_use_is_refused_at_once(tmp_path, sleeper, capsys):
+    """Two ablation runners on one work directory were both let in: each trained an arm, then both stopped on the
+    other's run ("... is in use by process N"), with no report. The work directory itself is now locked from the
+    start: a second runner (or main job) is refused at once in one line naming the process; nothing is written."""
+    from fairseq_softtopk.cli import main_job
+    from test_ablation import _fake_data_bin
+
+    data_bin, work = _fake_data_bin(tmp_path / "bin"), tmp_path / "work"
+    work.mkdir()
+    (work / "run.lock").write_text(_lock_of(sleeper.pid))
+    (tmp_path / "scratch.yaml").write_text(SCRATCH)
+    with pytest.raises(SystemExit) as exit_info:
+        ablation_cli.main([str(tmp_path / "scratch.yaml"), "--data-bin", str(data_bin), "--work-dir", str(work)])
+    message = capsys.readouterr().err
+    assert exit_info.value.code == 1 and len(message.strip().splitlines()) == 1
+    assert f"{work} is in use by process {sleeper.pid} on " in message
+    assert "two commands in one work directory would train and score the same runs" in message
+    assert sorted(p.name for p in work.iterdir()) == ["run.lock"]  # nothing written, the lock kept
+    # the main job too, before --fresh deletes anything (--arms nope: were it let in, it would stop soon after)
+    with pytest.raises(SystemExit) as exit_info:
+        main_job.main(["--work-dir", str(work), "--fresh", "--seeds", "1", "--sizes", "20", "5", "5", "--pretrain",
+                       "--arms", "nope"])
+    message = capsys.readouterr().err
+    assert exit_info.value.code == 1 and f"{work} is in use by process {sleeper.pid} on " in message
+    assert sorted(p.name for p in work.iterdir()) == ["run.lock"]
+
+
+def test_the_work_directory_lock_of_a_dead_runner_is_taken_over_and_released(tmp_path, monkeypatch, caplog):
+    """A runner killed outright leaves its work directory's lock: the next one takes it over (a log line), holds it
+    while its runs train, and removes it when it ends."""
+    from fairseq_softtopk.experiments import ablation_runner
+    from fairseq_softtopk.experiments.ablation_config import load_config
+    from test_ablation import _fake_data_bin
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    data_bin, work = _fake_data_bin(tmp_path / "bin"), tmp_path / "work"
+    work.mkdir()
+    (work / "run.lock").write_text(_lock_of(gone.pid))
+    (tmp_path / "scratch.yaml").write_text(SCRATCH)
+    holders = []
+
+    def schedule(*args):  # instead of training: who holds the work directory meanwhile
+        holders.append(json.loads((work / "run.lock").read_text())["pid"])
+        raise ValueError("stopped before training")
+
+    monkeypatch.setattr(ablation_runner, "_schedule", schedule)
+    with caplog.at_level("WARNING", logger="ablation"), pytest.raises(ValueError, match="stopped before training"):
+        ablation_runner.run_ablation(load_config(tmp_path / "scratch.yaml"), data_bin, work)
+    assert holders == [os.getpid()] and f"taking over the lock of process {gone.pid} on " in caplog.text
+    assert not (work / "run.lock").exists()
+
+
 def test_a_stale_lock_is_taken_over_with_a_log_line_and_released(tmp_path, caplog):
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()

@@ -24,9 +24,9 @@ the install command, and listed in the report; a request of such arms only is an
 
 Ctrl-C or SIGTERM stops every fairseq process the runner started (within seconds), starts no
 further run, keeps every finished run and prints what finished, what will resume and the
-command to rerun; the exit status is 130 (SIGINT) or 143 (SIGTERM). Each run directory is
-locked while a process trains in it (``run.lock``): a second runner on the same directory is
-refused. A finished run's ``checkpoint_last.pt`` is checked against the SHA-256 recorded in its
+command to rerun; the exit status is 130 (SIGINT) or 143 (SIGTERM). The work directory is
+locked from the start, and each run directory while a process trains in it (``run.lock``): a second
+runner on the same directory is refused at once, naming the process. A finished run's ``checkpoint_last.pt`` is checked against the SHA-256 recorded in its
 ``done.json`` before it is fine-tuned from or scored; ``--pretrained`` (before anything runs) and a
 ``checkpoint_last.pt`` to resume from are read whole (every zip member's CRC-32: torch checks none). The same command with ``--status`` prints what
 each of its runs has done (also while it runs) and exits.

@@ -47,6 +47,7 @@ from fairseq_softtopk.experiments.ablation_runner import check_jobs, check_seeds
 from fairseq_softtopk.experiments.child_processes import RunStopped, stop_on_signals
 from fairseq_softtopk.experiments.fairseq_commands import PACKAGE_DIR, binarize_generated_corpus
 from fairseq_softtopk.experiments.reference_comparison import compare, comparison_markdown
+from fairseq_softtopk.experiments.run_lock import WORK_DIR_IN_USE, run_lock
 from fairseq_softtopk.experiments.work_dir_marker import clear_for_fresh, record_created
 from fairseq_softtopk.extras import exit_unless_installed
 
@@ -111,14 +112,16 @@ def main(argv=None) -> int:
     with stop_on_signals():
         try:
             config = load_config(CONFIG, args.set)
-            if args.fresh:
-                removed = clear_for_fresh(work)
-                if removed:
-                    print(f"main job: --fresh removed {', '.join(p.name for p in removed)} from {work}", flush=True)
-            # what this run will create, recorded before it exists: --fresh removes only that
-            runs = [f"seed{seed}" for seed in args.seeds] + (["pretrain"] if args.pretrain else ["pretrained"])
-            record_created(work, ["raw", "bin", *runs, "results.json", "results.md", "curves.png", "agreement.md"])
-            results = run_main_job(config, args, work, command)
+            work.mkdir(parents=True, exist_ok=True)
+            with run_lock(work, WORK_DIR_IN_USE):  # one job per work directory, before --fresh deletes anything
+                if args.fresh:
+                    removed = clear_for_fresh(work)
+                    if removed:
+                        print(f"main job: --fresh removed {', '.join(p.name for p in removed)} from {work}", flush=True)
+                # what this run will create, recorded before it exists: --fresh removes only that
+                runs = [f"seed{seed}" for seed in args.seeds] + (["pretrain"] if args.pretrain else ["pretrained"])
+                record_created(work, ["raw", "bin", *runs, "results.json", "results.md", "curves.png", "agreement.md"])
+                results = run_main_job(config, args, work, command)
         except (FileNotFoundError, ValueError, RuntimeError) as error:
             parser.exit(1 if isinstance(error, RuntimeError) else 2, f"{parser.prog}: error: {error}\n")
         except RunStopped as stop:  # the rerun must not discard what this one trained: no --fresh

@@ -20,7 +20,7 @@ from .ablation_training import read_train_stats, train_run, write_json_atomic
 from .checkpoint_integrity import LAST, checkpoint_digest
 from .child_processes import RunStopped, check_not_stopping, stop_on_signals
 from .fairseq_commands import PACKAGE_DIR, intra_op_threads
-from .run_lock import run_lock
+from .run_lock import WORK_DIR_IN_USE, run_lock
 from .run_status import describe_runs
 
 logger = logging.getLogger("ablation")
@@ -174,6 +174,9 @@ def run_ablation(config: dict, data_bin, work_dir, ref_dir=None, seeds: Sequence
     arm that cannot train here (:func:`unavailable_arms`) is skipped before anything runs, with a
     warning, and the report names it with the reason.
 
+    ``work_dir`` is locked (``run.lock``, :mod:`.run_lock`) before anything trains or is scored: a second
+    runner there is refused at once (:class:`.run_lock.RunDirectoryInUse`, naming the process).
+
     Called from the main thread, SIGINT and SIGTERM stop it (:mod:`.child_processes`): every
     fairseq process ends, no run starts after the signal, finished runs are kept and unfinished
     ones resume on the next call.
@@ -200,6 +203,7 @@ def run_ablation(config: dict, data_bin, work_dir, ref_dir=None, seeds: Sequence
         the ``results.json`` contents.
     Raises:
         RunStopped: on SIGINT or SIGTERM; its ``lines`` say what finished and what will resume.
+        RunDirectoryInUse: another live process holds ``work_dir`` (or a run directory in it).
     """
     if config["stage"] == "pretrain":
         raise ValueError(f"{config['path']} is a pretrain config; pass its finetune config (which names it)")
@@ -237,7 +241,8 @@ def run_ablation(config: dict, data_bin, work_dir, ref_dir=None, seeds: Sequence
     start_ckpt = None if config["stage"] != "finetune" else \
         Path(pretrained) if pretrained is not None else work_dir / "pretrain" / LAST if shared_pretrain else None
     plan = run_plan(config, work_dir, seeds, arms, pretrained)
-    with stop_on_signals():
+    work_dir.mkdir(parents=True, exist_ok=True)
+    with stop_on_signals(), run_lock(work_dir, WORK_DIR_IN_USE):  # one runner per work directory, from the start
         try:
             scored = None
             if score_pretrained and pretrained is not None:  # beside the fine-tuning runs, on a run's threads

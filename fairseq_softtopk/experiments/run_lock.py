@@ -6,7 +6,9 @@ checkpoints and logs and overrun the update budget. :func:`run_lock` creates
 process it runs) and removes it when the block ends. A lock whose owner and child are both
 gone (the runner was killed) is stale: it is taken over, with a log line. A live owner, or
 one on another host (whose processes cannot be checked from here), is refused with
-:class:`RunDirectoryInUse`, naming the PID, host and directory.
+:class:`RunDirectoryInUse`, naming the PID, host and directory. The ablation runner and the main job
+also hold the lock of their whole work directory (:data:`WORK_DIR_IN_USE`), so that a second command
+there is refused at once, not after each has trained runs the other then cannot take.
 """
 
 import contextlib
@@ -22,6 +24,8 @@ from typing import Dict, List, Optional
 logger = logging.getLogger("ablation")
 
 LOCK = "run.lock"
+#: what the refusal of a second command on a work directory says
+WORK_DIR_IN_USE = "two commands in one work directory would train and score the same runs"
 
 _held: Dict[str, List] = {}  # lock path -> [nesting depth, the lock's contents], in this process
 _held_lock = threading.Lock()
@@ -96,7 +100,7 @@ def _write(path: Path, data: dict, exclusive: bool) -> None:
     os.replace(tmp, path)
 
 
-def _acquire(run_dir: Path, path: Path) -> dict:
+def _acquire(run_dir: Path, path: Path, why: str) -> dict:
     mine = {"pid": os.getpid(), "pid_started": process_start(os.getpid()), "host": socket.gethostname(),
             "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     for _ in range(3):
@@ -109,7 +113,7 @@ def _acquire(run_dir: Path, path: Path) -> dict:
         if owner is not None:
             raise RunDirectoryInUse(
                 f"{run_dir} is in use by {_owner_text(owner)}: wait for it to end or stop it (kill "
-                f"{owner['pid']}); two trainings in one directory would mix their checkpoints")
+                f"{owner['pid']}); {why}")
         with contextlib.suppress(OSError, ValueError):
             stale = json.loads(path.read_text(encoding="utf-8"))
             logger.warning("%s: taking over the lock of %s, which is no longer running", run_dir, _owner_text(stale))
@@ -119,8 +123,9 @@ def _acquire(run_dir: Path, path: Path) -> dict:
 
 
 @contextlib.contextmanager
-def run_lock(run_dir: Path):
-    """Holds ``run_dir/run.lock`` within the block (nested blocks of this process share it).
+def run_lock(run_dir: Path, why: str = "two trainings in one directory would mix their checkpoints"):
+    """Holds ``run_dir/run.lock`` within the block (nested blocks of this process share it); ``why``: what
+    the refusal of a second process says two processes there would do.
 
     Yields a function ``record_child(proc)`` that adds a child's PID to the lock, so that a
     rerun also waits for a training that outlived its runner.
@@ -133,7 +138,7 @@ def run_lock(run_dir: Path):
     key = str(path.resolve())
     with _held_lock:
         if key not in _held:
-            _held[key] = [0, _acquire(run_dir, path)]
+            _held[key] = [0, _acquire(run_dir, path, why)]
         _held[key][0] += 1
         mine = _held[key][1]
 

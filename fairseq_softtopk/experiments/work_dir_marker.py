@@ -74,10 +74,10 @@ def clear_for_fresh(work: Path) -> List[Path]:
             run there is in use by a live process; nothing is removed then.
     """
     work = Path(work)
-    if not work.is_dir() or not any(work.iterdir()):
+    entries = sorted(path.name for path in work.iterdir() if path.name != LOCK) if work.is_dir() else []
+    if not entries:  # new, or empty but for the lock of the job that calls this
         return []
     marker = read_marker(work)
-    entries = sorted(path.name for path in work.iterdir())
     if marker is None:
         raise ValueError(f"--fresh: {work} was not made by the main job (no {MARKER}; it holds "
                          f"{', '.join(entries[:8])}{', ...' if len(entries) > 8 else ''}): nothing was deleted. Pass "
