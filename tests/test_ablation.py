@@ -274,6 +274,95 @@ def test_a_work_directory_with_other_flags_names_each_flag_with_both_values(tmp_
     assert "--max-update" not in message and "--arch" not in message  # unchanged flags are not listed
 
 
+def _binarised_like(path: Path, seed: int) -> Path:
+    """A fairseq-preprocess directory's files (dictionaries and data file sizes the same for every ``seed``, as
+    for two corpora of one size binarised with one dictionary; index files of train, valid and test whose contents
+    depend on ``seed``): what the fingerprint reads."""
+    rng = random.Random(seed)
+    path.mkdir(parents=True)
+    for lang in ("src", "tgt"):
+        (path / f"dict.{lang}.txt").write_text("a 1\nb 1\n")
+        for split in ("train", "valid", "test"):
+            (path / f"{split}.src-tgt.{lang}.idx").write_bytes(bytes(rng.randrange(256) for _ in range(64)))
+            (path / f"{split}.src-tgt.{lang}.bin").write_bytes(bytes(200))
+    return path
+
+
+class _Stopped(Exception):
+    """Stands for a stop in the middle of training (fairseq-train left checkpoint_last.pt)."""
+
+
+@pytest.fixture
+def training_stand_in(monkeypatch):
+    """ablation_training._train replaced: each call appends its data directory to the returned list, writes
+    checkpoint_last.pt and stops (raises _Stopped) while ``stops`` holds True, else finishes."""
+    calls, stops = [], [True]
+
+    def train(args, save_dir, verbose, record_child):
+        calls.append(args[0])
+        torch.save({"model": {"w": torch.zeros(3)}}, save_dir / "checkpoint_last.pt")
+        if stops[0]:
+            raise _Stopped()
+
+    monkeypatch.setattr(ablation_training, "_train", train)
+    return calls, stops
+
+
+def test_a_run_is_not_resumed_nor_reported_on_other_data(tmp_path, training_stand_in):
+    """A run stopped and rerun with --data-bin of another corpus (the same dictionaries and sizes) resumed from its
+    checkpoint_last.pt and was marked done and scored after updates on both. Its data's fingerprint is recorded
+    when it starts: the rerun on other data is refused naming both directories and fingerprints (nothing trains);
+    on its own data (a copy elsewhere too) it resumes; finished, it is still refused on other data."""
+    calls, stops = training_stand_in
+    first, other = _binarised_like(tmp_path / "first", 1), _binarised_like(tmp_path / "other", 2)
+    run, flags = tmp_path / "work" / "seed1" / "tf", {"arch": "softtopk_lstm_tiny", "max-update": 60}
+    with pytest.raises(_Stopped):
+        ablation_training.train_run(first, flags, run)
+    with pytest.raises(ValueError) as error:
+        ablation_training.train_run(other, flags, run)
+    message = str(error.value)
+    recorded = json.loads((run / "data.json").read_text())
+    assert recorded["data_bin"] == str(first) and set(recorded["files"]) == {
+        f"{name}.{lang}.{ext}" for name in ("dict", "train.src-tgt", "valid.src-tgt") for lang in ("src", "tgt")
+        for ext in (("txt",) if name == "dict" else ("idx", "bin"))}  # test is not read in training
+    assert message.startswith(f"{run} was started on other data: {first} (fingerprint {recorded['sha256'][:12]}), "
+                              f"not {other} (fingerprint ")
+    assert "differing: train.src-tgt.src.idx, train.src-tgt.tgt.idx, valid.src-tgt.src.idx, valid.src-tgt.tgt.idx); " \
+           "nothing was trained or scored. Pass the data it started on as --data-bin" in message
+    assert calls == [str(first)] and "\n" not in message
+    import shutil
+
+    shutil.copytree(first, tmp_path / "copy")  # the same corpus elsewhere: the same run
+    stops[0] = False
+    assert ablation_training.train_run(tmp_path / "copy", flags, run)["checkpoint_sha256"]
+    assert calls == [str(first), str(tmp_path / "copy")]
+    with pytest.raises(ValueError, match="was started on other data"):  # finished: not reported on other data
+        ablation_training.train_run(other, flags, run)
+    (tmp_path / "first" / "test.src-tgt.src.idx").write_bytes(b"another test set")  # not read in training
+    assert ablation_training.train_run(first, flags, run)["checkpoint_sha256"]
+
+
+def test_a_run_from_before_fingerprints_resumes_and_records_its_data(tmp_path, training_stand_in):
+    """A run directory without data.json (an older work directory, or records restored by run_records, which keep
+    none) still resumes, and records the fingerprint then; a finished one is reported without one."""
+    calls, stops = training_stand_in
+    first, other = _binarised_like(tmp_path / "first", 1), _binarised_like(tmp_path / "other", 2)
+    run, flags = tmp_path / "work" / "seed1" / "tf", {"arch": "softtopk_lstm_tiny", "max-update": 60}
+    with pytest.raises(_Stopped):
+        ablation_training.train_run(first, flags, run)
+    (run / "data.json").unlink()
+    with pytest.raises(_Stopped):
+        ablation_training.train_run(first, flags, run)
+    assert calls == [str(first)] * 2 and json.loads((run / "data.json").read_text())["data_bin"] == str(first)
+    with pytest.raises(ValueError, match="was started on other data"):
+        ablation_training.train_run(other, flags, run)
+    stops[0] = False
+    ablation_training.train_run(first, flags, run)
+    (run / "data.json").unlink()  # finished, as restored from records: skipped, nothing recorded
+    assert ablation_training.train_run(other, flags, run)["checkpoint_sha256"]
+    assert calls == [str(first)] * 3 and not (run / "data.json").exists()
+
+
 # ----------------------------------------------------------------------------- bootstrap
 
 @pytest.fixture
@@ -621,6 +710,42 @@ def test_micro_ablation_writes_results_table_and_curves(micro):
         assert row in markdown
     assert (work / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (work / "curves.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_a_stopped_run_is_not_resumed_on_another_corpus_with_the_same_dictionaries(micro, tmp_path):
+    """(Before the next test, which resumes the fixture's soft arm from its update-4 checkpoint.) The micro
+    ablation's soft arm, in a copy, stopped at update 4, rerun with --data-bin of another corpus binarised with the
+    same dictionaries: it resumed from checkpoint_last.pt, trained the remaining updates on the other corpus and was
+    marked done and scored. Now it is refused, naming both directories, before anything trains."""
+    import shutil
+
+    root, config, _ = micro
+    work = tmp_path / "work"
+    shutil.copytree(root / "work", work)
+    soft = work / "seed1" / "soft"
+    (soft / "checkpoint_1_4.pt").replace(soft / "checkpoint_last.pt")
+    (soft / "done.json").unlink()
+    log = (soft / "train.log").read_text()
+    write_toy_corpus(tmp_path / "raw", splits={"train": (300, 21), "valid": (30, 22), "test": (30, 23)})
+    run_logged(fairseq_command("preprocess", [
+        "--source-lang", "src", "--target-lang", "tgt", "--trainpref", tmp_path / "raw" / "train",
+        "--validpref", tmp_path / "raw" / "valid", "--testpref", tmp_path / "raw" / "test",
+        "--srcdict", root / "bin" / "dict.src.txt", "--tgtdict", root / "bin" / "dict.tgt.txt",
+        "--destdir", tmp_path / "bin", "--workers", "1"]), echo=False)
+    # the first run of the schedule is named (the shared pretraining run, finished: not reported on other data)
+    with pytest.raises(ValueError, match=rf"^{work / 'pretrain'} was started on other data: {root / 'bin'} "
+                                         rf"\(fingerprint [0-9a-f]{{12}}\), not {tmp_path / 'bin'} \(fingerprint "):
+        run_ablation(config, tmp_path / "bin", work, ref_dir=tmp_path / "raw", bootstrap_samples=20)
+    assert (soft / "train.log").read_text() == log and not (soft / "done.json").exists()
+    # given the pretrained checkpoint and run with the finished arms moved away, the soft arm itself is refused
+    shutil.rmtree(work / "pretrain")
+    for arm in ("tf", "hard"):
+        shutil.rmtree(work / "seed1" / arm)
+    with pytest.raises(ValueError, match=rf"^{soft} was started on other data: {root / 'bin'} \(fingerprint "):
+        run_ablation(config, tmp_path / "bin", work, ref_dir=tmp_path / "raw", arms=["soft"], bootstrap_samples=20,
+                     pretrained=root / "work" / "pretrain" / "checkpoint_last.pt", jobs=2)
+    assert (soft / "train.log").read_text() == log and not (soft / "done.json").exists()
 
 
 @pytest.mark.slow

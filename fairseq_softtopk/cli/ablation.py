@@ -16,7 +16,8 @@ paired bootstrap against the baseline, mean and spread over ``--seeds``) and ``c
 Re-running skips finished arms (``done.json``, written atomically after training); a
 half-finished arm resumes from its ``checkpoint_last.pt``. A work directory refuses to
 continue a run whose fairseq-train arguments have changed (naming each flag, earlier and new
-value). Before anything runs, every flag of every stage and arm is checked against
+value), or whose data have (``data.json``: the dictionaries and the training and validation splits'
+index files by digest, their data files by size, recorded when the run starts). Before anything runs, every flag of every stage and arm is checked against
 fairseq-train's parser (with this package as ``--user-dir``): an unknown flag is named with
 the config section that sets it. A requested arm that cannot train here (``--criterion
 beamgrad_risk`` without the optional package beamgrad) is skipped then, with a warning naming

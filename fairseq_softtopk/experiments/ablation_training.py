@@ -1,6 +1,7 @@
 """One run of the beam-search training ablation (:mod:`.ablation_runner`): training it with fairseq-train (or
 resuming it, or skipping it once finished) into its directory, which records its arguments (``run.json``) and
-its end (``done.json``, with the checkpoint's digest), and reading its training log."""
+its end (``done.json``, with the checkpoint's digest) and its data (``data.json``, :mod:`.run_data`), and reading
+its training log."""
 
 import json
 import logging
@@ -15,6 +16,7 @@ from .ablation_config import flags_to_args
 from .checkpoint_integrity import (BEST, KEY as DIGEST_KEY, LAST, check_resumable, checkpoint_digest, digest_key,
                                    verify_run_checkpoint)
 from .fairseq_commands import fairseq_command, run_logged, subprocess_env
+from .run_data import check_run_data
 from .run_lock import run_lock
 
 logger = logging.getLogger("ablation")
@@ -146,7 +148,9 @@ def train_run(data_bin: Path, flags: Mapping[str, object], save_dir: Path,
     ``cpu_seconds`` is None). The run holds ``save_dir/run.lock`` (:mod:`.run_lock`) meanwhile.
 
     ``run.json`` records the fairseq-train arguments when the run starts; a later call with
-    different arguments raises ``ValueError`` instead of mixing two settings in one directory.
+    different arguments raises ``ValueError`` instead of mixing two settings in one directory, and so does
+    one on other data (``data.json``: :mod:`.run_data`, recorded when the run starts or, for a run from
+    before it, when it next trains).
     It also records the ``OMP_NUM_THREADS`` of the fairseq process (None: unset, torch's default):
     a run resumed with another thread count is named in a warning, since the count changes the
     float arithmetic (resumed with the same count, a run ends bit for bit as one never stopped).
@@ -177,6 +181,8 @@ def train_run(data_bin: Path, flags: Mapping[str, object], save_dir: Path,
         else:
             record = {"args": args, THREADS_KEY: threads}
             write_json_atomic(save_dir / RUN, record)
+        # run.json's arguments leave the data's path out (a moved copy is the same run): its contents are checked
+        check_run_data(save_dir, data_bin, flags, record=not (save_dir / DONE).exists())
         if (save_dir / DONE).exists():
             logger.info("%s: finished earlier, skipping training", save_dir)
             return json.loads((save_dir / DONE).read_text())
