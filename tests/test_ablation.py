@@ -1,6 +1,7 @@
 """Tests of the ablation (fairseq-softtopk-ablation: fairseq_softtopk.cli.ablation, and the runner's modules
 ablation_runner, ablation_config, ablation_report and ablation_plot in fairseq_softtopk.experiments: configs,
-reports, end to end) and of the scoring and paired bootstrap (experiments.scoring, fairseq-softtopk-bleu)."""
+reports, end to end) and of the scoring and paired bootstrap (experiments.scoring, fairseq_generate, paired_bootstrap,
+fairseq-softtopk-bleu)."""
 
 import gzip
 import json
@@ -17,7 +18,8 @@ import torch
 from fairseq_softtopk.cli import ablation as ablation_cli
 from fairseq_softtopk.cli import bleu
 from fairseq_softtopk.data.toy_language_pair import write_toy_corpus
-from fairseq_softtopk.experiments import ablation_report, ablation_runner, ablation_training, run_records, scoring
+from fairseq_softtopk.experiments import (ablation_report, ablation_runner, ablation_training, fairseq_generate,
+                                          run_records, scoring)
 from fairseq_softtopk.experiments.ablation_config import (apply_override, config_train_args, flags_to_args, load_config,
                                                           stage_flags)
 from fairseq_softtopk.experiments.ablation_plot import read_valid_curve
@@ -25,7 +27,7 @@ from fairseq_softtopk.experiments.ablation_runner import run_ablation
 from fairseq_softtopk.experiments.checkpoint_integrity import checkpoint_digest
 from fairseq_softtopk.experiments.fairseq_commands import PACKAGE_DIR, fairseq_command, run_logged
 from fairseq_softtopk.experiments.publish import absolute_paths
-from fairseq_softtopk.experiments.scoring import paired_bootstrap
+from fairseq_softtopk.experiments.paired_bootstrap import paired_bootstrap
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
@@ -384,7 +386,7 @@ def test_resample_statistics_reproduce_sacrebleu_corpus_scores(synthetic_corpus)
     import numpy as np
     import sacrebleu
 
-    from fairseq_softtopk.experiments.scoring import BOOTSTRAP_METRICS
+    from fairseq_softtopk.experiments.paired_bootstrap import BOOTSTRAP_METRICS
 
     refs, base, _, _ = synthetic_corpus
     refs = refs[:40] + ["Ein Mann.", "Zwei Hunde spielen im Schnee, nicht im Wasser!", "ja"]
@@ -455,7 +457,7 @@ def test_bootstrap_rejects_mismatched_lengths(synthetic_corpus):
 
 
 def test_parse_targets_in_corpus_order_and_gaps_are_errors():
-    from fairseq_softtopk.experiments.scoring import parse_targets
+    from fairseq_softtopk.experiments.fairseq_generate import parse_targets
 
     stdout = "S-1\tb\nT-1\tB b\nH-1\t-0.1\tx\nT-0\tA a\nD-0\t-0.2\ty\n"
     assert parse_targets(stdout) == ["A a", "B b"]
@@ -466,7 +468,7 @@ def test_parse_targets_in_corpus_order_and_gaps_are_errors():
 def test_nbest_candidates_are_ranked_at_each_length_penalty_as_fairseq_normalises():
     """parse_nbest reads each --nbest candidate's score (its D- line) and length (its P- line: tokens with EOS);
     best_at_lenpen takes the highest score / length ** lenpen, the first printed of a tie."""
-    from fairseq_softtopk.experiments.scoring import best_at_lenpen, parse_nbest
+    from fairseq_softtopk.experiments.fairseq_generate import best_at_lenpen, parse_nbest
 
     stdout = ("S-1\tq\nT-1\tr\n"
               "H-1\t-2.0\ta b\nD-1\t-2.0\tA b\nP-1\t-1.0 -0.5 -0.5\n"
@@ -570,10 +572,10 @@ def test_generation_batch_defaults_to_the_device(monkeypatch, cuda, expected):
         calls.append([str(arg) for arg in command])
         return subprocess.CompletedProcess(command, 0, stdout="", stderr="")
 
-    monkeypatch.setattr(scoring, "_has_cuda", lambda: cuda)
-    monkeypatch.setattr(scoring, "run_captured", fake_run)
-    scoring.run_fairseq_generate("bin", "ckpt.pt")
-    scoring.run_fairseq_generate("bin", "ckpt.pt", batch_size=8)
+    monkeypatch.setattr(fairseq_generate, "_has_cuda", lambda: cuda)
+    monkeypatch.setattr(fairseq_generate, "run_captured", fake_run)
+    fairseq_generate.run_fairseq_generate("bin", "ckpt.pt")
+    fairseq_generate.run_fairseq_generate("bin", "ckpt.pt", batch_size=8)
     first, second = calls
     at = first.index("--batch-size")
     assert first[at:at + 2] == expected[:2] and ("--cpu" in first) == (not cuda)

@@ -13,7 +13,7 @@ import torch
 from conftest import overwrite_tensor_bytes
 from fairseq_softtopk.cli import bleu
 from fairseq_softtopk.experiments import scoring
-from fairseq_softtopk.experiments.scoring import refused_checkpoint
+from fairseq_softtopk.experiments.eval_inputs import refused_checkpoint
 
 
 @pytest.fixture

@@ -176,14 +176,14 @@ def test_a_checkpoint_whose_tensor_bytes_changed_is_refused_by_fairseqs_loader(w
 def test_a_truncated_checkpoint_is_one_line_from_fairseq_generate(toy_data_bin, whole_checkpoint, tmp_path):
     """Through a real fairseq-generate (the plugin as --user-dir), as the scoring runs it: one line
     naming the file, not fairseq's config dump and a traceback ending in OSError [Errno 22]."""
-    from fairseq_softtopk.experiments import scoring
+    from fairseq_softtopk.experiments import fairseq_generate
 
     _, data_bin = toy_data_bin
     cut = tmp_path / "cut.pt"
     data = whole_checkpoint.read_bytes()
     cut.write_bytes(data[:len(data) // 2])
     with pytest.raises(RuntimeError) as error:
-        scoring.run_fairseq_generate(str(data_bin), str(cut), "test")
+        fairseq_generate.run_fairseq_generate(str(data_bin), str(cut), "test")
     message = str(error.value)
     assert message.startswith(f"fairseq-generate refused the checkpoint: {cut} is not a complete checkpoint: ")
     assert f"{len(data) // 2:,} bytes" in message and "\n" not in message

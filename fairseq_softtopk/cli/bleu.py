@@ -25,7 +25,8 @@ import sys
 from pathlib import Path
 
 from fairseq_softtopk.experiments.eval_inputs import check_decoding_numbers, check_output_file
-from fairseq_softtopk.experiments.scoring import DEFAULT_BATCH_SIZE, evaluate_checkpoint
+from fairseq_softtopk.experiments.fairseq_generate import DEFAULT_BATCH_SIZE
+from fairseq_softtopk.experiments.scoring import evaluate_checkpoint
 from fairseq_softtopk.extras import exit_unless_installed
 
 

@@ -51,7 +51,8 @@ def summarise(config: dict, runs: dict, arms: Sequence[str], seeds: Sequence[int
     """Scores per arm/seed/subset, mean and spread over seeds, and paired bootstrap of every
     arm against the baseline of the same seed (``bootstrap``) and against each of the config's
     ``compare_to`` arms (``bootstrap_vs``); ``skipped``: requested arms that did not run, arm -> reason."""
-    from .scoring import output_length, paired_bootstrap
+    from .paired_bootstrap import paired_bootstrap
+    from .scoring import output_length
 
     baseline = config["baseline"]
     # paired bootstrap against the baseline, and against each compare_to arm that ran
@@ -102,7 +103,7 @@ def summarise(config: dict, runs: dict, arms: Sequence[str], seeds: Sequence[int
         "bootstrap_vs": against, "ttest": ttest, "train": train,
         "bootstrap_method": f"paired bootstrap resampling, {bootstrap_samples} resamples, numpy seed 12345, "
                             f"two-sided p, percentile 95% CI of the difference "
-                            f"(fairseq_softtopk/experiments/scoring.py)",
+                            f"(fairseq_softtopk/experiments/paired_bootstrap.py)",
         "notes": [" ".join(str(n).split()) for n in config.get("notes") or []],
     }
 

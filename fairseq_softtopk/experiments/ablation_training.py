@@ -223,7 +223,7 @@ def _train(args: Sequence[str], save_dir: Path, verbose: bool, record_child) -> 
         run_logged(fairseq_command("train", [*args, *device]), log_path=save_dir / "train.log", echo=verbose,
                    progress=f"{save_dir.parent.name}/{save_dir.name}", on_start=record_child)
     except RuntimeError as error:
-        from .scoring import refused_checkpoint
+        from .eval_inputs import refused_checkpoint
 
         refused = refused_checkpoint(str(error))
         if refused:  # alone: the rest of the output is fairseq's config, not the cause

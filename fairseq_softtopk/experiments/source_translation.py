@@ -87,7 +87,8 @@ def translate_lines(checkpoint: Path, data_bin: Path, lines: Sequence[str], segm
     """Detokenised translations of the raw source ``lines`` (one per line, in order) by ``checkpoint``, trained
     with ``data_bin``'s dictionaries (:func:`binarise_source`; ``segment``: raw line -> corpus tokens,
     :func:`.source_segmentation.corpus_segmenter`), decoded as ``eval_cfg`` decodes a subset."""
-    from .scoring import detokenize, parse_hypotheses, run_fairseq_generate
+    from .fairseq_generate import parse_hypotheses, run_fairseq_generate
+    from .scoring import detokenize
 
     with tempfile.TemporaryDirectory(prefix="translate-") as tmp:
         binarised = binarise_source(lines, segment, data_bin, pair, Path(tmp) / "bin")
