@@ -1,4 +1,4 @@
-"""results/ holds summaries (at most 2 MB, no machine's absolute paths), and the publisher that
+"""results/ holds summaries (at most 2 MB on disk, no machine's absolute paths), and the publisher that
 keeps it so (fairseq_softtopk.experiments.publish)."""
 
 import gzip
@@ -6,25 +6,39 @@ import json
 
 import pytest
 
-from fairseq_softtopk.experiments.publish import (PNG_COLOURS, absolute_paths, compact_png, publish,
-                                                  replace_paths, strip_absolute_paths, tidy_in_place)
+from fairseq_softtopk.experiments.publish import (PNG_COLOURS, RUNS, absolute_paths, compact_png, publish,
+                                                  read_runs_archive, replace_paths, strip_absolute_paths,
+                                                  tidy_in_place)
 from fairseq_softtopk.experiments.publish import main as publish_main
 
 
 def _texts(root):
+    """``(path, text)`` of every text file under ``root``, gzipped ones unpacked, and of every member of a runs
+    archive (its path: the archive's, then the member's name)."""
     for path in sorted(root.rglob("*")):
-        if path.is_file() and path.suffix != ".png":
+        if not path.is_file() or path.suffix == ".png":
+            continue
+        if path.name == RUNS:
+            yield from ((path / name, text) for name, text in sorted(read_runs_archive(path).items()))
+        else:
             yield path, (gzip.open(path, "rt", encoding="utf-8").read() if path.suffix == ".gz"
                          else path.read_text(encoding="utf-8"))
+
+
+def _disk_bytes(root) -> int:
+    """What ``du`` counts for ``root`` on a file system of 4 KiB blocks: each file and directory rounded up."""
+    return sum(-(-p.stat().st_size // 4096) * 4096 if p.is_file() else 4096 for p in [root, *root.rglob("*")])
 
 
 def test_results_are_small_summaries_without_absolute_paths(repo_root):
     results = repo_root / "results"
     files = [p for p in results.rglob("*") if p.is_file()]
-    assert sum(p.stat().st_size for p in files) <= 3 * 1024 * 1024
+    assert _disk_bytes(results) <= 2 * 1024 * 1024  # `du -s results`: small files take a block each
     for experiment in (p for p in results.iterdir() if p.is_dir()):  # summaries: logs and hypotheses go to records/
         assert sum(p.stat().st_size for p in experiment.rglob("*") if p.is_file()) <= 512 * 1024, experiment
-    assert not [p for p in files if p.suffix in (".pt", ".hyp") or p.name in ("eval.json", "train.log")]
+    named = [*files, *(p for p, _ in _texts(results))]  # the runs' archives' members too
+    assert not [p for p in named if p.suffix in (".pt", ".hyp") or p.name in ("eval.json", "train.log.gz")]
+    assert not [p for p in files if p.name in ("run.json", "done.json", "train.log")], "runs' files go in runs.tar.xz"
     offending = {str(p.relative_to(repo_root)): found[:3] for p, text in _texts(results)
                  if (found := absolute_paths(text))}
     assert not offending
@@ -111,10 +125,11 @@ def test_publish_keeps_the_summaries_and_refuses_to_overwrite(tmp_path):
     publish(tmp_path / "run", tmp_path / "published")
     kept = sorted(str(p.relative_to(tmp_path / "published")) for p in (tmp_path / "published").rglob("*")
                   if p.is_file())
-    assert kept == ["curves.png", "results.json", "results.md", "seed1/tf/run.json", "seed1/tf/train.log.gz"]
+    assert kept == ["curves.png", "results.json", "results.md", RUNS]
+    assert sorted(read_runs_archive(tmp_path / "published" / RUNS)) == ["seed1/tf/run.json", "seed1/tf/train.log"]
     texts = dict(_texts(tmp_path / "published"))
     assert not any(absolute_paths(t) for t in texts.values())
-    assert "runs/main_job/seed1/tf" in texts[tmp_path / "published" / "seed1" / "tf" / "train.log.gz"]
+    assert "runs/main_job/seed1/tf" in texts[tmp_path / "published" / RUNS / "seed1" / "tf" / "train.log"]
     with pytest.raises(FileExistsError):
         publish(tmp_path / "run", tmp_path / "published")
     with pytest.raises(FileNotFoundError, match="results.md"):
@@ -122,12 +137,23 @@ def test_publish_keeps_the_summaries_and_refuses_to_overwrite(tmp_path):
 
 
 def test_tidy_in_place_gives_the_published_form(tmp_path):
+    """A directory published before runs.tar.xz (one directory per run, the log gzipped) is brought to the same
+    form: its runs' files in the archive, their texts unchanged but for the paths, the directories gone."""
     _run_dir(tmp_path / "old")
+    (tmp_path / "old" / "pretrain").mkdir()
+    (tmp_path / "old" / "pretrain" / "done.json").write_text('{"finished": "2026-01-01 00:00:00"}')
+    log = tmp_path / "old" / "seed1" / "tf" / "train.log"
+    log.with_name("train.log.gz").write_bytes(gzip.compress(log.read_bytes()))
+    log.unlink()
     tidy_in_place(tmp_path / "old")
-    names = sorted(p.name for p in (tmp_path / "old").rglob("*") if p.is_file())
-    assert names == ["curves.png", "results.json", "results.md", "run.json", "train.log.gz"]
+    names = sorted(str(p.relative_to(tmp_path / "old")) for p in (tmp_path / "old").rglob("*"))
+    assert names == ["curves.png", "results.json", "results.md", RUNS]
+    runs = read_runs_archive(tmp_path / "old" / RUNS)
+    assert sorted(runs) == ["pretrain/done.json", "seed1/tf/run.json", "seed1/tf/train.log"]
+    assert runs["pretrain/done.json"] == '{"finished": "2026-01-01 00:00:00"}'
+    assert runs["seed1/tf/train.log"] == "save_dir runs/main_job/seed1/tf\n" * 100
     assert not any(absolute_paths(t) for _, t in _texts(tmp_path / "old"))
-    # tidying again is a no-op, byte for byte (gzip without a timestamp, figures already compact)
+    # tidying again is a no-op, byte for byte (an archive without times or owners, figures already compact)
     before = {p: p.read_bytes() for p in (tmp_path / "old").rglob("*") if p.is_file()}
     tidy_in_place(tmp_path / "old")
     assert before == {p: p.read_bytes() for p in (tmp_path / "old").rglob("*") if p.is_file()}
@@ -157,7 +183,7 @@ def test_publish_and_tidy_write_the_placeholder_everywhere(tmp_path):
     publish(tmp_path / "run", tmp_path / "published", {"/work/x/shared/tf.pt": "TF_CHECKPOINT"})
     texts = {p.name: t for p, t in _texts(tmp_path / "published")}
     assert json.loads(texts["results.json"]) == {"command": "--pretrained TF_CHECKPOINT"}
-    assert texts["train.log.gz"].endswith("restore_file='TF_CHECKPOINT'\n")
+    assert texts["train.log"].endswith("restore_file='TF_CHECKPOINT'\n")
     assert not any("shared/" in t for t in texts.values())
     # tidying a directory published without it names the same file the same way
     _run_dir(tmp_path / "old")

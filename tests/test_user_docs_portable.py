@@ -77,12 +77,19 @@ def test_user_documents_name_no_machine_paths_issues_or_sessions(path):
 def test_published_arguments_scores_and_logs_name_no_machine_paths_issues_or_sessions():
     """results/' JSON files (the configs' notes are copied there) and training logs: what the reports say, and no
     file from outside the repository (a checkpoint there is named by a placeholder its README explains)."""
-    found = []
+    from fairseq_softtopk.experiments.publish import RUNS, read_runs_archive
+
+    found, archived = [], 0
     for path in sorted((REPO / "results").rglob("*")):
-        if path.suffix not in (".json", ".gz"):
+        if path.name == RUNS:  # each run's arguments, end and log
+            texts = {path / name: text for name, text in read_runs_archive(path).items()}
+            archived += len(texts)
+        elif path.suffix in (".json", ".gz"):
+            texts = {path: (gzip.open(path, "rt", encoding="utf-8").read() if path.suffix == ".gz"
+                            else path.read_text(encoding="utf-8"))}
+        else:
             continue
-        text = (gzip.open(path, "rt", encoding="utf-8").read() if path.suffix == ".gz"
-                else path.read_text(encoding="utf-8"))
-        found += [f"{path.relative_to(REPO)}:{number}: {kind} {match!r}"
-                  for number, kind, match, _ in offences(text)]
+        found += [f"{where.relative_to(REPO)}:{number}: {kind} {match!r}"
+                  for where, text in texts.items() for number, kind, match, _ in offences(text)]
     assert not found, "\n".join(found[:20])
+    assert archived > 300  # the runs' files were read

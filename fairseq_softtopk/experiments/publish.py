@@ -1,9 +1,12 @@
 """Publishing a run directory under ``results/``: its summaries, without the machine it ran on.
 
 ``results/`` in git holds what a reader needs to check a table (``results.md``, ``results.json``,
-figures (re-encoded with a 64-colour palette: a quarter of the bytes, the same picture), each
-run's fairseq-train arguments and timings, its training log compressed), not what
-re-running the command produces again (checkpoints, hypotheses, ``eval.json`` with every
+figures (re-encoded with a 64-colour palette: a quarter of the bytes, the same picture), and in one
+archive, ``runs.tar.xz``, each run's fairseq-train arguments, timings and training log: ``tar xf
+runs.tar.xz`` gives ``seed1/ARM/run.json``, ``done.json`` and ``train.log`` as the run directory held them.
+One archive, not three files a run: the runs' logs share most of their text, so xz across them takes a
+tenth of the bytes of each log gzipped alone, and 100 small files took 400 KB of 4 KB blocks on disk),
+not what re-running the command produces again (checkpoints, hypotheses, ``eval.json`` with every
 hypothesis). Absolute paths are cut to the part a reader can resolve (from ``runs/``, ``data/``,
 ``configs/``, ...), so that nothing names the machine that wrote them. A file a reader does not have
 (a checkpoint from outside the repository) is named by a placeholder the results' README explains
@@ -18,16 +21,20 @@ import argparse
 import gzip
 import io
 import logging
+import lzma
 import re
 import sys
+import tarfile
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, List, Optional
 
 #: path components from which a path is kept (the first one found, with what follows it)
 ANCHORS = ("runs", "data", "results", "configs", "checkpoints", "fairseq_softtopk", "scripts", "shared", "site-packages")
 #: what results/ keeps at a run directory's top level and in each run below it
 TOP_LEVEL = ("*.md", "*.json", "*.png")
 PER_RUN = ("run.json", "done.json", "train.log")
+#: the archive of every run's :data:`PER_RUN` files in a published directory
+RUNS = "runs.tar.xz"
 #: what it never keeps: re-running the command produces them
 DROPPED = ("*.pt", "*.hyp", "eval.json")
 
@@ -141,11 +148,40 @@ def _copy_clean(source: Path, dest: Path, placeholders: Optional[Dict[str, str]]
     _write_text(dest, replace_paths(text, placeholders))
 
 
-def _files(run_dir: Path) -> Iterable[Path]:
-    for pattern in TOP_LEVEL:
-        yield from sorted(run_dir.glob(pattern))
-    for name in PER_RUN + ("train.log.gz",):
-        yield from sorted(p for p in run_dir.rglob(name) if p.parent != run_dir)
+def _run_files(run_dir: Path) -> List[Path]:
+    """The :data:`PER_RUN` files of the runs below ``run_dir`` (a log gzipped, as published before, too)."""
+    return sorted(p for name in PER_RUN + ("train.log.gz",) for p in run_dir.rglob(name) if p.parent != run_dir)
+
+
+def _member_name(run_dir: Path, path: Path) -> str:
+    """A run file's name in :data:`RUNS`: its path below ``run_dir``, a gzipped log by its plain name."""
+    name = path.relative_to(run_dir).as_posix()
+    return name[:-len(".gz")] if name.endswith("train.log.gz") else name
+
+
+def _read_text(path: Path) -> str:
+    return (gzip.open(path, "rt", encoding="utf-8").read() if path.suffix == ".gz"
+            else path.read_text(encoding="utf-8", errors="replace"))
+
+
+def read_runs_archive(path: Path) -> Dict[str, str]:
+    """``{member name: text}`` of a :data:`RUNS` archive (``seed1/tf/run.json``, ...)."""
+    with tarfile.open(path, "r:xz") as archive:
+        return {member.name: archive.extractfile(member).read().decode("utf-8")
+                for member in archive.getmembers() if member.isfile()}
+
+
+def write_runs_archive(path: Path, texts: Dict[str, str]) -> None:
+    """Writes ``{member name: text}`` as a tar archive compressed with xz, reproducibly: names sorted, no time,
+    owner or group, so that writing the same texts again gives the same bytes (no churn in git)."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.USTAR_FORMAT) as archive:
+        for name in sorted(texts):
+            data = texts[name].encode("utf-8")
+            info = tarfile.TarInfo(name)
+            info.size, info.mtime, info.mode = len(data), 0, 0o644
+            archive.addfile(info, io.BytesIO(data))
+    path.write_bytes(lzma.compress(buffer.getvalue(), preset=9 | lzma.PRESET_EXTREME))
 
 
 def publish(run_dir, dest, placeholders: Optional[Dict[str, str]] = None) -> List[Path]:
@@ -162,27 +198,49 @@ def publish(run_dir, dest, placeholders: Optional[Dict[str, str]] = None) -> Lis
     if dest.exists():
         raise FileExistsError(f"{dest} exists; remove it to publish {run_dir} there again")
     written = []
-    for source in _files(run_dir):
-        target = dest / source.relative_to(run_dir)
-        _copy_clean(source, target, placeholders)
-        written.append(target.with_name("train.log.gz") if source.name == "train.log" else target)
+    for source in (p for pattern in TOP_LEVEL for p in sorted(run_dir.glob(pattern))):
+        _copy_clean(source, dest / source.name, placeholders)
+        written.append(dest / source.name)
+    runs = {_member_name(run_dir, p): replace_paths(_read_text(p), placeholders) for p in _run_files(run_dir)}
+    if runs:
+        write_runs_archive(dest / RUNS, runs)
+        written.append(dest / RUNS)
     return written
 
 
 def tidy_in_place(published, placeholders: Optional[Dict[str, str]] = None) -> None:
     """Brings a directory already under ``results/`` to the same form: drops :data:`DROPPED`,
-    gzips the training logs, strips absolute paths from every text file and names those of
-    ``placeholders`` (``{path: name}``), re-encodes the figures."""
+    moves the runs' files (one directory per run, as published before :data:`RUNS`) into :data:`RUNS`
+    beside what it already holds, strips absolute paths from every text file and names those of
+    ``placeholders`` (``{path: name}``), re-encodes the figures.
+
+    Raises:
+        FileExistsError: a run's file is both in :data:`RUNS` and beside it, with other contents (nothing
+            is changed then).
+    """
     published = Path(published)
+    runs = read_runs_archive(published / RUNS) if (published / RUNS).is_file() else {}
+    loose = _run_files(published)
+    for path in loose:
+        name, text = _member_name(published, path), _read_text(path)
+        if runs.get(name, text) != text:
+            raise FileExistsError(f"{path} differs from {name} in {published / RUNS}: keep one of them")
+        runs[name] = text
     for pattern in DROPPED:
         for path in published.rglob(pattern):
             path.unlink()
     for path in sorted(published.rglob("*")):
-        if not path.is_file():
-            continue
-        _copy_clean(path, path, placeholders)
-        if path.name == "train.log":
-            path.unlink()
+        if path.is_file() and path not in loose and path.name != RUNS:
+            _copy_clean(path, path, placeholders)
+            if path.name == "train.log":
+                path.unlink()
+    if runs:
+        write_runs_archive(published / RUNS, {name: replace_paths(text, placeholders) for name, text in runs.items()})
+    for path in loose:
+        path.unlink()
+    for directory in sorted((p for p in published.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+        if not any(directory.iterdir()):  # a run's directory, emptied
+            directory.rmdir()
 
 
 def main(argv=None) -> int:
