@@ -16,21 +16,23 @@ paired bootstrap against the baseline, mean and spread over ``--seeds``) and ``c
 Re-running skips finished arms (``done.json``, written atomically after training); a
 half-finished arm resumes from its ``checkpoint_last.pt``. A work directory refuses to
 continue a run whose fairseq-train arguments have changed (naming each flag, earlier and new
-value), or whose data have (``data.json``: the dictionaries and the training and validation splits'
-index files by digest, their data files by size, recorded when the run starts). Before anything runs, every flag of every stage and arm is checked against
-fairseq-train's parser (with this package as ``--user-dir``): an unknown flag is named with
-the config section that sets it. A requested arm that cannot train here (``--criterion
+value), or whose data have (``data.json``: the dictionaries and the training and validation
+splits' index files by digest, their data files by size, recorded when the run starts). Before
+anything runs, every flag of every stage and arm is checked against fairseq-train's parser (with
+this package as ``--user-dir``): an unknown flag is named with the config section that sets it.
+A requested arm that cannot train here (``--criterion
 beamgrad_risk`` without the optional package beamgrad) is skipped then, with a warning naming
 the install command, and listed in the report; a request of such arms only is an error.
 
 Ctrl-C or SIGTERM stops every fairseq process the runner started (within seconds), starts no
 further run, keeps every finished run and prints what finished, what will resume and the
 command to rerun; the exit status is 130 (SIGINT) or 143 (SIGTERM). The work directory is
-locked from the start, and each run directory while a process trains in it (``run.lock``): a second
-runner on the same directory is refused at once, naming the process. A finished run's ``checkpoint_last.pt`` is checked against the SHA-256 recorded in its
-``done.json`` before it is fine-tuned from or scored; ``--pretrained`` (before anything runs) and a
-``checkpoint_last.pt`` to resume from are read whole (every zip member's CRC-32: torch checks none). The same command with ``--status`` prints what
-each of its runs has done (also while it runs) and exits.
+locked from the start, and each run directory while a process trains in it (``run.lock``): a
+second runner on the same directory is refused at once, naming the process. A finished run's
+``checkpoint_last.pt`` is checked against the SHA-256 recorded in its ``done.json`` before it is
+fine-tuned from or scored; ``--pretrained`` (before anything runs) and a ``checkpoint_last.pt`` to
+resume from are read whole (every zip member's CRC-32: torch checks none). The same command with
+``--status`` prints what each of its runs has done (also while it runs) and exits.
 
 Example (``DIR`` as written by ``data_prep/prepare_multi30k.sh --out DIR``: ``DIR/bin``
 and ``DIR/raw``)::

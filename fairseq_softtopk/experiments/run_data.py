@@ -69,7 +69,8 @@ def _fingerprint_once(data_bin: Path, subsets: list) -> dict:
 
 def check_run_data(run_dir: Path, data_bin: Path, flags: Mapping[str, object], record: bool) -> None:
     """Compares the fingerprint of ``data_bin`` (the splits ``flags`` train and validate on) with the one recorded
-    in ``run_dir/data.json``; where none is recorded and ``record`` (the run is about to train), records it.
+    in ``run_dir/data.json``; where none is recorded and ``record`` (the run is about to train), records it. A
+    ``data_bin`` that is no directory is left to fairseq-train, which names it.
 
     Raises:
         ValueError: another fingerprint is recorded: one line naming both directories and fingerprints, the
@@ -80,7 +81,7 @@ def check_run_data(run_dir: Path, data_bin: Path, flags: Mapping[str, object], r
         recorded: Optional[dict] = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         recorded = None
-    if recorded is None and not record:
+    if recorded is None and not record or not Path(data_bin).is_dir():
         return
     found = _fingerprint_once(data_bin, trained_subsets(flags))
     if recorded is None:
