@@ -1075,3 +1075,21 @@ def test_translate_sources_decode_with_each_runs_scored_checkpoint_and_are_recor
                  translate_sources=sources, bpe_dir=tmp_path)  # no checkpoint needed: translated already
     assert translated == [] and not list(elsewhere.rglob("*.pt"))
     assert run_records.save_records(elsewhere, records)[0] == []  # the same records
+
+
+@pytest.mark.slow
+def test_a_run_still_held_by_its_runner_is_saved_once_released(micro, tmp_path):
+    """A run with its scores but still held by a live runner (translating --translate-sources after them) is not
+    finished yet: run_records leaves it for the next save, which then keeps it whole."""
+    import shutil
+
+    from fairseq_softtopk.experiments.run_lock import run_lock
+
+    root, _, _ = micro
+    work = tmp_path / "work"
+    shutil.copytree(root / "work", work, ignore=shutil.ignore_patterns("*.pt", "run.lock"))
+    records = tmp_path / "records"
+    with run_lock(work / "seed1" / "soft"):
+        saved, _ = run_records.save_records(work, records)
+    assert "seed1/soft" not in saved and "seed1/hard" in saved
+    assert run_records.save_records(work, records)[0] == ["seed1/soft"]

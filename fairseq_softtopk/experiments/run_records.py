@@ -88,13 +88,17 @@ def _scores_restored(text: str, references: Callable[[str, dict, dict], Tuple[Li
 
 
 def _finished_runs(work_dir: Path) -> List[Path]:
-    """Run directories under ``work_dir`` that have finished: ``done.json`` and ``eval.json``; and the scored
-    pretrained checkpoint's directory (``eval.json`` with the checkpoint's digest, no ``done.json``)."""
+    """Run directories under ``work_dir`` that have finished: ``done.json`` and ``eval.json``, and no live process
+    holding the run (a runner still translating ``--translate-sources`` after the scores: saved once it is done);
+    and the scored pretrained checkpoint's directory (``eval.json`` with the checkpoint's digest, no ``done.json``)."""
+    from .run_lock import lock_owner
+
     found = []
     for scores in sorted(work_dir.rglob(EVAL)):
         run_dir = scores.parent
         if (run_dir / DONE).is_file() or "sha256" in json.loads(scores.read_text(encoding="utf-8")):
-            found.append(run_dir)
+            if lock_owner(run_dir) is None:
+                found.append(run_dir)
     return found
 
 
