@@ -47,18 +47,24 @@ def test_results_are_small_summaries_without_absolute_paths(repo_root):
 
 
 def test_records_hold_finished_runs_without_checkpoints_or_machine_paths(repo_root):
-    """records/ (run_records' form): per run its gzipped arguments, end, log and scores, nothing else; the
-    arguments, ends and logs without absolute paths; each run under 1 MB."""
+    """records/ (run_records' form): per run its gzipped arguments, end, log and scores, and (from the runs that
+    translated held-out sources) its translations, nothing else; the arguments, ends, logs and translation
+    records without absolute paths; each run under 1 MB."""
     records = repo_root / "records"
     assert (records / "README.md").is_file()
     for scores in records.rglob("eval.json.gz"):
         run = scores.parent
         names = sorted(p.name for p in run.iterdir())
-        assert set(names) <= {"run.json.gz", "done.json.gz", "eval.json.gz", "train.log.gz"}, run
-        assert sum((run / name).stat().st_size for name in names) < 1024 * 1024, run
+        assert set(names) <= {"run.json.gz", "done.json.gz", "eval.json.gz", "train.log.gz",
+                              "translations.json.gz", "translations"}, run
+        assert ("translations" in names) == ("translations.json.gz" in names), run
+        files = [p for p in run.rglob("*") if p.is_file()]
+        assert sum(p.stat().st_size for p in files) < 1024 * 1024, run
         json.loads(gzip.decompress(scores.read_bytes()))
-        for name in set(names) - {"eval.json.gz"}:
+        for name in set(names) - {"eval.json.gz", "translations"}:
             assert not absolute_paths(gzip.decompress((run / name).read_bytes()).decode()), run / name
+        for hypotheses in (run / "translations").glob("*") if "translations" in names else ():
+            assert hypotheses.suffix == ".gz" and gzip.decompress(hypotheses.read_bytes()).decode().strip()
     assert not [p for p in records.rglob("*") if p.is_file() and p.suffix not in (".gz", ".md")]
 
 
