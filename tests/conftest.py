@@ -94,12 +94,12 @@ def word_dictionary(n_words: int):
 
 @contextlib.contextmanager
 def recorded_solves():
-    """Within the block, every sorted soft top-k solve of the beam search appends its ``SolverInfo``
-    to the yielded list (the operator itself runs unchanged)."""
+    """Within the block, every sorted soft top-k solve of the beam search (the adaptive window's, or the static
+    window's) appends its ``SolverInfo`` to the yielded list (the operators themselves run unchanged)."""
     from unittest import mock
 
     from fairseq_softtopk.modules import beam_selection
-    from fairseq_softtopk.ops import sorted_soft_topk
+    from fairseq_softtopk.ops import sorted_soft_topk, sorted_soft_topk_window
 
     infos = []
 
@@ -108,7 +108,13 @@ def recorded_solves():
         infos.append(info)
         return out, info
 
-    with mock.patch.object(beam_selection, "sorted_soft_topk", recording):
+    def recording_window(*args, **kwargs):
+        ranks, index, info = sorted_soft_topk_window(*args, **kwargs)
+        infos.append(info)
+        return ranks, index, info
+
+    with mock.patch.object(beam_selection, "sorted_soft_topk", recording), \
+            mock.patch.object(beam_selection, "sorted_soft_topk_window", recording_window):
         yield infos
 
 

@@ -17,7 +17,8 @@ from fairseq_softtopk.modules.beam_search_config import BeamSearchConfig
 from fairseq_softtopk.option_checks import check_backend_option
 
 #: the operators the beam search calls, and those of the top-k attention
-SEARCH_OPERATORS = ("sorted_soft_topk", "sorted_sparse_soft_topk", "sorted_sparse_soft_topk_window")
+SEARCH_OPERATORS = ("sorted_soft_topk", "sorted_soft_topk_window", "sorted_sparse_soft_topk",
+                    "sorted_sparse_soft_topk_window")
 ATTENTION_OPERATORS = ("soft_topk", "sparse_soft_topk")
 
 
@@ -38,7 +39,8 @@ def record_backends(monkeypatch, module, names):
 
 #: the criterion's search modes, as its options: (options, the operator the search calls)
 SEARCH_MODES = {
-    "entropic": ({}, "sorted_soft_topk"),
+    "entropic": ({}, "sorted_soft_topk_window"),
+    "entropic_adaptive": ({"topk_window_width": 0}, "sorted_soft_topk"),
     "entropic_pool": ({"topk_candidate_pool": 12}, "sorted_soft_topk"),
     "fixed_iterations": ({"topk_fixed_iterations": True, "topk_max_iter": 8}, "sorted_soft_topk"),
     "sparse": ({"topk_regularizer": "quadratic"}, "sorted_sparse_soft_topk_window"),
@@ -59,9 +61,9 @@ def test_the_criterion_passes_its_backend_to_every_solve_of_the_search(monkeypat
     assert calls and set(calls) == {(operator, "torch")}  # one solve per decoding step, each told the backend
 
 
-@pytest.mark.parametrize("fixed_iterations", [False, True])
+@pytest.mark.parametrize("fixed_iterations, window_width", [(False, -1), (False, 0), (True, -1)])
 @pytest.mark.parametrize("regularizer", ["entropic", "quadratic"])
-def test_select_beams_passes_the_configured_backend(monkeypatch, regularizer, fixed_iterations):
+def test_select_beams_passes_the_configured_backend(monkeypatch, regularizer, fixed_iterations, window_width):
     """``triton`` too (the config does not look at devices: the operator decides, here on the torch path); ``auto``
     reaches the operator as it is in every search (the adaptive one included: on an H100 the kernels made its
     update faster than the torch path once their compiles were out of the timed updates)."""
@@ -69,7 +71,7 @@ def test_select_beams_passes_the_configured_backend(monkeypatch, regularizer, fi
     scores = torch.randn(2, 30, dtype=torch.float64)
     for backend in ("triton", "auto", "torch"):
         config = BeamSearchConfig(beam=3, regularizer=regularizer, fixed_iterations=fixed_iterations, max_iter=10,
-                                  backend=backend)
+                                  backend=backend, window_width=window_width)
         beam_selection.select_beams(scores, 3, config, scores.topk(4).values[:, -1:])
     assert [backend for _, backend in calls] == ["triton", "auto", "torch"]
 

@@ -456,9 +456,9 @@ def test_fixed_iterations_search_equals_the_default_search(rng, pool):
 
 
 def test_fixed_iterations_selection_is_one_graph_without_host_syncs(rng):
-    """torch.compile's tracer sees one step's selection whole with fixed_iterations; the default selection
-    breaks the graph (its candidate window's width and the solver's stopping test are read on the host),
-    which is what makes this test able to fail."""
+    """torch.compile's tracer sees one step's selection whole with fixed_iterations and with the default static
+    window; the adaptive window (window_width=0) breaks the graph (its width and the solver's stopping test are
+    read on the host), which is what makes this test able to fail."""
     from fairseq_softtopk.modules.beam_selection import select_beams
 
     scores = (torch.log_softmax(torch.randn(4, 3 * 50, generator=rng), -1)).requires_grad_()
@@ -474,9 +474,12 @@ def test_fixed_iterations_selection_is_one_graph_without_host_syncs(rng):
         fixed = BeamSearchConfig(beam=3, epsilon=0.1, candidate_pool=pool, fixed_iterations=True, max_iter=12)
         explained = torch._dynamo.explain(selection(fixed))(scores)
         assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
-    default = BeamSearchConfig(beam=3, epsilon=0.1)
     torch._dynamo.reset()
-    assert torch._dynamo.explain(selection(default))(scores).graph_break_count > 0
+    explained = torch._dynamo.explain(selection(BeamSearchConfig(beam=3, epsilon=0.1)))(scores)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
+    adaptive = BeamSearchConfig(beam=3, epsilon=0.1, window_width=0)
+    torch._dynamo.reset()
+    assert torch._dynamo.explain(selection(adaptive))(scores).graph_break_count > 0
 
 
 @pytest.mark.parametrize("regularization", [0.3, 1.0])

@@ -19,6 +19,8 @@ def test_criterion_args_per_config():
     assert "hard" in bench_train.criterion_args("beam_hard", 5, 0.1, 50, 0.8)
     pool = bench_train.criterion_args("beam_soft_pool", 5, 0.1, 50, 0.8)
     assert pool[pool.index("--topk-candidate-pool") + 1] == "50"
+    adaptive = bench_train.criterion_args("beam_soft_adaptive", 5, 0.1, 50, 0.8)
+    assert adaptive == bench_train.criterion_args("beam_soft", 5, 0.1, 50, 0.8) + ["--topk-window-width", "0"]
     with pytest.raises(ValueError, match="beam_medium"):
         bench_train.criterion_args("beam_medium", 5, 0.1, 50, 0.8)
 
@@ -186,7 +188,8 @@ def test_bench_train_has_transformer_rows(toy_data_bin, capsys):
 def test_bench_train_prints_a_row_per_config(toy_data_bin, capsys):
     _, data_bin = toy_data_bin
     tiny = ["--data", str(data_bin), "--arch", "softtopk_lstm_tiny", "--updates", "2", "--warmup", "1",
-            "--max-tokens", "200", "--threads", "1", "--beam", "3", "--candidate-pool", "10"]
+            "--max-tokens", "200", "--threads", "1", "--beam", "3", "--candidate-pool", "10",
+            "--window-width", "100000"]
     threads = torch.get_num_threads()
     try:
         assert bench_train.main(tiny + ["--in-process", "--pretrain-updates", "2"]) == 0
@@ -215,9 +218,9 @@ def test_bench_train_prints_a_row_per_config(toy_data_bin, capsys):
     share = {name: [float(row[i].strip().rstrip("%")) for i in (5, 6, 7, 8)] for name, row in rows.items()}
     assert share["teacher_forcing"] == [0.0, 0.0, 0.0, 0.0]  # no top-k and no mixing without the beam
     assert share["beam_hard"][:2] == [0.0, 0.0] and share["beam_hard"][2] > 0  # hard: topk only
-    for name in ("beam_hard", "beam_soft", "beam_soft_pool", "beam_soft_fixed"):
+    for name in ("beam_hard", "beam_soft", "beam_soft_adaptive", "beam_soft_pool", "beam_soft_fixed"):
         assert 0 < share[name][3] < 100  # every beam step mixes its next inputs and states
-    for name in ("beam_soft", "beam_soft_pool", "beam_soft_fixed"):
+    for name in ("beam_soft", "beam_soft_adaptive", "beam_soft_pool", "beam_soft_fixed"):
         fwd, bwd, select, _ = share[name]
         assert 0 < fwd < select < 100 and 0 < bwd < 100  # the selection contains the operator's forward
         assert float(rows[name][9]) >= 1  # Newton iterations per solve, from the criterion's logging
@@ -244,11 +247,12 @@ def test_bench_train_prints_a_row_per_config(toy_data_bin, capsys):
     for name in ("teacher_forcing", "beam_hard"):
         assert value[name]["solve"] == value[name]["solve bwd"] == 0  # no soft top-k
     assert value["teacher_forcing"]["launches/step"] < value["beam_hard"]["launches/step"]
-    for name in ("beam_soft", "beam_soft_pool", "beam_soft_fixed"):
+    for name in ("beam_soft", "beam_soft_adaptive", "beam_soft_pool", "beam_soft_fixed"):
         assert value[name]["solve"] > 0 and value[name]["solve bwd"] > 0
         assert value[name]["launches/step"] > value["beam_hard"]["launches/step"]
-    assert value["beam_soft"]["syncs/step"] > 0  # the adaptive solve reads its convergence on the host
-    assert value["beam_soft_fixed"]["syncs/step"] == 0  # the sync-free search: none in a step, none in backward
+    assert value["beam_soft_adaptive"]["syncs/step"] > 0  # the adaptive solve reads its convergence on the host
+    for name in ("beam_soft", "beam_soft_fixed"):  # the sync-free searches: none in a step, none in backward
+        assert value[name]["syncs/step"] == 0, name  # (beam_soft's window holds every candidate: never overflows)
     # every fixed-iteration solve runs its whole budget: more launches than the adaptive solve's
     assert value["beam_soft_fixed"]["solve"] > value["beam_soft_pool"]["solve"]
 

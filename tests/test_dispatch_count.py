@@ -72,14 +72,15 @@ def test_the_fixed_iteration_solve_never_waits_on_the_device_and_the_adaptive_on
 def test_the_sync_free_beam_unroll_has_no_host_synchronisation_forward_or_backward(rng, pool):
     """The CPU counterpart of tests/test_cuda.py's sync debug mode test: --topk-fixed-iterations' whole
     unroll (every step's scores, selection, solve and mixing, then the backward pass) reads nothing on the
-    host; the default search does, once per step at least (its solves' convergence)."""
+    host; the adaptive window (a pool, or --topk-window-width 0) does, once per step at least (its solves'
+    convergence), and the default static window once per batch (its steps' certificates and NaN counts)."""
     dictionary = word_dictionary(13)
     model = build_model(dictionary, scale=3.0)
     sample = make_sample(dictionary, rng, [5, 3, 4])
     syncs = {}
     for fixed in (False, True):
         criterion = build_criterion(dictionary, topk_fixed_iterations=fixed, topk_max_iter=12, topk_candidate_pool=pool,
-                                    teacher_forcing_ratio=0.0)
+                                    teacher_forcing_ratio=0.0, topk_window_width=0)
         encoder_out = model.encoder(sample["net_input"]["src_tokens"], src_lengths=sample["net_input"]["src_lengths"])
         with DispatchCounter() as counter:
             beam = unroll_beam_search(model.decoder, encoder_out, model.encoder.reorder_encoder_out, sample["target"],
@@ -89,3 +90,13 @@ def test_the_sync_free_beam_unroll_has_no_host_synchronisation_forward_or_backwa
         assert counter.total("launches", inside="sorted_soft_topk") > 0
     assert syncs[True] == 0
     assert syncs[False] >= sample["target"].shape[1]
+    if not pool:  # the default: the static window
+        criterion = build_criterion(dictionary, topk_max_iter=12, teacher_forcing_ratio=0.0)
+        encoder_out = model.encoder(sample["net_input"]["src_tokens"], src_lengths=sample["net_input"]["src_lengths"])
+        with DispatchCounter() as counter:
+            beam = unroll_beam_search(model.decoder, encoder_out, model.encoder.reorder_encoder_out, sample["target"],
+                                      dictionary.pad(), dictionary.eos(), criterion.search)
+            (beam.gold_lprobs.sum() + beam.scale_probe).backward()
+        assert counter.total("launches", inside="sorted_soft_topk_window") > 0
+        # the target's check before the search, the certificates and NaN counts after it
+        assert counter.total("syncs") == 2 and counter.total("syncs", inside="beam_step") == 0

@@ -72,6 +72,9 @@ BAD = [
     (S, "--topk-tol 0", "--topk-tol", "a number in (0, 1)", "got 0.0"),
     (S, "--topk-tol 1", "--topk-tol", "a number in (0, 1)", "got 1.0"),
     (S, "--topk-max-iter 0", "--topk-max-iter", "an integer >= 1", "got 0"),
+    (S, "--topk-window-width 3", "--topk-window-width", "-1 (the default width), 0 (the adaptive window) or an "
+                                                        "integer >= --train-beam (5)", "got 3"),
+    (S, "--topk-window-width -2", "--topk-window-width", "an integer >= --train-beam (5)", "got -2"),
     (S, "--topk-candidate-pool 4", "--topk-candidate-pool", "0 (all candidates) or an integer >= --train-beam (5)",
      "got 4"),
     (S, "--topk-grad-cap 0", "--topk-grad-cap", "a finite number > 0", "got 0.0"),
@@ -177,6 +180,8 @@ def test_the_edges_of_the_soft_beam_search_ranges_are_accepted_and_used(data_dir
         (1, 1e6, 1e-12, (1e-6, 1), 1.0)
     for beam in (2, 12):  # the risk's range
         assert build(data_dir, S, ["--beam-loss", "risk", "--train-beam", str(beam)]).search.beam == beam
+    for width in (-1, 0, 5, 10 ** 6):  # the default, the adaptive window, the beam, wider than the candidates
+        assert build(data_dir, S, ["--topk-window-width", str(width)]).search.window_width == width
     quadratic = build(data_dir, S, "--topk-regularizer quadratic --topk-epsilon 1e-6 --topk-epsilon-start 1e6 "
                                    "--topk-epsilon-anneal-updates 5 --selection-grad-cap 2".split())
     assert (quadratic.search.epsilon, quadratic.epsilon_schedule) == (1e-6, (1e6, 5))

@@ -420,17 +420,24 @@ def test_nan_or_inf_log_probabilities_are_named_with_the_step_and_their_number(f
 
 
 def test_the_step_output_checks_add_no_host_read_to_the_soft_search():
-    """The NaN check of the soft search is the selection operator's own (it reads the scores on the host to check
-    them): no host synchronisation in a decoding step outside the selection, forward or backward."""
+    """The default soft search (the static window) reads nothing on the host in a decoding step, forward or
+    backward: its steps' NaN counts and window certificates are read once, after the search, with the target's
+    check before it. The adaptive window's NaN check is the selection operator's own (it reads the scores on the
+    host to check them): no host synchronisation in a step outside the selection."""
     from fairseq_softtopk.dispatch_count import DispatchCounter
 
     encoder_out, target = _batch([5, 3, 4])
-    with DispatchCounter() as counter:
-        out = beam_search(GRUDecoder(), encoder_out, target, pad=-100, bos=BOS, config=BeamSearchConfig(beam=3))
-        (gold_token_loss(out, target, pad=-100).loss + out.scale_probe).backward()
-    syncs = counter.by_innermost("syncs")
-    assert syncs["sorted_soft_topk"] >= target.shape[1] and "beam_step" not in syncs and "backward" not in syncs
-    assert syncs["other"] <= 2, syncs  # the target's check before the search
+    for window_width in (-1, 0):
+        with DispatchCounter() as counter:
+            out = beam_search(GRUDecoder(), encoder_out, target, pad=-100, bos=BOS,
+                              config=BeamSearchConfig(beam=3, window_width=window_width))
+            (gold_token_loss(out, target, pad=-100).loss + out.scale_probe).backward()
+        syncs = counter.by_innermost("syncs")
+        assert "beam_step" not in syncs and "backward" not in syncs, syncs
+        if window_width:
+            assert set(syncs) == {"other"} and syncs["other"] <= 3, syncs
+        else:
+            assert syncs["sorted_soft_topk"] >= target.shape[1] and syncs["other"] <= 2, syncs
 
 
 def test_the_default_selection_gradient_is_capped_as_the_criterions():

@@ -87,8 +87,12 @@ class SoftBeamSearchConfig(FairseqDataclass):
         "Newton iterations at most per solve (exactly this many with --topk-fixed-iterations)"))
     topk_candidate_pool: int = field(default=0, metadata=_advanced(
         "solve on the m best of the k*V candidates only; 0 = all"))
+    topk_window_width: int = field(default=-1, metadata=_advanced(
+        "the soft selection's static window of each row's best candidates (no host synchronisation a step; a row "
+        "its certificate does not cover makes the batch search again adaptively): -1 = its default for the "
+        "candidates and epsilon, W >= --train-beam = W, 0 = the adaptive window (host reads every step)"))
     topk_fixed_iterations: bool = field(default=False, metadata=_advanced(
-        "a search without host synchronisation, for GPUs: every solve runs --topk-max-iter iterations"))
+        "every solve on all candidates for exactly --topk-max-iter iterations, no host synchronisation"))
     topk_compile: ChoiceEnum(TOPK_COMPILE_MODES) = field(
         default="none", metadata=_advanced("with --topk-fixed-iterations: each solve under torch.compile in this "
                                            "mode; none = eager"))
@@ -223,6 +227,10 @@ def _check_beam(o: SimpleNamespace, vocab_size: Optional[int]) -> None:
         why.append(f"the first decoding step extends one beam: {high} candidates, the {vocab_size} types of the "
                    f"target dictionary but padding{' and EOS' if risk else ''}")
     check_number("train_beam", o.train_beam, 2 if risk else 1, high, integer=True, why="; ".join(why))
+    width = o.topk_window_width
+    if isinstance(width, bool) or not isinstance(width, int) or width < -1 or 0 < width < o.train_beam:
+        raise OptionError(f"--topk-window-width must be -1 (the default width), 0 (the adaptive window) or an "
+                          f"integer >= --train-beam ({o.train_beam}), got {width!r}")
     pool = o.topk_candidate_pool
     if isinstance(pool, bool) or not isinstance(pool, int) or (pool != 0 and pool < o.train_beam):
         raise OptionError(f"--topk-candidate-pool must be 0 (all candidates) or an integer >= --train-beam "

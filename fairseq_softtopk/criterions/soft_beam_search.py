@@ -62,7 +62,7 @@ from .term_gradient_norms import TermGradientNorms
 class SoftBeamSearchCriterion(FairseqCriterion):
     def __init__(self, task, train_beam=5, teacher_forcing_ratio=0.8, topk_mode="soft", topk_epsilon=0.03,
                  topk_grad="capped", label_smoothing=0.0, topk_cost="linear", topk_tol=1e-4, topk_max_iter=50,
-                 topk_candidate_pool=0, topk_fixed_iterations=False, topk_compile="none", topk_grad_cap=0.3,
+                 topk_candidate_pool=0, topk_window_width=-1, topk_fixed_iterations=False, topk_compile="none", topk_grad_cap=0.3,
                  topk_epsilon_start=0.0, topk_epsilon_anneal_updates=0, topk_epsilon_relative=0.0,
                  candidate_pool=None, selection_grad=None, selection_grad_cap=None, sentence_avg=False,
                  beam_loss="gold", beam_loss_temperature=1.0, beam_lenpen=1.0, beam_max_len_a=1.2, beam_max_len_b=10,
@@ -90,6 +90,7 @@ class SoftBeamSearchCriterion(FairseqCriterion):
                                                   selection_grad_cap=o.topk_grad_cap * unit,
                                                   epsilon_relative=o.topk_epsilon_relative,
                                                   fixed_iterations=bool(o.topk_fixed_iterations),
+                                                  window_width=o.topk_window_width,
                                                   regularizer=str(o.topk_regularizer),
                                                   backend=str(o.topk_backend),
                                                   compile="" if str(o.topk_compile) == "none" else str(o.topk_compile))

@@ -22,8 +22,10 @@ KERNEL_CALL = re.compile(r"^\s+(?:\w+ = )?(?:cpp_fused_\w+|triton_\w+\.run|exter
 RANGE_KEYS = {"topk_fwd": ("softtopk::sorted_soft_topk", "softtopk::sorted_sparse_soft_topk"),
               "topk_bwd": ("softtopk::sorted_soft_topk_backward", "softtopk::sorted_sparse_soft_topk_backward"),
               "select": ("softtopk::select_beams",), "mix": ("softtopk::mix_beams",)}
-#: innermost named range -> part of a decoding step in the launch table (others: their own name)
-COUNT_PARTS = {"beam_step": "step", "select_beams": "select", "sorted_soft_topk": "solve", "mix_beams": "mix",
+#: innermost named range -> part of a decoding step in the launch table (others: their own name); the static
+#: window's own work (its top-W and certificate) is the selection's, its solve (sorted_soft_topk inside) the solve
+COUNT_PARTS = {"beam_step": "step", "select_beams": "select", "sorted_soft_topk_window": "select",
+               "sorted_soft_topk": "solve", "mix_beams": "mix",
                "sorted_sparse_soft_topk": "solve", "sorted_sparse_soft_topk_backward": "solve bwd",
                "sorted_soft_topk_backward": "solve bwd", "backward": "other bwd", "other": "per batch"}
 

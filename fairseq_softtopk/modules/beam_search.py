@@ -35,6 +35,7 @@ fairseq's Transformer decoders (the self-attention caches are the state). A deco
 input; fairseq's SequenceGenerator excludes it too).
 """
 
+import dataclasses
 import functools
 import math
 from typing import Callable, List, NamedTuple, Optional, Union
@@ -183,9 +184,11 @@ def unroll_beam_search(decoder, encoder_out, reorder_encoder_out: Callable, targ
     records: List[StepRecord] = []
     counts = SearchCounts()
     V = embeddings.shape[0]
-    # NaN and +inf log-probabilities: the soft selection's operator reads the scores on the host (its check
-    # refuses them), the hard one nothing: its steps' counts are read once, after the search
-    bad_counts: Optional[List[Tensor]] = [] if config.mode == "hard" and not config.fixed_iterations else None
+    # NaN and +inf log-probabilities: the adaptive soft selection's operator reads the scores on the host (its
+    # check refuses them), the hard one and the static window nothing: their steps' counts are read once, after
+    # the search
+    bad_counts: Optional[List[Tensor]] = [] if (config.mode == "hard" or config.uses_static_window) \
+        and not config.fixed_iterations else None
     for t in range(T):
         with torch.profiler.record_function("softtopk::beam_step"):  # one decoding step (counted per step)
             step_lprobs, new_state = decoder.step(inputs, state, enc)  # (B*k) x V
@@ -217,9 +220,14 @@ def unroll_beam_search(decoder, encoder_out, reorder_encoder_out: Callable, targ
             inputs, state = step.inputs, step.state
     if bad_counts:
         bad = torch.stack(bad_counts)
-        if bool(bad.any()):  # the hard search's one read of them
+        overflow = counts.n_overflow if counts.n_overflow is not None else bad.new_zeros(())
+        n_bad, n_overflow = torch.stack([bad.sum(), overflow]).tolist()  # the search's one read of them
+        if n_bad:
             t = int(bad.nonzero()[0, 0])
             raise bad_lprobs_error(bad[t], t, (batch * k, V))
+        if n_overflow:  # a row's selection the static window does not certify: the batch again, adaptively
+            return unroll_beam_search(decoder, encoder_out, reorder_encoder_out, target, pad, bos,
+                                      dataclasses.replace(config, window_width=0), grad_observer)
     gold, smooth, best_beam = _backtrack(records, lengths)
     # a sentence's final beams are those after its own last step (a shorter one's run on past its end)
     last_step = (lengths - 1).clamp_min(0)
@@ -241,6 +249,8 @@ class SearchCounts:
         self.scale_probe: Optional[Tensor] = None
         self.mixed_sum: Optional[Tensor] = None
         self.mixed_count: Optional[Tensor] = None
+        #: the static window's uncertified rows over the steps (a device count; None: no step used the window)
+        self.n_overflow: Optional[Tensor] = None
 
     def add_mixed(self, weights: Tensor, live: Tensor) -> None:
         """Counts the candidates with a nonzero weight ``(batch, m, beam)`` of the ``live`` ``(batch,)`` sentences."""
@@ -249,12 +259,15 @@ class SearchCounts:
         self.mixed_sum = mixed if self.mixed_sum is None else self.mixed_sum + mixed
         self.mixed_count = count if self.mixed_count is None else self.mixed_count + count
 
-    def add(self, converged: Union[bool, Tensor], n_iter: int, probe: Optional[Tensor]) -> None:
+    def add(self, converged: Union[bool, Tensor], n_iter: int, probe: Optional[Tensor],
+            n_overflow: Optional[Tensor] = None) -> None:
         self.n_unconverged = (self.n_unconverged + (~converged).long() if torch.is_tensor(converged)
                               else self.n_unconverged + int(not converged))
         self.newton_iters += n_iter
         if probe is not None:
             self.scale_probe = probe if self.scale_probe is None else self.scale_probe + probe
+        if n_overflow is not None:
+            self.n_overflow = n_overflow if self.n_overflow is None else self.n_overflow + n_overflow
 
 
 class NextBeams(NamedTuple):
@@ -286,8 +299,8 @@ def next_beams(scores: Tensor, new_state, decoder, embeddings: Tensor, config: B
     # the selection sees the rescaled scores (a per-row epsilon); the beams' scores stay as they are
     sel_scores, sel_top = (scores, top) if scale is None else (scores / scale, top / scale)
     observe = None if grad_observer is None else functools.partial(_observe_step, grad_observer, live)
-    cand, A, converged, n_iter, probe = select_beams(sel_scores, k, config, sel_top[:, -1:], observe)
-    counts.add(converged, n_iter, probe)
+    cand, A, converged, n_iter, probe, n_overflow = select_beams(sel_scores, k, config, sel_top[:, -1:], observe)
+    counts.add(converged, n_iter, probe, n_overflow)
     counts.add_mixed(A, live)
     best_cand = cand.gather(1, followed_candidates(A, sel_scores.detach().gather(1, cand), config))
     if selection_observer.OBSERVERS:  # a diagnostic is watching (observe_selections); else no cost

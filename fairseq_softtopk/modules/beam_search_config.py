@@ -45,6 +45,11 @@ class BeamSearchConfig:
     selection_grad_cap: float = 0.3
     epsilon_relative: float = 0.0  # > 0: per row, epsilon = max(epsilon, this * mean gap of the k+1 best)
     fixed_iterations: bool = False  # soft mode: the search without host synchronisation (select_beams)
+    #: soft mode, linear cost, entropic, all candidates: the selection's static window of each row's best candidates
+    #: (:func:`~fairseq_softtopk.ops.sorted_soft_topk_window`, no host synchronisation a step): -1 its default
+    #: width for the scores' shape and epsilon, W > 0 that width, 0 the adaptive window (the solver's, which reads
+    #: values on the host every step)
+    window_width: int = -1
     compile: str = ""  # with fixed_iterations: the solve under torch.compile in this mode (COMPILE_MODES)
     regularizer: str = "entropic"  # soft mode: "entropic" (sorted_soft_topk) | "quadratic" (sorted_sparse_soft_topk)
     #: the operators' implementation (:mod:`~fairseq_softtopk.ops.kernels`): "auto" | "torch" | "triton"
@@ -83,11 +88,21 @@ class BeamSearchConfig:
                              f"and compile {self.compile!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if not is_integer(self.window_width) or self.window_width < -1 or 0 < self.window_width < self.beam:
+            raise ValueError(f"window_width must be -1 (the default width), 0 (the adaptive window) or an integer >= "
+                             f"beam ({self.beam}), got {self.window_width!r}")
         if self.compile not in COMPILE_MODES:
             raise ValueError(f"compile must be one of {COMPILE_MODES}, got {self.compile!r}")
         if self.compile and not (self.fixed_iterations and self.mode == "soft"):
             raise ValueError("compile needs the sync-free solve (fixed_iterations, soft mode): the default solve reads "
                              "values on the host, which torch.compile cannot trace whole")
+
+    @property
+    def uses_static_window(self) -> bool:
+        """Whether soft mode selects through :func:`~fairseq_softtopk.ops.sorted_soft_topk_window`: the linear cost,
+        the entropic regulariser, every candidate, not the fixed-iteration search, ``window_width`` not 0."""
+        return (self.mode == "soft" and self.cost == "linear" and self.regularizer == "entropic"
+                and not self.candidate_pool and not self.fixed_iterations and self.window_width != 0)
 
     @property
     def grad_cap(self) -> float:

@@ -19,6 +19,7 @@ the mixed inputs and states that scored them. The decisions (which candidate fin
 soft beam follows) are discrete, as in the gold unroll.
 """
 
+import dataclasses
 from typing import List, NamedTuple, Optional, Union
 
 import torch
@@ -144,9 +145,14 @@ def unroll_beam_search_to_eos(decoder, encoder_out, reorder_encoder_out, batch: 
             n_finished = n_finished + ends.long().sum(1)
             # one host read per step, as fairseq's generator: whether every sentence is done, and the step's NaN and
             # +inf log-probabilities
-            all_done, n_bad = torch.stack([(n_finished >= k).all().long(), bad]).tolist()
+            overflow = counts.n_overflow if counts.n_overflow is not None else bad.new_zeros(())
+            all_done, n_bad, n_overflow = torch.stack([(n_finished >= k).all().long(), bad, overflow]).tolist()
             if n_bad:
                 raise bad_lprobs_error(n_bad, t, (batch * k, V))
+            if n_overflow:  # a row's selection the static window does not certify: the batch again, adaptively
+                return unroll_beam_search_to_eos(decoder, encoder_out, reorder_encoder_out, batch, pad, bos, eos,
+                                                 dataclasses.replace(config, window_width=0), max_len, lenpen,
+                                                 grad_observer, device)
             if t >= max_len or all_done:
                 break
             live = n_finished < k

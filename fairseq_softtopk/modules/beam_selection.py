@@ -15,10 +15,15 @@ from typing import Callable, NamedTuple, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from ..ops import (candidate_window, cap_row_grad_norm, sorted_soft_topk, sorted_sparse_soft_topk,
-                   sorted_sparse_soft_topk_window)
+from ..ops import (candidate_window, cap_row_grad_norm, sorted_soft_topk, sorted_soft_topk_window,
+                   sorted_sparse_soft_topk, sorted_sparse_soft_topk_window)
 from ..ops._common import effective_epsilon
 from .beam_search_config import BeamSearchConfig
+
+
+#: iterations of the static window's fixed solve at most (``min(config.max_iter, this)``): the adaptive solver
+#: takes 2-8 on beam steps; every one is run
+WINDOW_ITERATIONS = 16
 
 
 class Selection(NamedTuple):
@@ -41,6 +46,9 @@ class Selection(NamedTuple):
     converged: Union[bool, Tensor]
     n_iter: int
     scale_probe: Optional[Tensor] = None
+    #: with the static window: the 0-dim count of rows whose window the certificate does not cover (their weights
+    #: are the window's alone; the search then searches the batch again on the adaptive window)
+    n_overflow: Optional[Tensor] = None
 
 
 def compact_rows(mask: Tensor) -> Tuple[Tensor, Tensor]:
@@ -150,6 +158,8 @@ def select_beams(scores: Tensor, beam: int, config: BeamSearchConfig, kth: Tenso
         pool = beam if config.mode == "hard" else config.candidate_pool
         if pool and pool < n:
             pool_scores, ids = scores.topk(pool, dim=-1, sorted=True)
+        elif config.uses_static_window:  # the operator takes the window itself
+            ids, pool_scores = None, scores
         elif not pool and config.cost == "linear" and not config.fixed_iterations and config.regularizer == "entropic":
             floor = candidate_window(kth, beam, config.epsilon, config.tol, n_out=n)
             # NaN is kept in the window (not >= the floor, nor below it): the operator's check then refuses it
@@ -168,6 +178,12 @@ def select_beams(scores: Tensor, beam: int, config: BeamSearchConfig, kth: Tenso
             pool_scores, probe = cap_row_grad_norm(pool_scores, config.grad_cap, observe, return_scale_probe=True)
         if config.regularizer == "quadratic":
             return _sparse_selection(pool_scores, ids, beam, config, probe)
+        if config.uses_static_window:  # no host read: the window's certificate is counted on the device
+            width = None if config.window_width < 0 else config.window_width
+            A, ids, info = sorted_soft_topk_window(pool_scores, beam, epsilon=config.epsilon, width=width,
+                                                   tol=config.tol, max_iter=min(config.max_iter, WINDOW_ITERATIONS),
+                                                   return_info=True, backend=config.backend)
+            return Selection(ids, A, info.converged, info.n_iter, probe, info.n_overflow)
         if config.fixed_iterations:  # every solve runs exactly max_iter iterations
             solve = compiled_fixed_solve(config.compile) if config.compile else fixed_solve
             # compiled, a copy rather than a view: torch.compile guards on the sizes of a view's base too, so a

@@ -13,7 +13,9 @@ A solve that misses its tolerance emits :class:`SoftTopKConvergenceWarning`.
 ``sparse_soft_topk`` and ``sorted_sparse_soft_topk`` are their quadratically regularised
 counterparts (Sander et al., ICML 2023; Blondel et al., AISTATS 2018): the same selections with
 exact zeros, an exact threshold (unsorted) or Newton to a tolerance (sorted), implicit backward.
-``sorted_sparse_soft_topk_window`` returns the sorted plan on the entries that can carry weight only.
+``sorted_sparse_soft_topk_window`` returns the sorted plan on the entries that can carry weight only;
+``sorted_soft_topk_window`` the sorted SOFT top-k on a static window of each row's best entries, without host
+synchronisation, its certificate checked on the device.
 
 ``soft_topk(..., backend="triton")`` runs fused Triton kernels instead of the torch path (opt-in; see
 :mod:`fairseq_softtopk.ops.kernels`): ``BACKENDS`` lists the choices, and a call the kernels cannot take runs on
@@ -28,6 +30,7 @@ from .kernels import BACKENDS, KernelFallbackWarning
 from .sinkhorn import sinkhorn_log
 from .soft_topk import SoftTopKFunction, soft_topk
 from .sorted_soft_topk import SortedSoftTopKFunction, sorted_soft_topk
+from .sorted_soft_topk_window import WindowSolverInfo, default_window_width, sorted_soft_topk_window
 from .sorted_sparse_soft_topk import SortedSparseSoftTopKFunction, sorted_sparse_soft_topk, sorted_sparse_soft_topk_window
 from .sparse_soft_topk import SparseSoftTopKFunction, sparse_soft_topk
 
@@ -42,11 +45,14 @@ __all__ = [
     "SortedSoftTopKFunction",
     "SortedSparseSoftTopKFunction",
     "SparseSoftTopKFunction",
+    "WindowSolverInfo",
     "candidate_window",
     "cap_row_grad_norm",
+    "default_window_width",
     "sinkhorn_log",
     "soft_topk",
     "sorted_soft_topk",
+    "sorted_soft_topk_window",
     "sorted_sparse_soft_topk",
     "sorted_sparse_soft_topk_window",
     "sparse_soft_topk",

@@ -8,7 +8,10 @@ ones, with the ``soft_beam_search`` criterion as
 
 * ``teacher_forcing``: ``--teacher-forcing-ratio 1.0`` (the beam search is skipped),
 * ``beam_hard``: ``--topk-mode hard`` (exact top-k, the paper's ablation),
-* ``beam_soft``: ``--topk-mode soft`` over all ``k * V`` candidates,
+* ``beam_soft``: ``--topk-mode soft`` over all ``k * V`` candidates (the default search: the static window,
+  ``sorted_soft_topk_window``, no host read a step),
+* ``beam_soft_adaptive``: as ``beam_soft`` with ``--topk-window-width 0`` (the adaptive window, which the solver
+  reads on the host every step: the default before the static window),
 * ``beam_soft_pool``: ``--topk-mode soft --topk-candidate-pool m`` (the m best candidates only),
 * ``beam_soft_fixed``: as ``beam_soft_pool`` with ``--topk-fixed-iterations --topk-max-iter
   --fixed-iter`` (no host synchronisation in the search: the GPU path),
@@ -118,13 +121,13 @@ from fairseq_softtopk.experiments.fairseq_commands import binarize_generated_cor
 
 #: beam_soft_fixed: the sync-free search (--topk-fixed-iterations) on the pool of beam_soft_pool;
 #: beam_soft_compiled: that search with its solve under torch.compile (--topk-compile default)
-CONFIGS = ("teacher_forcing", "beam_hard", "beam_soft", "beam_soft_pool", "beam_soft_fixed", "beam_soft_compiled",
-           "risk_hard", "risk_soft", "risk_beamgrad", "beam_sparse")
+CONFIGS = ("teacher_forcing", "beam_hard", "beam_soft", "beam_soft_adaptive", "beam_soft_pool", "beam_soft_fixed",
+           "beam_soft_compiled", "risk_hard", "risk_soft", "risk_beamgrad", "beam_sparse")
 #: what runs without --configs: not the compiled config (compiling on a CPU takes minutes), nor the risk configs
 #: (the sequence-level loss: a search to EOS, --beam-loss risk; risk_beamgrad needs the optional beamgrad)
-DEFAULT_CONFIGS = CONFIGS[:5]
+DEFAULT_CONFIGS = CONFIGS[:6]
 #: the configurations that run the soft top-k operators: --triton adds a CONFIG:triton row for each
-KERNEL_CONFIGS = ("beam_soft", "beam_soft_pool", "beam_soft_fixed", "beam_soft_compiled", "risk_soft", "beam_sparse")
+KERNEL_CONFIGS = ("beam_soft", "beam_soft_adaptive", "beam_soft_pool", "beam_soft_fixed", "beam_soft_compiled", "risk_soft", "beam_sparse")
 #: the suffix of a configuration run with --topk-backend triton (the Triton kernels)
 TRITON = ":triton"
 #: why a kernel row is not timed on a device ("": it is); a module attribute, so that tests can lift the skip
@@ -157,6 +160,7 @@ def criterion_args(config: str, beam: int, epsilon: Optional[float], pool: int, 
                             "--topk-candidate-pool", str(pool), "--topk-fixed-iterations",
                             "--topk-max-iter", str(fixed_iter)],
     }
+    flags["beam_soft_adaptive"] = flags["beam_soft"] + ["--topk-window-width", "0"]
     flags["beam_soft_compiled"] = flags["beam_soft_fixed"] + ["--topk-compile", "default"]
     # the risk arms of configs/multi30k_en_de_risk_ablation.yaml, with the same teacher-forcing ratio as the others
     flags["risk_hard"] = flags["beam_hard"] + ["--beam-loss", "risk"]
@@ -181,6 +185,8 @@ def build_parts(opts: argparse.Namespace, config: str):
     flags = ["--arch", opts.arch, "--max-tokens", opts.max_tokens,
              *criterion_args(config, opts.beam, opts.epsilon, opts.candidate_pool, opts.teacher_forcing_ratio,
                             opts.fixed_iter, opts.sparse_lambda, "torch" if opts.triton else None)]
+    if opts.window_width is not None and config.split(":")[0] in ("beam_soft", "risk_soft", "beam_sparse"):
+        flags += ["--topk-window-width", opts.window_width]
     task, model, criterion = build_training_parts(opts.data, flags, opts.seed, opts.device)
     if opts.checkpoint:
         state = torch.load(opts.checkpoint, map_location="cpu", weights_only=True)
@@ -307,6 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--sparse-lambda", type=float, default=0.1,
                         help="--topk-epsilon (lambda) of beam_sparse (default 0.1, the sparse ablation arm's)")
     parser.add_argument("--candidate-pool", type=int, default=50, help="m of beam_soft_pool and beam_soft_fixed")
+    parser.add_argument("--window-width", type=int, help="--topk-window-width of the default search's configs "
+                                                         "(beam_soft, risk_soft; default: the criterion's, -1)")
     parser.add_argument("--fixed-iter", type=int, default=15,
                         help="--topk-max-iter of beam_soft_fixed (every solve runs exactly this many iterations)")
     parser.add_argument("--teacher-forcing-ratio", type=float, default=0.8, help="p of the beam configs")
