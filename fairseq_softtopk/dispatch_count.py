@@ -7,7 +7,8 @@ GPU: :class:`DispatchCounter` sees every operation below autograd (a ``TorchDisp
 in the backward pass too) and the host reads above it (a ``TorchFunctionMode``):
 
 * **launches**: dispatched ATen operations that would run a kernel, and the package's own Triton
-  kernels (its custom ops, one launch each): everything but views,
+  kernel launches (inside its custom ops, with the ATen operations they run around the kernels; under
+  Triton's interpreter, the interpreter's own host work is not counted): everything but views,
   ``detach``/``alias``, uninitialised allocations (``empty*``), the profiler's range markers and
   the host reads below (an approximation: a few operations launch several kernels, ``topk`` or a
   batched solve, and a compiler fuses many into one);
@@ -33,6 +34,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .ops.kernels.loading import kernel_running, watching_launches
+
 __all__ = ["DispatchCounter", "RANGE_PREFIX"]
 
 #: The package's named ranges start with this (``softtopk::sorted_soft_topk``, ...).
@@ -52,9 +55,9 @@ _FREE_OPS = {
 }
 _RECORD_ENTER = {torch.ops.profiler._record_function_enter.default, torch.ops.profiler._record_function_enter_new.default}
 _RECORD_EXIT = {torch.ops.profiler._record_function_exit.default, torch.ops.profiler._record_function_exit._RecordFunction}
-#: Namespaces whose operations launch kernels: ATen's, and the package's custom ops (each one Triton kernel
-#: launch: fairseq_softtopk::sorted_soft_topk_forward, ...; what they do inside is not dispatched again)
-_LAUNCHING_NAMESPACES = ("aten", "fairseq_softtopk")
+#: The package's custom ops (fairseq_softtopk::sorted_soft_topk_forward, ...): what they run is counted, the ATen
+#: operations around their kernels and each kernel launch (``ops.kernels.loading.launch``), not the op itself
+_PACKAGE_NAMESPACE = "fairseq_softtopk"
 #: Tensor methods that copy to the host (on a CPU tensor they dispatch nothing, so they are seen above autograd).
 _HOST_READS = {torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.cpu}
 #: marks the tensors a counted host copy returned (moving them to the host again is free)
@@ -83,6 +86,8 @@ class _Dispatch(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         counter = self.counter
+        if kernel_running():  # a kernel under Triton's interpreter: its host work is no launch (the kernel is one)
+            return func(*args, **kwargs)
         if func in _RECORD_ENTER:
             counter._stack.append(args[0])
         elif func in _RECORD_EXIT:
@@ -92,9 +97,25 @@ class _Dispatch(TorchDispatchMode):
             counter._count("syncs", func)
             if func is not _aten._local_scalar_dense.default:  # nonzero & co. also run a kernel
                 counter._count("launches", func)
-        elif func not in _FREE_OPS and not func.is_view and func.namespace in _LAUNCHING_NAMESPACES:
+        elif func.namespace == _PACKAGE_NAMESPACE:
+            impl = _package_impl(func)
+            if impl is not None:  # run under the counter: its ATen operations and kernel launches are counted
+                with self:
+                    return impl(*args, **kwargs)
+            counter._count("launches", func)  # torch keeps the function elsewhere: the op counts as one kernel
+        elif func not in _FREE_OPS and not func.is_view and func.namespace == "aten":
             counter._count("launches", func)
         return func(*args, **kwargs)
+
+
+def _package_impl(func):
+    """The Python function behind one of the package's custom ops (``torch.library.custom_op``), called
+    in place of the op so that the operations it runs are seen; None where torch does not expose it."""
+    try:
+        from torch._library.custom_ops import OPDEFS
+    except ImportError:  # the registry moved: the op counts as its kernel alone
+        return None
+    return getattr(OPDEFS.get(func._schema.name), "_init_fn", None)
 
 
 class _HostReads(TorchFunctionMode):
@@ -188,6 +209,8 @@ class DispatchCounter:
         return dict(out)
 
     def __enter__(self) -> "DispatchCounter":
+        self._watch = watching_launches(lambda name: self._count("launches", name))
+        self._watch.__enter__()
         for mode in self._modes:
             mode.__enter__()
         return self
@@ -195,3 +218,4 @@ class DispatchCounter:
     def __exit__(self, *exc) -> None:
         for mode in reversed(self._modes):
             mode.__exit__(*exc)
+        self._watch.__exit__(*exc)

@@ -5,9 +5,11 @@ import torch
 from torch.profiler import record_function
 
 from builders import build_criterion, build_model, make_sample
-from conftest import word_dictionary
+from conftest import script_module, word_dictionary
+from triton_harness import DEVICE, interpreter_runner, kernel_test, run_under_the_interpreter
 
 from fairseq_softtopk.dispatch_count import DispatchCounter
+from fairseq_softtopk.ops.kernels import loading, sorted_soft_topk_op
 from fairseq_softtopk.modules.beam_search import unroll_beam_search
 from fairseq_softtopk.ops import sorted_soft_topk
 
@@ -100,3 +102,77 @@ def test_the_sync_free_beam_unroll_has_no_host_synchronisation_forward_or_backwa
         assert counter.total("launches", inside="sorted_soft_topk_window") > 0
         # the target's check before the search, the certificates and NaN counts after it
         assert counter.total("syncs") == 2 and counter.total("syncs", inside="beam_step") == 0
+
+
+@interpreter_runner
+def test_kernels_under_the_interpreter(repo_root):
+    """The kernel tests of this file, in a child pytest started with ``TRITON_INTERPRET=1``."""
+    run_under_the_interpreter(__file__, repo_root, "test_kernel_")
+
+
+class _NoKernel:
+    """A kernel that does nothing when launched (named as the one it stands for)."""
+
+    def __init__(self, kernel):
+        self.fn = getattr(kernel, "fn", kernel)
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+@kernel_test
+def test_kernel_launches_count_once_each_with_the_work_around_them_and_none_of_the_interpreters(rng, monkeypatch):
+    """The Triton path of ``sorted_soft_topk``, forward and backward: each kernel launch counts once, by name,
+    with the ATen operations the custom ops run around them (their warm start, allocations); the kernel's own
+    work (under the interpreter, host copies of its arguments) counts for nothing: the same calls with kernels
+    that do nothing count the same."""
+    x = torch.randn(4, 300, generator=rng, dtype=torch.float64).to(DEVICE).requires_grad_()
+    grad = torch.randn(4, 300, 3, generator=rng, dtype=torch.float64).to(DEVICE)
+
+    def count():
+        with DispatchCounter() as counter:
+            out = sorted_soft_topk(x, 3, epsilon=0.1, backend="triton", fixed_iterations=True)
+            torch.autograd.grad((out * grad).sum(), x)
+        return counter
+
+    counted = count()
+    launches = {op: n for (_, op), n in counted.ops["launches"].items() if op.endswith("_kernel")}
+    assert launches == {"_sorted_forward_kernel": 1, "_sorted_backward_kernel": 1}
+    assert counted.total("launches", innermost="sorted_soft_topk_backward") == 1  # the backward kernel alone
+    inside_forward_op = counted.total("launches", innermost="sorted_soft_topk")
+    monkeypatch.setattr(sorted_soft_topk_op, "launch",
+                        lambda kernel, grid, *args, **kwargs: loading.launch(_NoKernel(kernel), grid))
+    assert count().ops["launches"] == counted.ops["launches"]
+    # the op's setup is counted: more than the kernel and the calls around the op
+    monkeypatch.setattr(sorted_soft_topk_op, "hard_start", lambda top, *args: top.new_zeros(top.shape))
+    assert count().total("launches", innermost="sorted_soft_topk") < inside_forward_op
+
+
+@kernel_test
+def test_kernel_rows_of_bench_train_are_counted_on_the_cpu(toy_data_bin, capsys):
+    """``bench_train --triton``'s kernel rows on a CPU under the interpreter: not timed, but counted (what CI can
+    check without a GPU): the backward of each step's selection is the backward kernel alone, and the forward solve
+    a kernel with its setup, far fewer launches than the torch path's iterations."""
+    if DEVICE == "cuda":
+        pytest.skip("on a GPU the kernel rows are timed: tests/test_bench_scripts.py")
+    bench_train = script_module("bench/bench_train.py")
+    threads = torch.get_num_threads()
+    try:
+        assert bench_train.main(["--data", str(toy_data_bin[1]), "--arch", "softtopk_lstm_tiny", "--updates", "1",
+                                 "--warmup", "0", "--max-tokens", "200", "--threads", "1", "--beam", "3",
+                                 "--profile-updates", "1", "--count-updates", "1", "--in-process",
+                                 "--configs", "beam_soft_fixed,beam_soft_fixed:triton"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    counting = capsys.readouterr().out.split("launches (dispatched ATen operations)")[1]
+    header = next(line for line in counting.splitlines() if line.startswith("| config |"))
+    columns = [c.strip() for c in header.split("|")[2:-1]]
+    rows = {}
+    for line in counting.splitlines():
+        cells = [c.strip() for c in line.split("|")[1:-1]]
+        if cells and cells[0] in ("beam_soft_fixed", "beam_soft_fixed:triton"):
+            rows[cells[0]] = dict(zip(columns, cells[1:]))
+    torch_path, kernels = rows["beam_soft_fixed"], rows["beam_soft_fixed:triton"]
+    assert float(kernels["solve bwd"]) == 1.0 and float(torch_path["solve bwd"]) > 10
+    assert 1 <= float(kernels["solve"]) < float(torch_path["solve"]) / 10
+    assert float(kernels["syncs/step"]) == 0.0  # the fixed-iteration search waits for nothing, kernels included

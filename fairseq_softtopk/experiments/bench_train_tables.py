@@ -67,10 +67,10 @@ def format_count_table(summary: Dict[str, dict]) -> str:
     base_total = sum(base["launches"].values()) if base else float("nan")
     fallbacks = []
     for name, r in summary.items():
-        if "skipped" in r:
+        counts = r.get("counts")
+        if "skipped" in r and not counts:
             lines.append(f"| {name} | {r['skipped']} |" + " - |" * (len(parts) + 5 + 2 * cuda))
             continue
-        counts = r.get("counts")
         if not counts:
             continue
         if counts.get("fallbacks"):
@@ -82,7 +82,9 @@ def format_count_table(summary: Dict[str, dict]) -> str:
                  f"{counts['syncs_batch']:.1f}", *(f"{launches.get(part, 0.0):.0f}" for part in parts),
                  f"{fused:.0f}", f"{fused / base_total:.2f}x"]
         if cuda:
-            cells += [f"{r['cuda_launches_per_step']:.0f}", f"{counts['cuda_syncs_step']:.1f}"]
+            cuda_launches = r.get("cuda_launches_per_step")
+            cells += ["-" if cuda_launches is None else f"{cuda_launches:.0f}",
+                      "-" if counts["cuda_syncs_step"] is None else f"{counts['cuda_syncs_step']:.1f}"]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     if not cuda:
         lines.append("\nCUDA launches/step and CUDA syncs/step: n/a (not on CUDA)")

@@ -72,7 +72,8 @@ How things are measured:
   ``beam_sparse``), a row ``CONFIG:triton`` with ``--topk-backend triton`` (the fused Triton kernels), and
   the configuration itself with ``--topk-backend torch`` (without ``--triton``: the default ``auto``). The
   kernel rows are timed on CUDA only (on the CPU the kernels run under Triton's interpreter: the rows say
-  skipped). Calls that asked for the kernels and ran on the torch path (an operator without kernels yet) are
+  skipped); on the CPU with ``TRITON_INTERPRET=1`` set, their launches are still counted (the counted pass
+  only: each kernel launch once, with the operations around it, none of the interpreter's own work). Calls that asked for the kernels and ran on the torch path (an operator without kernels yet) are
   listed per step under the launch table (``kernel fallbacks``), so that a kernel row is not mistaken for one.
   On CUDA the counted pass also counts the host synchronisations CUDA reports under
   ``torch.cuda.set_sync_debug_mode("warn")`` (``CUDA syncs/step``: every one, per decoding step).
@@ -118,6 +119,8 @@ from fairseq_softtopk.experiments.bench_passes import (compile_and_count_kernels
 from fairseq_softtopk.experiments.bench_train_tables import (format_count_table, format_table,  # noqa: E402
                                                              summarize)
 from fairseq_softtopk.experiments.fairseq_commands import binarize_generated_corpus  # noqa: E402
+from fairseq_softtopk.ops.kernels import triton_available  # noqa: E402
+from fairseq_softtopk.ops.kernels.backend import interpreter_requested  # noqa: E402
 
 #: beam_soft_fixed: the sync-free search (--topk-fixed-iterations) on the pool of beam_soft_pool;
 #: beam_soft_compiled: that search with its solve under torch.compile (--topk-compile default)
@@ -277,7 +280,20 @@ def run_benchmark(opts: argparse.Namespace, argv: Sequence[str], configs: Sequen
             done = summarize(runs[name][-1:])
             print(f"run {repeat + 1}/{opts.repeats} of {name}: {done['ms_per_update']:.1f} ms/update (median "
                   f"{done['median_ms']:.1f}, slowest {done['slowest_ms']:.1f})", flush=True)
-    return {name: {"skipped": skipped[name]} if skipped.get(name) else summarize(runs[name]) for name in configs}
+    summary = {name: {"skipped": skipped[name]} if skipped.get(name) else summarize(runs[name]) for name in configs}
+    if interpreter_requested() and triton_available():  # untimed kernel rows: their launches, counted here
+        for name in skipped:
+            if skipped[name]:
+                summary[name]["counts"] = count_config(opts, name)
+    return summary
+
+
+def count_config(opts: argparse.Namespace, config: str) -> dict:
+    """The counted pass of :func:`run_config` alone (:func:`count_dispatches`), in this process: for the kernel
+    rows on a CPU, whose kernels run under Triton's interpreter (no time to report, but the launches a GPU would
+    see: each kernel once, with the operations around it)."""
+    model, criterion, batches = _setup(opts, config)
+    return count_dispatches(model, criterion, batches[opts.warmup: opts.warmup + opts.count_updates])
 
 
 def profile_config(opts: argparse.Namespace, config: str, rows: int) -> str:

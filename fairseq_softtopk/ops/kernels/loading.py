@@ -1,13 +1,17 @@
-"""Loading a kernels file (``*_triton.py``) on first use, and the device check every launcher makes.
+"""Loading a kernels file (``*_triton.py``) on first use, the device check every launcher makes, and the
+launch itself (:func:`launch`, seen by :class:`~fairseq_softtopk.dispatch_count.DispatchCounter`).
 
 The kernel files import ``triton``; the op modules load them only when a kernel first launches, so that
 importing the package needs torch only.
 """
 
+import contextlib
 import importlib.util
 import os
+import threading
 from pathlib import Path
 from types import ModuleType
+from typing import Callable, Iterator, List
 
 from torch import Tensor
 
@@ -40,3 +44,38 @@ def check_device(module: ModuleType, t: Tensor) -> None:
     if not (t.is_cuda or module.INTERPRETED):
         raise ValueError(f"the Triton kernels run on CUDA tensors (or on CPU tensors with TRITON_INTERPRET=1 set "
                          f"before triton is imported), got a tensor on {t.device}")
+
+
+_launch_watchers: List[Callable[[str], None]] = []
+_running = threading.local()
+
+
+def launch(kernel, grid: tuple, *args, **kwargs) -> None:
+    """``kernel[grid](*args, **kwargs)``: one kernel launch, reported to the watchers (:func:`watching_launches`).
+
+    Under Triton's interpreter the kernel's own work runs as torch operations on the host (copies of its
+    arguments); :func:`kernel_running` says so while it runs, so that a counter does not take them for launches.
+    """
+    name = getattr(getattr(kernel, "fn", kernel), "__name__", "triton_kernel")
+    for watcher in list(_launch_watchers):
+        watcher(name)
+    _running.depth = getattr(_running, "depth", 0) + 1
+    try:
+        kernel[grid](*args, **kwargs)
+    finally:
+        _running.depth -= 1
+
+
+def kernel_running() -> bool:
+    """Whether a kernel launched by :func:`launch` is running in this thread (the interpreter's work, or a launch)."""
+    return getattr(_running, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def watching_launches(watcher: Callable[[str], None]) -> Iterator[None]:
+    """Calls ``watcher(kernel name)`` at every :func:`launch` inside the block."""
+    _launch_watchers.append(watcher)
+    try:
+        yield
+    finally:
+        _launch_watchers.remove(watcher)

@@ -22,7 +22,7 @@ from torch import Tensor
 from .._common import PreparedScores, log_floor
 from .._solver_info import SolverInfo
 from .backend import record_fallback, resolve_backend
-from .loading import check_device, load_kernels
+from .loading import check_device, launch, load_kernels
 
 KERNEL_FILE = Path(__file__).with_name("soft_topk_triton.py")
 #: entries per block iteration on a GPU (a row of n entries takes ceil(n / block) iterations per pass) ...
@@ -89,7 +89,7 @@ def launch_forward(z: Tensor, valid: Tensor, eps: Tensor, top: Tensor, n_valid: 
     module, interpret = _kernels_for(z)
     block = block_size(n, interpret)
     tol_hi, tol_lo = _float32_halves(float(tol))
-    module._soft_topk_threshold_kernel[(rows,)](
+    launch(module._soft_topk_threshold_kernel, (rows,),
         z, valid.contiguous().view(torch.uint8), eps.reshape(rows).contiguous(), top.contiguous(),
         n_valid.contiguous(), logits, out, n_iter, err, n, top.shape[-1], k, tol_hi, tol_lo, max_iter,
         HAS_MASK=has_mask, LIMIT=-log_floor(z.dtype), RESOLUTION=4 * torch.finfo(z.dtype).eps, BLOCK=block,
@@ -107,8 +107,8 @@ def launch_backward(logits: Tensor, grad: Tensor, eps: Tensor) -> Tensor:
         return grad_z
     module, interpret = _kernels_for(logits)
     block = block_size(n, interpret)
-    module._soft_topk_backward_kernel[(rows,)](logits, grad, eps.reshape(rows).to(logits.dtype).contiguous(),
-                                               grad_z, n, BLOCK=block, **_launch_options(block))
+    launch(module._soft_topk_backward_kernel, (rows,), logits, grad, eps.reshape(rows).to(logits.dtype).contiguous(),
+           grad_z, n, BLOCK=block, **_launch_options(block))
     return grad_z
 
 

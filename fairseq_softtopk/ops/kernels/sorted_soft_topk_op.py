@@ -25,7 +25,7 @@ from ..candidate_window import candidate_window
 from ..semi_dual import subnormal_cut
 from ..semi_dual_warm_start import hard_start
 from .backend import record_fallback, resolve_backend
-from .loading import check_device, load_kernels
+from .loading import check_device, launch, load_kernels
 from .soft_topk_op import _float32_halves, _launch_options
 
 KERNEL_FILE = Path(__file__).with_name("sorted_soft_topk_triton.py")
@@ -109,7 +109,7 @@ def launch_forward(z: Tensor, valid: Tensor, eps: Tensor, top: Tensor, n_valid: 
     else:  # not read
         floor, margin, scratch = z.new_empty(1), err.new_empty(1), z.new_empty(1)
     tol_hi, tol_lo = _float32_halves(float(tol))
-    module._sorted_forward_kernel[(rows,)](
+    launch(module._sorted_forward_kernel, (rows,),
         z, valid.contiguous().view(torch.uint8), eps.reshape(rows).contiguous(), n_valid.contiguous(), g0, floor,
         margin, scratch, plan, n_iter, err, n, k, tol_hi, tol_lo, max_iter, subnormal_cut(z.dtype, k),
         _ridge(z.dtype), HAS_MASK=has_mask, BLOCK=block, KP=anchor_lanes(k), WMAX=wmax,
@@ -145,7 +145,7 @@ def launch_backward(plan: Tensor, grad: Tensor, eps: Tensor, no_rest: Tensor) ->
         return grad_z
     module, interpret = _kernels_for(plan)
     block = block_size(n, k, interpret)
-    module._sorted_backward_kernel[(rows,)](
+    launch(module._sorted_backward_kernel, (rows,),
         plan, grad, eps.reshape(rows).to(plan.dtype).contiguous(), no_rest.contiguous().view(torch.uint8), grad_z,
         n, k, _ridge(plan.dtype), BLOCK=block, KP=anchor_lanes(k), **_launch_options(block * anchor_lanes(k)))
     return grad_z

@@ -21,7 +21,7 @@ from .._solver_info import SolverInfo
 from ..quadratic_semi_dual import _ARMIJO, _FIXED_BACKTRACK, _MAX_BACKTRACK, _RIDGE
 from ..semi_dual_warm_start import hard_start
 from .backend import record_fallback, resolve_backend
-from .loading import check_device, load_kernels
+from .loading import check_device, launch, load_kernels
 from .soft_topk_op import MAX_ROW_LENGTH, _float32_halves, _launch_options
 
 KERNEL_FILE = Path(__file__).with_name("sorted_sparse_soft_topk_triton.py")
@@ -87,7 +87,7 @@ def sorted_sparse_soft_topk_forward(x: Tensor, z: Tensor, valid: Tensor, b_start
     module = _module_for(z)
     block = block_size(n, k)
     tol_hi, tol_lo = _float32_halves(float(tol))
-    module._sorted_sparse_kernel[(rows,)](
+    launch(module._sorted_sparse_kernel, (rows,),
         z.contiguous(), valid.contiguous().view(torch.uint8), b_start.double().contiguous(),
         n_valid.double().contiguous(), ranks, b, err, n_iter, n, k, tol_hi, tol_lo, max_iter,
         _FIXED_BACKTRACK if fixed_iterations else _MAX_BACKTRACK, HAS_MASK=has_mask, ARMIJO=_ARMIJO, RIDGE=_RIDGE,
@@ -113,7 +113,7 @@ def sorted_sparse_soft_topk_backward(z: Tensor, valid: Tensor, b: Tensor, n_vali
     if rows == 0:
         return grad_z
     module = _module_for(z)
-    module._sorted_sparse_backward_kernel[(rows,)](
+    launch(module._sorted_sparse_backward_kernel, (rows,),
         z.contiguous(), valid.contiguous().view(torch.uint8), b.contiguous(), n_valid.double().contiguous(),
         grad.contiguous(), regularization.reshape(rows).double().contiguous(), grad_z, n, k, HAS_MASK=has_mask,
         RIDGE=_RIDGE, KP=padded_ranks(k), BLOCK=block_size(n, k), **_launch_options(4096))

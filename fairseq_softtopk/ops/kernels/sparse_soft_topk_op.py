@@ -19,7 +19,7 @@ from torch import Tensor
 from .._common import PreparedScores
 from ..sparse_rows import UNSORTED_GAP_CAP
 from .backend import record_fallback, resolve_backend
-from .loading import check_device, load_kernels
+from .loading import check_device, launch, load_kernels
 from .soft_topk_op import MAX_ROW_LENGTH, _launch_options
 
 KERNEL_FILE = Path(__file__).with_name("sparse_soft_topk_triton.py")
@@ -74,7 +74,7 @@ def launch_forward(z: Tensor, valid: Tensor, top: Tensor, k: int, power: int,
         return out, base, tau, n_iter
     module, interpret = _kernels_for(z)
     block = block_size(n, interpret)
-    module._sparse_threshold_kernel[(rows,)](
+    launch(module._sparse_threshold_kernel, (rows,),
         z, valid.contiguous().view(torch.uint8), top.contiguous(), out, base if power == 3 else out, tau, n_iter,
         n, top.shape[-1], k, MAX_PASSES, HAS_MASK=has_mask, POWER=power, GAP_CAP=UNSORTED_GAP_CAP,
         RESOLUTION=4 * torch.finfo(torch.float64).eps, BLOCK=block, **_launch_options(block))
@@ -91,8 +91,9 @@ def launch_backward(base: Tensor, grad: Tensor, regularization: Tensor, power: i
         return grad_z
     module, interpret = _kernels_for(base)
     block = block_size(n, interpret)
-    module._sparse_backward_kernel[(rows,)](base, grad, regularization.reshape(rows).to(base.dtype).contiguous(),
-                                            grad_z, n, POWER=power, BLOCK=block, **_launch_options(block))
+    launch(module._sparse_backward_kernel, (rows,), base, grad,
+           regularization.reshape(rows).to(base.dtype).contiguous(), grad_z, n, POWER=power, BLOCK=block,
+           **_launch_options(block))
     return grad_z
 
 
