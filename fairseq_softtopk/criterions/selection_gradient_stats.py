@@ -30,15 +30,32 @@ class SelectionGradientStats:
         self.sums = torch.zeros(len(SELGRAD_KEYS), dtype=torch.float64, device=device)
         #: set while an extra backward pass runs (:mod:`.term_gradient_norms`): its norms are not counted
         self.paused = False
+        self._pending: List[tuple] = []  # (norms, live) of this backward pass's steps, summed as it ends
 
     def __call__(self, norms: torch.Tensor, live: torch.Tensor) -> None:
         if self.paused:
             return
-        norms = norms.detach().double()
+        norms = norms.detach()
         if self.record is not None:  # diagnostics only: reads the norms on the host
-            self.record += (norms[live] / self.unit).tolist()
-        with torch.no_grad():  # masked sums, not boolean indexing: no host synchronisation in the backward pass
-            live = live.double()
+            self.record += (norms.double()[live] / self.unit).tolist()
+        # kept until the backward pass ends, then summed at once: a few launches a batch rather than a step
+        if not self._pending:
+            try:
+                torch.autograd.Variable._execution_engine.queue_callback(self._sum_pending)
+            except RuntimeError:  # called outside a backward pass: nothing to wait for
+                self._pending.append((norms, live))
+                self._sum_pending()
+                return
+        self._pending.append((norms, live))
+
+    def _sum_pending(self) -> None:
+        """Adds the norms observed so far to :attr:`sums` (masked sums, not boolean indexing: no host read)."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        with torch.no_grad():
+            norms = torch.cat([n for n, _ in pending]).double()
+            live = torch.cat([m for _, m in pending]).double()
             self.sums += torch.stack([live.sum(), (norms.clamp_min(1e-12).log10() * live).sum(),
                                       ((norms > self.cap) * live).sum(), ((norms > 100 * self.unit) * live).sum()])
 

@@ -46,6 +46,7 @@ from torch import Tensor
 from .beam_search_config import SELECTION_GRADS, BeamSearchConfig, GradientObserver
 from .beam_selection import near_ties, relative_scale, select_beams
 from . import selection_observer
+from .search_counts import SearchCounts
 from .search_input_checks import (bad_lprobs, bad_lprobs_error, check_beam_fits, check_gold_target, check_step_output,
                                   check_token_id)
 
@@ -238,38 +239,6 @@ def unroll_beam_search(decoder, encoder_out, reorder_encoder_out: Callable, targ
                             counts.scale_probe, counts.mixed_sum, counts.mixed_count)
 
 
-class SearchCounts:
-    """What a search's selections add up: unconverged solves (a device tensor with fixed iterations, read once
-    after the search), Newton iterations, the sum of the gradient cap's scale probes, and the candidates mixed
-    into the new beams (sums on the device)."""
-
-    def __init__(self):
-        self.n_unconverged: Union[int, Tensor] = 0
-        self.newton_iters = 0
-        self.scale_probe: Optional[Tensor] = None
-        self.mixed_sum: Optional[Tensor] = None
-        self.mixed_count: Optional[Tensor] = None
-        #: the static window's uncertified rows over the steps (a device count; None: no step used the window)
-        self.n_overflow: Optional[Tensor] = None
-
-    def add_mixed(self, weights: Tensor, live: Tensor) -> None:
-        """Counts the candidates with a nonzero weight ``(batch, m, beam)`` of the ``live`` ``(batch,)`` sentences."""
-        mixed = ((weights.detach().sum(-1) > 0).sum(-1) * live).sum()
-        count = live.sum()
-        self.mixed_sum = mixed if self.mixed_sum is None else self.mixed_sum + mixed
-        self.mixed_count = count if self.mixed_count is None else self.mixed_count + count
-
-    def add(self, converged: Union[bool, Tensor], n_iter: int, probe: Optional[Tensor],
-            n_overflow: Optional[Tensor] = None) -> None:
-        self.n_unconverged = (self.n_unconverged + (~converged).long() if torch.is_tensor(converged)
-                              else self.n_unconverged + int(not converged))
-        self.newton_iters += n_iter
-        if probe is not None:
-            self.scale_probe = probe if self.scale_probe is None else self.scale_probe + probe
-        if n_overflow is not None:
-            self.n_overflow = n_overflow if self.n_overflow is None else self.n_overflow + n_overflow
-
-
 class NextBeams(NamedTuple):
     """One step's choice of the next beams (``(batch, beam)`` tensors unless said)."""
 
@@ -299,8 +268,8 @@ def next_beams(scores: Tensor, new_state, decoder, embeddings: Tensor, config: B
     # the selection sees the rescaled scores (a per-row epsilon); the beams' scores stay as they are
     sel_scores, sel_top = (scores, top) if scale is None else (scores / scale, top / scale)
     observe = None if grad_observer is None else functools.partial(_observe_step, grad_observer, live)
-    cand, A, converged, n_iter, probe, n_overflow = select_beams(sel_scores, k, config, sel_top[:, -1:], observe)
-    counts.add(converged, n_iter, probe, n_overflow)
+    cand, A, converged, n_iter, probe, window = select_beams(sel_scores, k, config, sel_top[:, -1:], observe)
+    counts.add(converged, n_iter, probe, window)
     counts.add_mixed(A, live)
     best_cand = cand.gather(1, followed_candidates(A, sel_scores.detach().gather(1, cand), config))
     if selection_observer.OBSERVERS:  # a diagnostic is watching (observe_selections); else no cost

@@ -25,7 +25,8 @@ from typing import List, NamedTuple, Optional, Union
 import torch
 from torch import Tensor
 
-from .beam_search import SearchCounts, StepRecord, next_beams
+from .beam_search import StepRecord, next_beams
+from .search_counts import SearchCounts
 from .beam_search_config import BeamSearchConfig, GradientObserver
 from .search_input_checks import bad_lprobs, bad_lprobs_error, check_eos_search, check_step_output
 

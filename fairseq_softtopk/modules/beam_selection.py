@@ -18,6 +18,7 @@ from torch import Tensor
 from ..ops import (candidate_window, cap_row_grad_norm, sorted_soft_topk, sorted_soft_topk_window,
                    sorted_sparse_soft_topk, sorted_sparse_soft_topk_window)
 from ..ops._common import effective_epsilon
+from ..ops.sorted_soft_topk_window import WindowSolverInfo
 from .beam_search_config import BeamSearchConfig
 
 
@@ -46,9 +47,11 @@ class Selection(NamedTuple):
     converged: Union[bool, Tensor]
     n_iter: int
     scale_probe: Optional[Tensor] = None
-    #: with the static window: the 0-dim count of rows whose window the certificate does not cover (their weights
-    #: are the window's alone; the search then searches the batch again on the adaptive window)
-    n_overflow: Optional[Tensor] = None
+    #: with the static window: its solver info, per row (errors, iterations, the rows whose window the
+    #: certificate does not cover: their weights are the window's alone, and the search then searches the batch
+    #: again on the adaptive window), summed by the search once per batch; ``converged`` and ``n_iter`` are then
+    #: True and 0
+    window: Optional[WindowSolverInfo] = None
 
 
 def compact_rows(mask: Tensor) -> Tuple[Tensor, Tensor]:
@@ -171,6 +174,13 @@ def select_beams(scores: Tensor, beam: int, config: BeamSearchConfig, kth: Tenso
         if config.mode == "hard":
             A = torch.eye(beam, dtype=scores.dtype, device=scores.device).expand(batch, beam, beam)
             return Selection(ids, A, True, 0)
+        if config.uses_static_window:  # no host read: the certificate is counted on the device, the cap fused
+            width = None if config.window_width < 0 else config.window_width
+            A, ids, info = sorted_soft_topk_window(
+                pool_scores.detach() if config.selection_grad == "none" else pool_scores, beam,
+                epsilon=config.epsilon, width=width, tol=config.tol, max_iter=min(config.max_iter, WINDOW_ITERATIONS),
+                return_info=True, backend=config.backend, grad_cap=config.grad_cap, grad_observer=observe)
+            return Selection(ids, A, True, 0, info.scale_probe, info)
         probe = None
         if config.selection_grad == "none":
             pool_scores = pool_scores.detach()
@@ -178,12 +188,6 @@ def select_beams(scores: Tensor, beam: int, config: BeamSearchConfig, kth: Tenso
             pool_scores, probe = cap_row_grad_norm(pool_scores, config.grad_cap, observe, return_scale_probe=True)
         if config.regularizer == "quadratic":
             return _sparse_selection(pool_scores, ids, beam, config, probe)
-        if config.uses_static_window:  # no host read: the window's certificate is counted on the device
-            width = None if config.window_width < 0 else config.window_width
-            A, ids, info = sorted_soft_topk_window(pool_scores, beam, epsilon=config.epsilon, width=width,
-                                                   tol=config.tol, max_iter=min(config.max_iter, WINDOW_ITERATIONS),
-                                                   return_info=True, backend=config.backend)
-            return Selection(ids, A, info.converged, info.n_iter, probe, info.n_overflow)
         if config.fixed_iterations:  # every solve runs exactly max_iter iterations
             solve = compiled_fixed_solve(config.compile) if config.compile else fixed_solve
             # compiled, a copy rather than a view: torch.compile guards on the sizes of a view's base too, so a
