@@ -47,7 +47,9 @@ class WindowSolverInfo(SolverInfo):
 
     Attributes:
         overflow: ``(rows,)`` bool, True where the ``(W + 1)``-th best candidate lies at or above the floor: the
-            result is the plan of the window's candidates alone, not the dense operator's (solve the row densely).
+            result is the plan of the window's candidates alone, not the dense operator's (solve the row densely);
+            True too where the row has fewer than ``k`` finite candidates (no plan exists: the dense operator
+            raises its error).
         n_overflow: 0-dim int64 tensor, the flagged rows' count (read it on the host once, where convenient).
     """
 
@@ -72,8 +74,9 @@ def sorted_soft_topk_window(scores: Tensor, k: int, *, epsilon: float = 0.1, wid
     each row's ``W`` best candidates, with no host synchronisation (CUDA graphs, ``torch.compile``).
 
     Args:
-        scores: ``(rows, n)`` floating tensor; ``-inf`` entries are excluded (each row needs ``k`` finite ones;
-            the data are not checked, as with ``fixed_iterations=True``: NaN gives NaN).
+        scores: ``(rows, n)`` floating tensor; ``-inf`` entries are excluded (each row needs ``k`` finite ones:
+            a row with fewer is flagged in ``info.overflow``; the data are not checked otherwise, as with
+            ``fixed_iterations=True``: NaN gives NaN).
         k: number of ranks.
         epsilon: entropic regularisation, in the scores' units.
         width: ``W``, the candidates kept a row (``k <= W``; ``n`` at most); None: :func:`default_window_width`.
@@ -109,6 +112,9 @@ def sorted_soft_topk_window(scores: Tensor, k: int, *, epsilon: float = 0.1, wid
             index = index[:, :width]
         else:
             overflow = torch.zeros(rows, dtype=torch.bool, device=scores.device)
+        # fewer than k finite candidates: no plan (every rank's unit of mass has k - 1 places at most); the solve
+        # would return an infeasible one, unconverged, that no certificate covers
+        overflow = overflow | (top[:, k - 1] == -math.inf)
         ranks, info = sorted_soft_topk(scores.gather(1, index), k, epsilon=epsilon, tol=tol, max_iter=max_iter,
                                        return_info=True, fixed_iterations=True, backend=backend)
     info = WindowSolverInfo(converged=info.converged, n_iter=info.n_iter, marginal_error=info.marginal_error,
