@@ -7,7 +7,7 @@ import math
 import statistics
 import warnings
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
@@ -26,6 +26,16 @@ def training_cfg(data_bin: str, arch: str, flags: Sequence[str]):
     return convert_namespace_to_omegaconf(options.parse_args_and_arch(options.get_training_parser(), argv))
 
 
+def checkpoint_arch(state: dict) -> Optional[str]:
+    """The architecture a loaded fairseq checkpoint records, or None: ``cfg.model`` is a dict (``_name``) or, in
+    checkpoints whose model config fairseq kept as the parsed arguments (the shipped Transformer's), an
+    ``argparse.Namespace`` (``arch``); the oldest keep only ``args``."""
+    model = (state.get("cfg") or {}).get("model")
+    if isinstance(model, dict):
+        return model.get("_name")
+    return getattr(model, "arch", None) or getattr(state.get("args"), "arch", None)
+
+
 def load_model(checkpoint: Path, data_bin: str):
     """``(task, model)``: the checkpoint's architecture and weights, the task on ``data_bin``."""
     from fairseq import tasks
@@ -34,8 +44,7 @@ def load_model(checkpoint: Path, data_bin: str):
     if not checkpoint.is_file():
         raise FileNotFoundError(f"checkpoint not found: {checkpoint}")
     state = torch.load(checkpoint, map_location="cpu", weights_only=True)
-    saved = state.get("cfg") or {}
-    arch = (saved.get("model") or {}).get("_name") or getattr(state.get("args"), "arch", None)
+    arch = checkpoint_arch(state)
     if arch is None:
         raise ValueError(f"{checkpoint}: no architecture recorded (not a fairseq checkpoint?)")
     cfg = training_cfg(data_bin, arch, [])

@@ -8,6 +8,7 @@ from torch import Tensor
 
 from ..ops import COSTS
 from ..ops.kernels.backend import BACKENDS
+from ..ops.sorted_soft_topk_window import WINDOW_MAX_EPSILON
 from ..number_checks import is_integer, is_positive_number
 
 #: ``mode``: the sorted soft top-k selection (the paper's) or the exact top-k (the ablation)
@@ -100,9 +101,12 @@ class BeamSearchConfig:
     @property
     def uses_static_window(self) -> bool:
         """Whether soft mode selects through :func:`~fairseq_softtopk.ops.sorted_soft_topk_window`: the linear cost,
-        the entropic regulariser, every candidate, not the fixed-iteration search, ``window_width`` not 0."""
+        the entropic regulariser, every candidate, not the fixed-iteration search, ``window_width`` given, or left
+        to its default at an epsilon of at most ``WINDOW_MAX_EPSILON`` (0.1; above it real windows outgrow any
+        static width worth taking: the adaptive window serves them)."""
         return (self.mode == "soft" and self.cost == "linear" and self.regularizer == "entropic"
-                and not self.candidate_pool and not self.fixed_iterations and self.window_width != 0)
+                and not self.candidate_pool and not self.fixed_iterations
+                and (self.window_width > 0 or (self.window_width < 0 and self.epsilon <= WINDOW_MAX_EPSILON)))
 
     @property
     def grad_cap(self) -> float:

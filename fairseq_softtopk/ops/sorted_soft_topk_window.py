@@ -35,13 +35,16 @@ from .kernels.backend import check_backend
 from .kernels.sorted_soft_topk_window_op import WindowKernelFunction, use_window_kernel
 from .sorted_soft_topk import sorted_soft_topk
 
-__all__ = ["WindowSolverInfo", "default_window_width", "sorted_soft_topk_window"]
+__all__ = ["WINDOW_MAX_EPSILON", "WindowSolverInfo", "default_window_width", "sorted_soft_topk_window"]
 
-#: window widths by epsilon (in the scores' units), for k = 5: 2-6 times the largest certified window measured on
-#: the beam steps of the shipped Multi30k Transformer (832 rows of 38,840 candidates: at epsilon 0.03 a median of 12
-#: candidates, p99 26, largest 36; at 0.1 a median of 59, p99 184, largest 214); wider epsilons get wider windows
-#: (the floor's depth grows with epsilon); above the last, every candidate
-_WIDTHS = ((0.05, 64), (0.15, 512), (0.5, 2048))
+#: window widths by epsilon (in the scores' units), for k = 5, against the largest certified window (the candidates at
+#: or above the floor) of real beam steps of the shipped Multi30k Transformer (38,840 candidates a row): at epsilon
+#: 0.03 largest 36 of 832 rows (median 12), 27 of the 128 rows of tests/fixtures (tol 1e-5); at 0.1 largest 214
+#: (median 59), 314 of the fixture's. Above 0.1 the windows grow fast (at 0.15, 10 of the fixture's 128 rows need
+#: more than 512; at 0.3 most more than 4,096): every candidate (the soft search then keeps its adaptive window)
+_WIDTHS = ((0.05, 64), (0.1, 512))
+#: the largest epsilon with a static window by default
+WINDOW_MAX_EPSILON = _WIDTHS[-1][0]
 
 
 @dataclass
@@ -56,7 +59,9 @@ class WindowSolverInfo:
             rows, for every row).
         row_iterations: ``(rows,)`` integer, each row's iterations (the torch path: the count every row ran).
         overflow: ``(rows,)`` bool, True where the ``(W + 1)``-th best candidate lies at or above the floor: the
-            result is the plan of the window's candidates alone, not the dense operator's (solve the row densely).
+            result is the plan of the window's candidates alone, not the dense operator's (solve the row densely);
+            True too where the row has fewer than ``k`` finite candidates (no plan exists: the dense operator
+            raises its error).
         tol: the tolerance ``converged`` compares with.
         scale_probe: with ``grad_cap`` or ``grad_observer`` (and scores that require grad), the gradient cap's
             0-dim zero to add to the loss (:func:`~.gradient_cap.cap_row_grad_norm`); None otherwise.
@@ -107,8 +112,9 @@ def sorted_soft_topk_window(scores: Tensor, k: int, *, epsilon: float = 0.1, wid
     each row's ``W`` best candidates, with no host synchronisation (CUDA graphs, ``torch.compile``).
 
     Args:
-        scores: ``(rows, n)`` floating tensor; ``-inf`` entries are excluded (each row needs ``k`` finite ones;
-            the data are not checked, as with ``fixed_iterations=True``: NaN gives NaN).
+        scores: ``(rows, n)`` floating tensor; ``-inf`` entries are excluded (each row needs ``k`` finite ones:
+            a row with fewer is flagged in ``info.overflow``; the data are not checked otherwise, as with
+            ``fixed_iterations=True``: NaN gives NaN).
         k: number of ranks.
         epsilon: entropic regularisation, in the scores' units.
         width: ``W``, the candidates kept a row (``k <= W``; ``n`` at most); None: :func:`default_window_width`.
@@ -157,6 +163,9 @@ def sorted_soft_topk_window(scores: Tensor, k: int, *, epsilon: float = 0.1, wid
             index = index[:, :width]
         else:
             overflow = torch.zeros(rows, dtype=torch.bool, device=scores.device)
+        # fewer than k finite candidates: no plan (every rank's unit of mass has k - 1 places at most); the solve
+        # would return an infeasible one, unconverged, that no certificate covers
+        overflow = overflow | (top[:, k - 1] == -math.inf)
         window, probe = scores.gather(1, index), None
         if with_probe:  # the cap on the window's gradient: the row's, which is zero outside it
             window, probe = cap_row_grad_norm(window, grad_cap, grad_observer, return_scale_probe=True)

@@ -8,7 +8,7 @@ row's gradient cap, the scatter into the scores' gradient).
   ``semi_dual_warm_start``), runs the sorted operator's semi-dual Newton solve on them
   (``sorted_soft_topk_triton._newton``: in-kernel stopping tests, no host read), writes the plan ``(k + 1, W)``,
   and flags the row where the ``(W + 1)``-th best lies at or above the floor (``candidate_window``'s, ``depth``
-  epsilons under the ``(k + 1)``-th best);
+  epsilons under the ``(k + 1)``-th best), or where fewer than ``k`` candidates are finite;
 * backward (:func:`_window_backward_kernel`): ``SortedSoftTopKFunction._vjp`` of the window plan (two passes:
   ``b`` and the Gram matrix, then the gradient), a third pass scaling the row to the cap (``gradient_cap``'s rule)
   and storing it at the window's candidates in the ``(rows, n)`` gradient (zeros elsewhere, filled by the caller).
@@ -80,13 +80,13 @@ def _window_forward_kernel(TOP, Z, VALID, PLAN, OVERFLOW, NO_REST, N_ITER, ERR, 
         offs = start + tl.arange(0, BLOCK)
         P, valid, lse_i = _plan_tile(Z, VALID, offs, W, True, y_eps2, shift, anchor, k, CUT, True)
         tl.store(PLAN + anchor * W + offs[:, None], P, mask=(offs < W)[:, None] & (anchor <= k))
-    overflow = tl.cast(0, tl.uint8)
+    overflow = (n_valid < kf).to(tl.uint8)  # fewer than k finite candidates: no plan exists
     if HAS_OUT:  # the certificate: the best candidate left out lies under the floor (excluded ones carry nothing)
         depth = (tl.cast(depth_hi, tl.float64) + tl.cast(depth_lo, tl.float64)) * eps
         kth = tl.load(TOP + k)
         outside = tl.load(TOP + W)
         floor = kth - depth.to(kth.dtype)
-        overflow = ((outside > float("-inf")) & (outside >= floor)).to(tl.uint8)
+        overflow = overflow | ((outside > float("-inf")) & (outside >= floor)).to(tl.uint8)
     tl.store(OVERFLOW + row, overflow)
 
 
