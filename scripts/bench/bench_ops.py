@@ -366,7 +366,7 @@ def format_rows(case: str, rows: List[dict]) -> List[str]:
     return lines
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, nargs="+", default=[1000, 10000, 100000, 1000000])
     parser.add_argument("--k", type=int, nargs="+", default=[1, 5, 10])
@@ -400,6 +400,11 @@ def main(argv: Optional[List[str]] = None) -> int:
                         choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
                         help="also time the fixed-iteration call under torch.compile(fullgraph=True, mode=MODE) "
                              "(needs --fixed-iterations; reduce-overhead: CUDA graphs on a GPU)")
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.compile is not None and args.fixed_iterations is None:
         parser.error("--compile needs --fixed-iterations N (only the fixed-iteration solve compiles as one graph)")
