@@ -384,6 +384,102 @@ def test_bench_ops_refuses_sparse_without_the_linear_cost(capsys):
     assert "--sparse needs --cost linear" in capsys.readouterr().err
 
 
+WINDOW_NOTE = re.compile(r"^(\d+) it; W=(\d+) of (\d+); rows need (\d+) median, (\d+) max; (OVERFLOW|overflow) (\d+) of "
+                         r"(\d+) rows")
+
+
+def test_bench_ops_times_the_static_window_with_its_width_and_overflow(capsys):
+    """--window adds sorted_soft_topk_window (sorted operator, linear cost), timed forward + backward on its ranks;
+    its note gives the window's width and the rows it does not cover, as a direct call on the case's scores finds
+    them: every standard normal row overflows the default window at epsilon 0.1, no log-probability row does, and
+    a width of 16 leaves three of the four log-probability rows flagged. The kernel row is skipped off CUDA."""
+    from fairseq_softtopk.ops import sorted_soft_topk_window
+
+    bench_ops = script_module("bench/bench_ops.py")
+    common = ["--n", "2000", "--k", "3", "--eps", "0.1", "--cost", "linear", "--batch", "4", "--repeats", "2",
+              "--threads", "1", "--device", "cpu", "--window"]
+    assert bench_ops.main([*common, "--ops", "sorted_soft_topk", "soft_topk", "--scores", "normal", "logprobs",
+                           "--triton"]) == 0
+    assert bench_ops.main([*common, "--ops", "sorted_soft_topk", "--scores", "logprobs", "--window-width", "16"]) == 0
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| topk n=") or line.startswith("| sorted n=")]
+    cases = [case for i, case in enumerate(r[0] for r in rows) if i == 0 or rows[i - 1][0] != case]
+    assert cases == ["sorted n=2e+03 k=3 eps=0.1 linear batch=4", "sorted n=2e+03 k=3 eps=0.1 linear batch=4 logprobs",
+                     "topk n=2e+03 k=3 eps=0.1 linear batch=4", "topk n=2e+03 k=3 eps=0.1 linear batch=4 logprobs",
+                     "sorted n=2e+03 k=3 eps=0.1 linear batch=4 logprobs"]
+    methods = ["ours", "ours_triton", "ours_window", "ours_window_triton", "paper", "unrolled", "topk"]
+    assert [r[1] for r in rows] == methods * 4 + ["ours", "ours_window", "paper", "unrolled", "topk"]
+    windows = [r for r in rows if r[1] == "ours_window"]
+    for r in windows[2:4]:  # the unsorted operator's cases
+        assert r[2:8] == ["-"] * 6 and r[8] == "skipped: the sorted operator with the linear cost only"
+    expected = []  # (scores, width, flagged rows) of the sorted cases, from the operator itself
+    for scores, width in (("normal", None), ("logprobs", None), ("logprobs", 16)):
+        x = bench_ops.make_scores(2000, 3, 4, scores)
+        ranks, _, info = sorted_soft_topk_window(x, 3, epsilon=0.1, width=width, tol=1e-4, return_info=True)
+        expected.append((ranks.shape[1], int(info.n_overflow)))
+    assert expected == [(512, 4), (512, 0), (16, 3)]
+    for r, (width, flagged) in zip(windows[:2] + windows[4:], expected):
+        median, best, mbytes, err = float(r[2]), float(r[4]), float(r[6]), float(r[7])
+        assert 0 < best <= median < float("inf") and 0 < mbytes and err <= 1e-4
+        note = WINDOW_NOTE.match(r[8])
+        assert note, r[8]
+        assert int(note.group(1)) == 16 and int(note.group(2)) == width and note.group(3) == "2000"
+        assert int(note.group(7)) == flagged and note.group(8) == "4"
+        assert note.group(6) == ("OVERFLOW" if flagged else "overflow")
+        need_median, need_max = int(note.group(4)), int(note.group(5))
+        assert need_median <= need_max and (need_max > width) == (flagged > 0)  # a row needing more than W: flagged
+    for r in rows:
+        if r[1] == "ours_window_triton":
+            assert r[8] in ("skipped: CUDA only (on the CPU the kernels run under Triton's interpreter)",
+                            "skipped: the sorted operator with the linear cost only")
+
+
+def test_bench_ops_window_kernel_row_asks_for_the_kernels_with_the_skip_lifted(monkeypatch, capsys):
+    """With the CUDA-only skip lifted the ours_window_triton row is timed and its call asks for backend="triton"
+    (the operators are spied on and run on the torch path: the kernels' own tests are tests/test_triton_*.py)."""
+    bench_ops = script_module("bench/bench_ops.py")
+    asked = {}
+
+    def spy(name):
+        real = getattr(bench_ops, name)
+
+        def call(*args, backend, **options):
+            asked.setdefault(name, []).append(backend)
+            return real(*args, backend="torch", **options)
+        return call
+
+    monkeypatch.setattr(bench_ops, "triton_skip_reason", lambda device: "")
+    for name in ("sorted_soft_topk", "sorted_soft_topk_window"):
+        monkeypatch.setattr(bench_ops, name, spy(name))
+    assert bench_ops.main(["--ops", "sorted_soft_topk", "--n", "2000", "--k", "3", "--eps", "0.03", "--cost", "linear",
+                           "--batch", "2", "--scores", "logprobs", "--repeats", "1", "--threads", "1", "--device",
+                           "cpu", "--window", "--triton"]) == 0
+    rows = {r[1]: r for r in ([c.strip() for c in line.split("|")[1:-1]]
+                              for line in capsys.readouterr().out.splitlines() if line.startswith("| sorted n="))}
+    assert float(rows["ours_window_triton"][2]) > 0
+    assert WINDOW_NOTE.match(rows["ours_window_triton"][8]).group(2) == "64"
+    assert set(asked["sorted_soft_topk_window"]) == {"torch", "triton"}
+
+
+def test_bench_ops_refuses_the_window_without_the_linear_cost(capsys):
+    bench_ops = script_module("bench/bench_ops.py")
+    with pytest.raises(SystemExit):
+        bench_ops.main(["--n", "300", "--window"])
+    assert "--window needs --cost linear" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench_ops.main(["--n", "300", "--cost", "linear", "--window-width", "8"])
+    assert "--window-width needs --window" in capsys.readouterr().err
+
+
+def test_bench_ops_logprob_scores_are_log_probabilities_of_the_normal_rows():
+    bench_ops = script_module("bench/bench_ops.py")
+    z = bench_ops.make_scores(500, 5, 3)
+    assert torch.equal(z, torch.randn(3, 500, generator=torch.Generator(device="cpu").manual_seed(505)))
+    x = bench_ops.make_scores(500, 5, 3, "logprobs")
+    assert torch.allclose(x.logsumexp(-1), torch.zeros(3), atol=1e-5)
+    assert torch.allclose(x - x[:, :1], bench_ops.LOGPROB_SCALE * (z - z[:, :1]), atol=1e-4)
+
+
 def test_selection_support_counts_the_exact_support_and_draws_a_step(tmp_path):
     """scripts/diagnostics/selection_support.py on steps with known gaps: 1 nat between the best six candidates,
     the rest 25 nats below. At 0.1 the quadratic support is the beam's 5 exactly (a hard step), while the entropic

@@ -25,8 +25,8 @@ def test_dry_run_runs_every_step_and_writes_one_report(tmp_path, repo_root):
     for key in ("device", "torch", "CUDA (torch build)", "fairseq", "commit"):
         assert re.search(rf"^\| {re.escape(key)} \| .+ \|$", text, re.M), key
     assert f"| torch | {torch.__version__} |" in text
-    names = ("cuda_tests", "kernel_tests", "bench_ops", "bench_ops_beam_shape", "bench_ops_sparse", "bench_train",
-             "bench_attention")
+    names = ("cuda_tests", "kernel_tests", "bench_ops", "bench_ops_beam_shape", "bench_ops_window",
+             "bench_ops_window_row", "bench_ops_sparse", "bench_train", "bench_attention")
     steps = dict(re.findall(rf"^\| ({'|'.join(names)}) \| (\S+) \|", text, re.M))
     assert steps == {name: "ok" for name in names}
     tests = re.search(r"^\| cuda_tests \| ok \| \d+ \| (\d+) passed", text, re.M)
@@ -35,7 +35,16 @@ def test_dry_run_runs_every_step_and_writes_one_report(tmp_path, repo_root):
     assert "| sorted n=3e+03 k=5 eps=0.03 linear batch=8 | ours_fixed |" in text
     assert "| beam_soft_fixed |" in text and "launches/step" in text and "syncs/step" in text
     assert "| sorted n=2e+03 k=5 eps=0.1 linear batch=1 | sparse |" in text
+    # the static window beside the dense operator: its width and overflowing rows in the note, the log-probability
+    # rows covered, the standard normal ones flagged
+    for case, note in [("n=3e+03 k=5 eps=0.03 linear batch=8 logprobs", "W=64 of 3000; .*; overflow 0 of 8 rows"),
+                       ("n=3e+03 k=5 eps=0.1 linear batch=8", "W=512 of 3000; .*; OVERFLOW 8 of 8 rows"),
+                       ("n=5e+03 k=5 eps=0.1 linear batch=1 logprobs", "W=512 of 5000; .*; overflow 0 of 1 rows")]:
+        assert re.search(rf"^\| sorted {re.escape(case)} \| ours_window \| [0-9.]+ \|.*{note}", text, re.M), case
+        assert f"| sorted {case} | ours |" in text and f"| sorted {case} | topk |" in text
     for case, method in [("sorted n=3e+03 k=5 eps=0.03 linear batch=8", "ours_triton"),
+                         ("sorted n=3e+03 k=5 eps=0.03 linear batch=8 logprobs", "ours_window_triton"),
+                         ("sorted n=5e+03 k=5 eps=0.03 linear batch=1 logprobs", "ours_window_triton"),
                          ("sorted n=2e+03 k=5 eps=0.1 linear batch=1", "sparse_triton")]:
         assert f"| {case} | {method} | skipped: CUDA only" in text or re.search(
             rf"^\| {re.escape(case)} \| {method} \|.*skipped: CUDA only", text, re.M), method
@@ -62,6 +71,27 @@ def test_the_training_benchmarks_measure_the_kernel_rows(dry_run):
     assert opts.triton and {"beam_soft", "beam_soft_fixed"} <= set(opts.configs.split(","))
     attention = steps["bench_attention"]
     assert {"soft_topk", "sparse_topk"} <= set(attention[attention.index("--normalizers") + 1].split(","))
+
+
+def test_the_window_steps_time_the_beam_shape_and_one_long_row_on_both_paths():
+    """On the GPU the static window is timed beside the dense operator and torch.topk, torch path and kernels, at the
+    beam search's shape (64 x 38,840, k = 5, epsilon 0.03 and 0.1) and on one row of 100,000, on log-probability
+    rows and standard normal ones; the dry run runs the same methods, small. The arguments parse as bench_ops'."""
+    bench_ops = script_module("bench/bench_ops.py")
+    for dry_run in (False, True):
+        steps = {name: command for name, command, _ in gpu_check.plan(dry_run)}
+        names = list(steps)
+        assert names.index("bench_ops_beam_shape") + 1 == names.index("bench_ops_window")
+        assert names.index("bench_ops_window") + 1 == names.index("bench_ops_window_row")
+        for name, shape in (("bench_ops_window", ([38840], 64) if not dry_run else ([3000], 8)),
+                            ("bench_ops_window_row", ([100000], 1) if not dry_run else ([5000], 1))):
+            assert steps[name][1] == "scripts/bench/bench_ops.py"
+            opts = bench_ops.build_parser().parse_args(steps[name][2:])
+            assert (opts.n, opts.batch) == shape and opts.device == ("cpu" if dry_run else "cuda")
+            assert opts.ops == ["sorted_soft_topk"] and opts.k == [5] and opts.eps == [0.03, 0.1]
+            assert opts.cost == "linear" and opts.window and opts.triton and opts.window_width is None
+            assert opts.scores == ["logprobs", "normal"]
+            assert opts.fixed_iterations is None and opts.compile is None  # bench_ops_beam_shape times those
 
 
 def test_without_a_gpu_it_asks_for_the_dry_run(capsys):

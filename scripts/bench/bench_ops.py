@@ -4,7 +4,9 @@
 For each n, k, epsilon and operator (unsorted / sorted), all methods solve the same problem
 (the paper's cost: squared distance to the anchors divided by its maximum) on one row of
 standard normal scores and are timed for forward + backward (median of ``--repeats`` after a
-warm-up). Methods:
+warm-up). ``--scores logprobs`` gives rows peaked like a decoder's log-probabilities instead:
+``log_softmax(4 z)`` of standard normal ``z`` (see :func:`make_scores`; the case is labelled ``logprobs``).
+Methods:
 
 * ``ours``: :func:`fairseq_softtopk.ops.soft_topk` / ``sorted_soft_topk`` (``cost="paper"``,
   solved to ``--tol``; implicit backward);
@@ -24,7 +26,17 @@ warm-up). Methods:
   ``max_iter=N`` (no host synchronisation: N iterations on all n entries, the GPU path), and
   with ``--compile MODE`` also ``ours_compiled``: that call under
   ``torch.compile(fullgraph=True, mode=MODE)`` (``reduce-overhead`` captures CUDA graphs on a
-  GPU), compiled in an untimed first call of each case.
+  GPU), compiled in an untimed first call of each case;
+* with ``--window``, ``ours_window``: :func:`~fairseq_softtopk.ops.sorted_soft_topk_window`, the sorted operator
+  on a static window of each row's W best candidates (no host synchronisation; the soft beam search's default
+  selection, with its 16 fixed iterations), on the torch path, and with ``--triton`` also
+  ``ours_window_triton``; timed on its own output, the ``(rows, W, k)`` ranks (the backward scatters their
+  gradient into the scores'). Sorted operator and linear cost only (``--cost linear``; the unsorted operator's
+  rows say skipped). W is :func:`~fairseq_softtopk.ops.default_window_width`'s (64 at epsilon <= 0.05, 512 at
+  <= 0.15, for k = 5) or ``--window-width``; the note gives W, the candidates the rows need (at or above the
+  certificate's floor: median and largest) and the rows that overflow the window (``info.n_overflow``: their
+  result is the plan of their W best alone, not the operator's; written OVERFLOW). On standard normal rows of
+  38,840 entries nearly every row overflows; on ``--scores logprobs`` none does at the beam-search shape.
 
 Memory is the autograd memory: bytes of the distinct tensors saved for backward plus the
 output (what training keeps alive per call); on CUDA the peak allocation is printed too.
@@ -41,6 +53,8 @@ Usage::
         --triton                                         # the Triton kernels beside the torch path (CUDA)
     python scripts/bench/bench_ops.py --threads 1 --cost linear --sparse --n 1000 10000 100000 1000000 --k 5 50 \
         --eps 0.1                                        # entropic and sparse operators against torch.topk
+    python scripts/bench/bench_ops.py --ops sorted_soft_topk --cost linear --n 38840 --k 5 --eps 0.03 0.1 \
+        --batch 64 --scores normal logprobs --window --triton  # the static window at the beam-search shape
 """
 
 import argparse
@@ -54,14 +68,29 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's package (a pinned worktree's too)
-from fairseq_softtopk.ops import (soft_topk, sorted_soft_topk, sorted_sparse_soft_topk,  # noqa: E402
-                                  sparse_soft_topk)
+from fairseq_softtopk.modules.beam_selection import WINDOW_ITERATIONS  # noqa: E402
+from fairseq_softtopk.ops import (candidate_window, soft_topk, sorted_soft_topk,  # noqa: E402
+                                  sorted_soft_topk_window, sorted_sparse_soft_topk, sparse_soft_topk)
 from fairseq_softtopk.ops.kernels import triton_available  # noqa: E402
 from fairseq_softtopk.ops.paper_algorithm import paper_marginal_error, paper_soft_topk  # noqa: E402
 
 UNROLLED_MAX_ELEMENTS = 2e6  # n * (k+1) above which 200 unrolled iterations need > ~3 GB: skipped
 MIN_TIMED_SECONDS = 0.5  # fast methods are repeated until this much has been timed ...
 MAX_RUNS = 200  # ... in at most this many runs
+#: ``--scores logprobs``: log_softmax of standard normal logits times this. At 64 x 38,840, k = 5, the best two
+#: candidates lie a median 0.55 apart and the rows need a median 13 (largest 20) candidates at epsilon 0.03, 77
+#: (114) at 0.1, near the 12 (36) and 59 (214) measured on the shipped Multi30k Transformer's beam steps
+LOGPROB_SCALE = 4.0
+SCORE_DISTRIBUTIONS = ("normal", "logprobs")
+
+
+def make_scores(n: int, k: int, batch: int = 1, distribution: str = "normal") -> torch.Tensor:
+    """The ``(batch, n)`` scores of a case, on the CPU (seeded by n and k): standard normal, or (``"logprobs"``)
+    ``log_softmax(LOGPROB_SCALE * z)`` of the same standard normal ``z`` a row."""
+    if distribution not in SCORE_DISTRIBUTIONS:
+        raise ValueError(f"distribution must be one of {SCORE_DISTRIBUTIONS}, got {distribution!r}")
+    z = torch.randn(batch, n, generator=torch.Generator(device="cpu").manual_seed(n + k))
+    return torch.log_softmax(LOGPROB_SCALE * z, dim=-1) if distribution == "logprobs" else z
 
 
 def _saved_bytes(fn: Callable[[], torch.Tensor]) -> (torch.Tensor, int):
@@ -120,19 +149,22 @@ def _time(fn: Callable[[], torch.Tensor], x: torch.Tensor, repeats: int, device:
 
 def bench_case(n: int, k: int, eps: float, sorted_op: bool, repeats: int, tol: float, device: str,
                cost: str = "paper", batch: int = 1, fixed_iterations: Optional[int] = None,
-               compile_mode: Optional[str] = None, sparse: bool = False, triton: bool = False) -> List[dict]:
+               compile_mode: Optional[str] = None, sparse: bool = False, triton: bool = False,
+               window: bool = False, window_width: Optional[int] = None, scores: str = "normal") -> List[dict]:
     """All methods on one (n, k, epsilon, operator) case of ``batch`` rows of scores; returns one row per method.
 
     ``fixed_iterations`` adds ``ours_fixed`` (and ``compile_mode`` ``ours_compiled``, whose
     ``err`` is its largest difference from ``ours_fixed``'s output); ``sparse`` adds ``sparse``, the
     quadratically regularised operator at ``regularization = eps`` (linear cost only); ``triton`` adds
-    ``ours_triton`` (unsorted operator; timed on CUDA only, see :func:`triton_skip_reason`).
+    ``ours_triton`` (unsorted operator; timed on CUDA only, see :func:`triton_skip_reason`); ``window`` adds
+    ``ours_window`` (and with ``triton`` ``ours_window_triton``): the static window of ``window_width``
+    candidates (None: the operator's default), sorted operator and linear cost only. ``scores`` is
+    :func:`make_scores`' distribution.
 
     The published algorithm and the unrolled iterations solve the paper's cost only: with
     ``cost="linear"`` they are left out (the rows say so).
     """
-    gen = torch.Generator(device="cpu").manual_seed(n + k)
-    x = torch.randn(batch, n, generator=gen).to(device).requires_grad_()
+    x = make_scores(n, k, batch, scores).to(device).requires_grad_()
     rows = []
     info_box = {}
     op = sorted_soft_topk if sorted_op else soft_topk
@@ -187,6 +219,18 @@ def bench_case(n: int, k: int, eps: float, sorted_op: bool, repeats: int, tol: f
     def ours_compiled():
         return compiled_call(x)
 
+    def window_call(name, backend):
+        ranks, _, info = sorted_soft_topk_window(x, k, epsilon=eps, width=window_width, tol=tol,
+                                                 max_iter=WINDOW_ITERATIONS, return_info=True, backend=backend)
+        info_box[name] = info
+        return ranks
+
+    def ours_window():
+        return window_call("ours_window", "torch")
+
+    def ours_window_triton():
+        return window_call("ours_window_triton", "triton")
+
     def topk():
         return x.topk(k, dim=-1, largest=sorted_op).values
 
@@ -211,6 +255,10 @@ def bench_case(n: int, k: int, eps: float, sorted_op: bool, repeats: int, tol: f
         methods["ours_fixed"] = ours_fixed
         if compile_mode is not None:
             methods["ours_compiled"] = ours_compiled
+    if window:
+        methods["ours_window"] = ours_window
+        if triton:
+            methods["ours_window_triton"] = ours_window_triton
     methods.update(paper=paper, unrolled=unrolled)
     if sparse:
         methods["sparse"] = sparse_op
@@ -219,7 +267,11 @@ def bench_case(n: int, k: int, eps: float, sorted_op: bool, repeats: int, tol: f
     methods["topk"] = topk
     outputs = {}
     for name, fn in methods.items():
-        if name in ("ours_triton", "sparse_triton") and triton_skip_reason(device):
+        if name.startswith("ours_window") and (not sorted_op or cost != "linear"):
+            rows.append(dict(method=name, seconds=None, best=None, mbytes=None, err=None,
+                             note="skipped: the sorted operator with the linear cost only"))
+            continue
+        if name in ("ours_triton", "sparse_triton", "ours_window_triton") and triton_skip_reason(device):
             rows.append(dict(method=name, seconds=None, best=None, mbytes=None, err=None,
                              note=triton_skip_reason(device)))
             continue
@@ -250,11 +302,28 @@ def bench_case(n: int, k: int, eps: float, sorted_op: bool, repeats: int, tol: f
             else:
                 k_err = (selected.double().sum(-1) - k).abs().max() / k
                 err = float(k_err)
+        elif name.startswith("ours_window"):
+            note = window_note(x.detach(), k, eps, tol, outputs[name].shape[1], err)
+            err = float(err.marginal_error)
         elif name == "ours_compiled":
             err = float((outputs[name].detach() - outputs["ours_fixed"].detach()).abs().max())
             note = f"mode {compile_mode}; err = max difference from ours_fixed"
         rows.append(dict(method=name, seconds=seconds, best=best, mbytes=nbytes / 2 ** 20, err=err, note=note))
     return rows
+
+
+def window_note(scores: torch.Tensor, k: int, eps: float, tol: float, width: int, info) -> str:
+    """The window rows' note: iterations, W, the candidates each row needs (at or above the certificate's floor,
+    :func:`~fairseq_softtopk.ops.candidate_window`'s) and the rows the window does not cover (``info.overflow``)."""
+    rows, n = scores.shape
+    top = scores.topk(k + 1, dim=-1).values
+    need = (scores >= candidate_window(top[:, k:k + 1], k, eps, tol, n_out=n)).sum(-1).double()
+    overflow = int(info.n_overflow)
+    note = (f"{int(info.n_iter)} it" + ("" if bool(info.converged) else " NOT CONVERGED")
+            + f"; W={width} of {n}; rows need {float(need.median()):.0f} median, {int(need.max())} max; ")
+    if overflow:
+        return note + f"OVERFLOW {overflow} of {rows} rows (their plan is the W best's alone)"
+    return note + f"overflow 0 of {rows} rows"
 
 
 def triton_skip_reason(device: str) -> str:
@@ -267,7 +336,7 @@ def triton_skip_reason(device: str) -> str:
 
 
 def warm_up(ops: List[str], k: int, eps: float, tol: float, device: str, cost: str, batch: int,
-            fixed_iterations: Optional[int] = None, triton: bool = False) -> None:
+            fixed_iterations: Optional[int] = None, triton: bool = False, window: bool = False) -> None:
     """Runs every method once on a small case, untimed, before the first measurement.
 
     The first call on a device initialises it and loads its libraries (CUDA, cuBLAS, cuSOLVER:
@@ -276,7 +345,7 @@ def warm_up(ops: List[str], k: int, eps: float, tol: float, device: str, cost: s
     """
     for op in ops:
         bench_case(1000, k, eps, op.startswith("sorted"), 1, tol, device, cost=cost, batch=min(batch, 2),
-                   fixed_iterations=fixed_iterations, triton=triton)
+                   fixed_iterations=fixed_iterations, triton=triton, window=window)
 
 
 def format_rows(case: str, rows: List[dict]) -> List[str]:
@@ -297,7 +366,7 @@ def format_rows(case: str, rows: List[dict]) -> List[str]:
     return lines
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, nargs="+", default=[1000, 10000, 100000, 1000000])
     parser.add_argument("--k", type=int, nargs="+", default=[1, 5, 10])
@@ -319,15 +388,34 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--triton", action="store_true",
                         help="also time the operators with backend='triton' (the fused kernels; CUDA only, the rows "
                              "say skipped elsewhere)")
+    parser.add_argument("--window", action="store_true",
+                        help="also time sorted_soft_topk_window, the static window of each row's W best candidates "
+                             "(needs --cost linear; sorted operator only; with --triton also on the kernels)")
+    parser.add_argument("--window-width", type=int, default=None, metavar="W",
+                        help="the window's width (needs --window; default: default_window_width's for n, k, eps)")
+    parser.add_argument("--scores", nargs="+", choices=SCORE_DISTRIBUTIONS, default=["normal"],
+                        help="score distributions, each its own cases: normal (standard normal) or logprobs "
+                             f"(log_softmax of {LOGPROB_SCALE:g} x standard normal: peaked like a decoder's)")
     parser.add_argument("--compile", default=None, metavar="MODE",
                         choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
                         help="also time the fixed-iteration call under torch.compile(fullgraph=True, mode=MODE) "
                              "(needs --fixed-iterations; reduce-overhead: CUDA graphs on a GPU)")
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.compile is not None and args.fixed_iterations is None:
         parser.error("--compile needs --fixed-iterations N (only the fixed-iteration solve compiles as one graph)")
     if args.sparse and args.cost != "linear":
         parser.error("--sparse needs --cost linear (the sparse operators' regularisation is in the scores' units)")
+    if args.window and args.cost != "linear":
+        parser.error("--window needs --cost linear (the static window solves the linear cost)")
+    if args.window_width is not None and not args.window:
+        parser.error("--window-width needs --window")
+    if args.window_width is not None and args.window_width < max(args.k):
+        parser.error(f"--window-width must be >= the largest --k ({max(args.k)}), got {args.window_width}")
     if args.fixed_iterations is not None and args.fixed_iterations < 1:
         parser.error(f"--fixed-iterations must be >= 1, got {args.fixed_iterations}")
     if args.threads:
@@ -339,20 +427,24 @@ def main(argv: Optional[List[str]] = None) -> int:
           f"until {MIN_TIMED_SECONDS} s are timed); vs topk = time / torch.topk time (median / minimum); "
           "mem = autograd MB; err = marginal error reached; x faster = paper median / ours median")
     warm_up(args.ops, min(args.k), args.eps[0], args.tol, args.device, args.cost, args.batch, args.fixed_iterations,
-            args.triton)
+            args.triton, args.window)
     print("| case | method | median ms | vs topk | min ms | vs topk (min) | mem MB | err | notes |")
     print("|---|---|---|---|---|---|---|---|---|")
     for op in args.ops:
         for n in args.n:
             for k in args.k:
                 for eps in args.eps:
-                    case = f"{'sorted' if op.startswith('sorted') else 'topk'} n={n:.0e} k={k} eps={eps:g}"
-                    if args.cost != "paper" or args.batch != 1:
-                        case += f" {args.cost} batch={args.batch}"
-                    rows = bench_case(n, k, eps, op.startswith("sorted"), args.repeats, args.tol, args.device,
-                                      cost=args.cost, batch=args.batch, fixed_iterations=args.fixed_iterations,
-                                      compile_mode=args.compile, sparse=args.sparse, triton=args.triton)
-                    print("\n".join(format_rows(case, rows)), flush=True)
+                    for scores in args.scores:
+                        case = f"{'sorted' if op.startswith('sorted') else 'topk'} n={n:.0e} k={k} eps={eps:g}"
+                        if args.cost != "paper" or args.batch != 1:
+                            case += f" {args.cost} batch={args.batch}"
+                        if scores != "normal":
+                            case += f" {scores}"
+                        rows = bench_case(n, k, eps, op.startswith("sorted"), args.repeats, args.tol, args.device,
+                                          cost=args.cost, batch=args.batch, fixed_iterations=args.fixed_iterations,
+                                          compile_mode=args.compile, sparse=args.sparse, triton=args.triton,
+                                          window=args.window, window_width=args.window_width, scores=scores)
+                        print("\n".join(format_rows(case, rows)), flush=True)
     return 0
 
 

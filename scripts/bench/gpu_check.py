@@ -10,7 +10,10 @@ its own process with its output kept:
 2. ``pytest tests/test_triton_*.py``: the Triton kernels on CUDA tensors against the torch path
    (without a GPU they run under Triton's interpreter in the suite);
 3. ``scripts/bench/bench_ops.py``: the operators' forward + backward against ``torch.topk`` (the target case and
-   the beam-search shape; plain, sync-free, in CUDA graphs and on the Triton kernels; and the sparse
+   the beam-search shape; plain, sync-free, in CUDA graphs and on the Triton kernels; the static window
+   (``--window``, the soft beam search's selection) beside the dense operator, each on both paths, at the
+   beam-search shape (64 x 38,840, k = 5, epsilon 0.03 and 0.1) and on one row of 100,000, on log-probability
+   rows and on standard normal ones (which overflow the window: the rows say how many); and the sparse
    operators beside the entropic ones, on both paths);
 4. ``scripts/bench/bench_train.py``: updates per second of teacher forcing, hard and soft beam search (adaptive
    and fixed iterations), each soft search also with ``--topk-backend triton`` (the Triton kernels, ``--triton``),
@@ -53,6 +56,15 @@ GPU_STEPS = {
     "bench_ops_beam_shape": ["--device", "cuda", "--ops", "sorted_soft_topk", "--n", "38840", "--k", "5", "--eps",
                              "0.03", "--cost", "linear", "--batch", "64", "--fixed-iterations", "15", "--compile",
                              "reduce-overhead", "--triton"],
+    # the static window beside the dense operator, torch path and kernels (no fixed or compiled solve: the step
+    # above times those): four cases (two epsilons, two score distributions) at the beam shape, four on one row,
+    # five methods timed in each
+    "bench_ops_window": ["--device", "cuda", "--ops", "sorted_soft_topk", "--n", "38840", "--k", "5", "--eps", "0.03",
+                         "0.1", "--cost", "linear", "--batch", "64", "--scores", "logprobs", "normal", "--window",
+                         "--triton"],
+    "bench_ops_window_row": ["--device", "cuda", "--ops", "sorted_soft_topk", "--n", "100000", "--k", "5", "--eps",
+                             "0.03", "0.1", "--cost", "linear", "--scores", "logprobs", "normal", "--window",
+                             "--triton"],
     "bench_ops_sparse": ["--device", "cuda", "--cost", "linear", "--sparse", "--n", "1000", "10000", "100000",
                          "1000000", "--k", "5", "50", "--eps", "0.1", "--triton"],
     # 20 untimed updates and 30 timed: on an H200, 10 updates after 2 held the kernels' compiles for the adaptive
@@ -71,6 +83,12 @@ DRY_RUN_STEPS = {
     "bench_ops_beam_shape": ["--device", "cpu", "--ops", "sorted_soft_topk", "--n", "3000", "--k", "5", "--eps", "0.03",
                              "--cost", "linear", "--batch", "8", "--repeats", "1", "--threads", "1",
                              "--fixed-iterations", "15", "--triton"],
+    "bench_ops_window": ["--device", "cpu", "--ops", "sorted_soft_topk", "--n", "3000", "--k", "5", "--eps", "0.03",
+                         "0.1", "--cost", "linear", "--batch", "8", "--scores", "logprobs", "normal", "--repeats", "1",
+                         "--threads", "1", "--window", "--triton"],
+    "bench_ops_window_row": ["--device", "cpu", "--ops", "sorted_soft_topk", "--n", "5000", "--k", "5", "--eps",
+                             "0.03", "0.1", "--cost", "linear", "--scores", "logprobs", "normal", "--repeats", "1",
+                             "--threads", "1", "--window", "--triton"],
     "bench_ops_sparse": ["--device", "cpu", "--cost", "linear", "--sparse", "--n", "2000", "--k", "5", "--eps", "0.1",
                          "--repeats", "1", "--threads", "1", "--triton"],
     "bench_train": ["--device", "cpu", "--arch", "softtopk_lstm_tiny", "--updates", "2", "--warmup", "1",
@@ -156,6 +174,8 @@ def plan(dry_run: bool, test_workers: int = 1) -> List[tuple]:
                           *(["-k", "not interpreter and not compiles"] if dry_run else [])], {}),
         ("bench_ops", [python, "scripts/bench/bench_ops.py", *steps["bench_ops"]], {}),
         ("bench_ops_beam_shape", [python, "scripts/bench/bench_ops.py", *steps["bench_ops_beam_shape"]], {}),
+        ("bench_ops_window", [python, "scripts/bench/bench_ops.py", *steps["bench_ops_window"]], {}),
+        ("bench_ops_window_row", [python, "scripts/bench/bench_ops.py", *steps["bench_ops_window_row"]], {}),
         ("bench_ops_sparse", [python, "scripts/bench/bench_ops.py", *steps["bench_ops_sparse"]], {}),
         ("bench_train", [python, "scripts/bench/bench_train.py", *steps["bench_train"]], {}),
         ("bench_attention", [python, "scripts/bench/bench_attention.py", *steps["bench_attention"]], {}),
@@ -266,9 +286,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="the same steps on the CPU, small sizes (for CI)")
     parser.add_argument("--out", type=Path, help="the report (default: results/gpu_check/<device>.md)")
     parser.add_argument("--steps", default=None,
-                        help="comma-separated subset of cuda_tests,kernel_tests,bench_ops,bench_ops_beam_shape,"
-                             "bench_ops_sparse,bench_train,bench_attention, run in the order given (default: all, in "
-                             "that order)")
+                        help="comma-separated subset of " + ",".join(name for name, _, _ in plan(True))
+                             + ", run in the order given (default: all, in that order)")
     parser.add_argument("--test-workers", type=int, default=1,
                         help="run the cuda tests in this many processes (needs pytest-xdist)")
     parser.add_argument("--step-timeout", type=float, default=None,
