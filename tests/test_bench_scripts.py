@@ -582,7 +582,15 @@ def _lift_the_kernel_skip(monkeypatch, module, op_module, dispatch) -> list:
 def test_bench_train_computes_the_kernel_row_with_the_skip_lifted(toy_data_bin, monkeypatch, capsys):
     from fairseq_softtopk.ops.kernels import sorted_soft_topk_op
 
+    window_module = sys.modules["fairseq_softtopk.ops.sorted_soft_topk_window"]  # the module, not the function
+
     asked = _lift_the_kernel_skip(monkeypatch, bench_train, sorted_soft_topk_op, "use_sorted_soft_topk_kernel")
+
+    def window_spy(backend_name, *args):  # the default search's window operator asks too
+        asked.append(backend_name)
+        return False
+
+    monkeypatch.setattr(window_module, "use_window_kernel", window_spy)
     threads = torch.get_num_threads()
     try:
         assert bench_train.main(["--data", str(toy_data_bin[1]), *TINY_TRAIN, "--configs", "beam_soft:triton"]) == 0

@@ -98,43 +98,62 @@ def _mutant(monkeypatch, tmp_path, old, new):
 
 @kernel_test
 @pytest.mark.parametrize("old, new", [
-    ("floor = kth - depth.to(kth.dtype)", "floor = kth - 2.0 * depth.to(kth.dtype)"),  # a deeper floor: too lenient
+    ("floor = kth - depth.to(kth.dtype)", "floor = kth - 2.0 * depth.to(kth.dtype)"),  # the floor twice as deep
     ("(outside > float(\"-inf\")) & (outside >= floor)", "(outside > float(\"-inf\")) & (outside > floor + 1.0)"),
     ("overflow = (n_valid < kf).to(tl.uint8)", "overflow = (n_valid < 0.0).to(tl.uint8)"),  # too few finite ones
     ("factor = tl.minimum(tl.cast(max_norm, tl.float64) * scale", "factor = tl.minimum(tl.cast(max_norm, tl.float64)"),
 ], ids=["floor-depth", "floor-compare", "too-few", "cap-unscaled"])
 def test_kernel_mutant_fails_the_comparison(rng, monkeypatch, tmp_path, old, new):
-    """Each mutant of the kernels (a certificate that passes rows it must flag, a cap that ignores the loss scale)
-    fails :func:`test_kernel_window_is_the_torch_path`'s comparison (which the kernels as they are pass)."""
+    """Each mutant of the kernels (a certificate that flags other rows than the torch path's, a cap that ignores
+    the loss scale) fails a comparison the kernels as they are pass (:func:`test_kernel_flags_match_at_the_floor`,
+    :func:`test_kernel_window_is_the_torch_path`)."""
     _mutant(monkeypatch, tmp_path, old, new)
     with pytest.raises(AssertionError):
-        for width in (32, 8):  # the floor mutants need a window that ends where the floor matters
-            _compare_flags(rng, width)
+        _compare_flags(8)
         test_kernel_window_is_the_torch_path(rng, torch.float64, 0.05)
 
 
-def _compare_flags(rng, width):
-    """The flags of both paths on rows whose (W + 1)-th best sits just under, at and just over the floor."""
-    x = (torch.randn(8, 200, generator=rng, dtype=torch.float64) * 2).log_softmax(-1)
+def _floor_rows(width, k=3, n=200, epsilon=0.5, tol=1e-5):
+    """Rows whose (W + 1)-th best lies at set distances from the certificate's floor (``candidate_window``'s,
+    ``D`` = its depth times epsilon under the (k + 1)-th best): half a depth below (certified; a floor twice as
+    deep flags it), half a nat above and two nats above (flagged; a floor compared with a nat's slack passes the
+    first), three depths below; and a row with fewer than k finite candidates (flagged)."""
+    depth = (math.log(100.0 * n / tol) + math.log(2.0 * (k + 1) ** 2)) * epsilon
+    head = [0.0, -0.1, -0.2, -0.3][: k + 1]
+    floor = head[k] - depth
+    rows = []
+    for outside in (floor - 0.5 * depth, floor + 0.5, floor + 2.0, floor - 3 * depth):
+        between = torch.linspace(head[-1] - 0.1, outside + 0.01, width - k - 1, dtype=torch.float64)
+        tail = outside - 0.01 * torch.arange(n - width, dtype=torch.float64)
+        rows.append(torch.cat([torch.tensor(head, dtype=torch.float64), between, tail]))
+    few = torch.full((n,), -math.inf, dtype=torch.float64)
+    few[: k - 1] = torch.tensor(head[: k - 1], dtype=torch.float64)
+    return torch.stack(rows + [few]), [False, True, True, False, True]
+
+
+def _compare_flags(width):
+    """The flags of both paths on :func:`_floor_rows`: the documented ones."""
+    x, expected = _floor_rows(width)
     flags = {}
     for backend in ("torch", "triton"):
         leaf = x.to(DEVICE if backend == "triton" else "cpu")
         flags[backend] = sorted_soft_topk_window(leaf, 3, epsilon=0.5, width=width, return_info=True,
                                                  backend=backend)[2].overflow.cpu().tolist()
-    assert flags["torch"] == flags["triton"], flags
+    assert flags["torch"] == flags["triton"] == expected, flags
 
 
 @kernel_test
-def test_kernel_flags_match_at_every_width(rng):
-    """Windows from k + 1 to past the floor: the kernels flag exactly the torch path's rows."""
-    for width in (4, 8, 16, 32, 64):
-        _compare_flags(rng, width)
+def test_kernel_flags_match_at_the_floor():
+    """Windows of 8 and 32 whose next candidate lies on either side of the floor: both paths flag the documented
+    rows."""
+    for width in (8, 32):
+        _compare_flags(width)
 
 
 #: the kernels' arguments (D: the scores' dtype)
 _SIGNATURES = {
     "_window_forward_kernel": dict(TOP="*D", Z="*D", VALID="*u8", PLAN="*D", OVERFLOW="*u8", NO_REST="*u8",
-                                   N_ITER="*i32", ERR="*fp64", W="i32", top_stride="i32", k="i32", eps_hi="fp32",
+                                   N_ITER="*i32", ERR="*fp64", PROBE="*D", W="i32", top_stride="i32", k="i32", eps_hi="fp32",
                                    eps_lo="fp32", depth_hi="fp32", depth_lo="fp32", tol_hi="fp32", tol_lo="fp32",
                                    max_iter="i32", CUT="fp32", RIDGE="fp32"),
     "_window_backward_kernel": dict(PLAN="*D", GRAD="*D", IDS="*i64", NO_REST="*u8", SCALE="*D", GRAD_SCORES="*D",
@@ -179,7 +198,8 @@ def test_every_window_kernel_compiles_for_the_gpu_without_spills(arch, dtype, mo
     for name, signature in _SIGNATURES.items():
         kernel = getattr(module, name)
         variants = ([{"HAS_OUT": True}, {"HAS_OUT": False}] if name == "_window_forward_kernel" else
-                    [{"HAS_SCALE": True, "CAPPED": True}, {"HAS_SCALE": False, "CAPPED": False}])
+                    [{"HAS_SCALE": True, "CAPPED": True, "ZBLOCK": sorted_soft_topk_window_op.ZERO_BLOCK},
+                     {"HAS_SCALE": False, "CAPPED": False, "ZBLOCK": sorted_soft_topk_window_op.ZERO_BLOCK}])
         for flags in variants:
             constexprs = {"BLOCK": sorted_soft_topk_op.MAX_TILE // lanes, "KP": lanes, **flags}
             assert set(kernel.arg_names) == set(signature) | set(constexprs), name

@@ -111,8 +111,17 @@ def mix_rows(tensor: Tensor, weights: Tensor) -> Tensor:
 
 def mix_state(state: NamedTuple, weights: Tensor) -> NamedTuple:
     """New beam states as weighted sums of the old ones (:func:`mix_rows` of every tensor of ``state``, a
-    NamedTuple of ``(batch * beam, ...)`` tensors)."""
-    return type(state)(*(mix_rows(tensor, weights) for tensor in state))
+    NamedTuple of ``(batch * beam, ...)`` tensors). Tensors of one dtype are mixed together, by one ``bmm`` on
+    their features side by side: on a GPU a launch or two a step, forward and backward, instead of two per tensor
+    and the sums of the weights' gradients."""
+    tensors = list(state)
+    if len(tensors) < 2 or len({(t.dtype, t.device) for t in tensors}) > 1:
+        return type(state)(*(mix_rows(tensor, weights) for tensor in state))
+    batch, beam, _ = weights.shape
+    flats = [tensor.reshape(batch, beam, -1) for tensor in tensors]
+    mixed = torch.bmm(weights.transpose(1, 2).to(flats[0].dtype), torch.cat(flats, -1))
+    parts = mixed.split([flat.shape[-1] for flat in flats], -1)
+    return type(state)(*(part.reshape(tensor.shape) for part, tensor in zip(parts, tensors)))
 
 
 def mix_embeddings(embeddings: Tensor, tokens: Tensor, A: Tensor) -> Tensor:

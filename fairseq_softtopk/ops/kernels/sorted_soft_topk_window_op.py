@@ -3,13 +3,12 @@
 * ``fairseq_softtopk::sorted_soft_topk_window_forward``: from each row's ``W + 1`` best scores (``torch.topk``'s
   values), the window's plan ``(rows, k + 1, W)``, the rows whose certificate fails, and the solver's iterations
   and marginal error per row, one launch (``sorted_soft_topk_window_triton._window_forward_kernel``);
-* ``fairseq_softtopk::sorted_soft_topk_window_backward``: the scores' ``(rows, n)`` gradient (the window plan's
-  implicit gradient, capped per row, scattered to the window's candidates) and each row's norm, one launch after
-  the gradient's zero fill.
+* ``fairseq_softtopk::sorted_soft_topk_window_backward``: the scores' ``(rows, n)`` gradient (zeros, and at the
+  window's candidates the window plan's implicit gradient, capped per row) and each row's norm, one launch.
 
-:class:`WindowKernelFunction` ties them into one differentiable selection: ``topk``, the forward kernel (and the
-scale probe's zero where a cap is asked for) forward; a zero fill and the backward kernel backward. Both ops have
-fake (meta) implementations. Importing this module needs torch only.
+:class:`WindowKernelFunction` ties them into one differentiable selection: ``torch.topk`` and the forward kernel
+(the row cap's scale probe written by it) forward, the backward kernel backward. Both ops have fake (meta)
+implementations. Importing this module needs torch only.
 """
 
 import math
@@ -26,6 +25,8 @@ from .soft_topk_op import _float32_halves, _launch_options
 from .sorted_soft_topk_op import MAX_K, _ridge, anchor_lanes, block_size
 
 KERNEL_FILE = Path(__file__).with_name("sorted_soft_topk_window_triton.py")
+#: entries a backward program sets to zero per store (its row outside the window)
+ZERO_BLOCK = 1024
 #: the widest window the kernels take (the forward keeps it in scratch memory, a few passes over it per iteration)
 MAX_WIDTH = 1 << 14
 
@@ -48,11 +49,12 @@ def _kernels_for(t: Tensor):
 
 @torch.library.custom_op("fairseq_softtopk::sorted_soft_topk_window_forward", mutates_args=())
 def window_forward(top: Tensor, k: int, width: int, epsilon: float, depth: float, tol: float,
-                   max_iter: int) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                   max_iter: int) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The window's plan from ``top`` ``(rows, W or W + 1)``, each row's best scores, decreasing (``-inf``:
     excluded; the ``(W + 1)``-th, where given, decides the certificate: flagged at or above ``depth`` epsilons
     under the ``(k + 1)``-th best). Returns ``(plan (rows, k + 1, W) in top's dtype, overflow (rows,) bool, no_rest
-    (rows,) bool, n_iter (rows,) int32, err (rows,) float64)``."""
+    (rows,) bool, n_iter (rows,) int32, err (rows,) float64, probe)``, ``probe`` a 0-dim zero in top's dtype (the
+    row cap's scale probe: the kernel writes it, saving a launch)."""
     rows = top.shape[0]
     top = top.contiguous()
     plan = top.new_empty((rows, k + 1, width))
@@ -61,15 +63,16 @@ def window_forward(top: Tensor, k: int, width: int, epsilon: float, depth: float
     n_iter = top.new_empty((rows,), dtype=torch.int32)
     err = top.new_empty((rows,), dtype=torch.float64)
     if rows == 0:
-        return plan, overflow, no_rest, n_iter, err
+        return plan, overflow, no_rest, n_iter, err, top.new_zeros(())
+    probe = top.new_empty(())
     module, interpret = _kernels_for(top)
     block = block_size(width, k, interpret)
     scratch, valid = top.new_empty((rows, width)), top.new_empty((rows, width), dtype=torch.uint8)
     launch(module._window_forward_kernel, (rows,), top, scratch, valid, plan, overflow.view(torch.uint8),
-           no_rest.view(torch.uint8), n_iter, err, width, top.shape[1], k, *_float32_halves(epsilon),
+           no_rest.view(torch.uint8), n_iter, err, probe, width, top.shape[1], k, *_float32_halves(epsilon),
            *_float32_halves(depth), *_float32_halves(tol), max_iter, subnormal_cut(top.dtype, k), _ridge(top.dtype),
            HAS_OUT=top.shape[1] > width, BLOCK=block, KP=anchor_lanes(k), **_launch_options(block * anchor_lanes(k)))
-    return plan, overflow, no_rest, n_iter, err
+    return plan, overflow, no_rest, n_iter, err, probe
 
 
 @window_forward.register_fake
@@ -77,7 +80,7 @@ def _window_forward_fake(top, k, width, epsilon, depth, tol, max_iter):
     rows = top.shape[0]
     return (top.new_empty((rows, k + 1, width)), top.new_empty((rows,), dtype=torch.bool),
             top.new_empty((rows,), dtype=torch.bool), top.new_empty((rows,), dtype=torch.int32),
-            top.new_empty((rows,), dtype=torch.float64))
+            top.new_empty((rows,), dtype=torch.float64), top.new_empty(()))
 
 
 @torch.library.custom_op("fairseq_softtopk::sorted_soft_topk_window_backward", mutates_args=())
@@ -90,7 +93,7 @@ def window_backward(plan: Tensor, grad: Tensor, index: Tensor, no_rest: Tensor, 
     ``|scale|`` where it is not 0 (in units of the loss's gradient, as ``cap_row_grad_norm``'s observer)."""
     rows, anchors, width = plan.shape
     k = anchors - 1
-    grad_scores = plan.new_zeros((rows, n))
+    grad_scores = plan.new_empty((rows, n))  # the kernel writes every entry
     norms = plan.new_empty((rows,), dtype=torch.float64)
     if rows == 0:
         return grad_scores, norms
@@ -101,7 +104,7 @@ def window_backward(plan: Tensor, grad: Tensor, index: Tensor, no_rest: Tensor, 
            no_rest.view(torch.uint8), plan if scale is None else scale, grad_scores, norms, width, index.stride(0), n,
            k, *_float32_halves(epsilon), max_norm if math.isfinite(max_norm) else 0.0, _ridge(plan.dtype),
            HAS_SCALE=scale is not None, CAPPED=math.isfinite(max_norm), BLOCK=block, KP=anchor_lanes(k),
-           **_launch_options(block * anchor_lanes(k)))
+           ZBLOCK=ZERO_BLOCK, **_launch_options(block * anchor_lanes(k)))
     return grad_scores, norms
 
 
@@ -121,8 +124,8 @@ class WindowKernelFunction(torch.autograd.Function):
                 max_norm: float, observer: Optional[Callable[[Tensor], None]], with_probe: bool):
         n = scores.shape[1]
         top, index = scores.detach().topk(min(width + 1, n), dim=-1, sorted=True)
-        plan, overflow, no_rest, n_iter, err = window_forward(top, k, width, epsilon, depth, tol, max_iter)
-        probe = scores.new_zeros(()) if with_probe else None
+        plan, overflow, no_rest, n_iter, err, probe = window_forward(top, k, width, epsilon, depth, tol, max_iter)
+        probe = probe if with_probe else None
         ctx.save_for_backward(plan, index, no_rest)
         ctx.shape, ctx.epsilon, ctx.max_norm, ctx.observer = (n, width), epsilon, max_norm, observer
         ctx.set_materialize_grads(False)

@@ -11,7 +11,7 @@ row's gradient cap, the scatter into the scores' gradient).
   epsilons under the ``(k + 1)``-th best), or where fewer than ``k`` candidates are finite;
 * backward (:func:`_window_backward_kernel`): ``SortedSoftTopKFunction._vjp`` of the window plan (two passes:
   ``b`` and the Gram matrix, then the gradient), a third pass scaling the row to the cap (``gradient_cap``'s rule)
-  and storing it at the window's candidates in the ``(rows, n)`` gradient (zeros elsewhere, filled by the caller).
+  and storing it at the window's candidates in the ``(rows, n)`` gradient (zeros elsewhere, written first).
 
 This module imports ``triton`` (and the sorted kernels' device functions); ``sorted_soft_topk_window_op`` loads it
 on the first launch.
@@ -25,7 +25,7 @@ from fairseq_softtopk.ops.kernels.sorted_soft_topk_triton import (LOG2E, _div, _
 
 
 @triton.jit
-def _window_forward_kernel(TOP, Z, VALID, PLAN, OVERFLOW, NO_REST, N_ITER, ERR, W, top_stride, k, eps_hi, eps_lo,
+def _window_forward_kernel(TOP, Z, VALID, PLAN, OVERFLOW, NO_REST, N_ITER, ERR, PROBE, W, top_stride, k, eps_hi, eps_lo,
                            depth_hi, depth_lo, tol_hi, tol_lo, max_iter, CUT, RIDGE, HAS_OUT: tl.constexpr,
                            BLOCK: tl.constexpr, KP: tl.constexpr):
     """One program per row.
@@ -33,11 +33,14 @@ def _window_forward_kernel(TOP, Z, VALID, PLAN, OVERFLOW, NO_REST, N_ITER, ERR, 
     Args (per row): TOP ``(rows, top_stride)`` the row's best scores, decreasing (``-inf``: excluded), the window its
     first ``W``, with ``HAS_OUT`` the ``(W + 1)``-th after them; Z, VALID ``(rows, W)`` scratch (the window centred,
     0 where excluded; uint8 validity); PLAN ``(rows, k + 1, W)``; OVERFLOW, NO_REST ``(rows,)`` uint8 (rows with
-    exactly k valid entries: no rest anchor); N_ITER ``(rows,)`` int32; ERR ``(rows,)`` float64. eps, depth (the
+    exactly k valid entries: no rest anchor); N_ITER ``(rows,)`` int32; ERR ``(rows,)`` float64; PROBE a 0-dim
+    zero in the scores' dtype (the row cap's scale probe, written by the first program). eps, depth (the
     floor's distance under the (k+1)-th best, in epsilons) and tol as float32 halves (Triton passes Python floats as
     float32).
     """
     row = tl.program_id(0).to(tl.int64)
+    if row == 0:
+        tl.store(PROBE, tl.zeros((), dtype=PROBE.dtype.element_ty))
     TOP += row * top_stride
     Z += row * W
     VALID += row * W
@@ -106,13 +109,13 @@ def _window_grad_tile(PLAN, GRAD, offs, W, k, u, y, anchor, rank, eps):
 @triton.jit
 def _window_backward_kernel(PLAN, GRAD, IDS, NO_REST, SCALE, GRAD_SCORES, NORMS, W, ids_stride, n, k, eps_hi, eps_lo,
                             max_norm, RIDGE, HAS_SCALE: tl.constexpr, CAPPED: tl.constexpr, BLOCK: tl.constexpr,
-                            KP: tl.constexpr):
+                            KP: tl.constexpr, ZBLOCK: tl.constexpr):
     """One program per row: the window plan's implicit gradient (``_sorted_backward_kernel``'s, the plan's
     gradient read in the ranks' ``(W, k)`` layout; NO_REST the forward's), its norm to ``NORMS`` (float64, divided
     by ``|SCALE|`` where nonzero: the scale probe's gradient, with ``HAS_SCALE``), the row scaled to at most
     ``max_norm`` (times ``|SCALE|``) with ``CAPPED``,
     and stored at the window's candidates ``IDS`` (``(rows, W)``, rows ``ids_stride`` apart) of ``GRAD_SCORES``
-    ``(rows, n)``."""
+    ``(rows, n)``, whose other entries the program sets to zero first (``ZBLOCK`` at a time)."""
     row = tl.program_id(0).to(tl.int64)
     PLAN += row * (k + 1) * W
     GRAD += row * W * k
@@ -149,6 +152,10 @@ def _window_backward_kernel(PLAN, GRAD, IDS, NO_REST, SCALE, GRAD_SCORES, NORMS,
     factor = tl.cast(1.0, tl.float64)
     if CAPPED:
         factor = tl.minimum(tl.cast(max_norm, tl.float64) * scale / tl.maximum(norm, 1e-300), 1.0)
+    for start in range(0, n, ZBLOCK):  # the row's gradient is zero outside the window ...
+        offs = start + tl.arange(0, ZBLOCK)
+        tl.store(GRAD_SCORES + offs, tl.zeros((ZBLOCK,), dtype=GRAD_SCORES.dtype.element_ty), mask=offs < n)
+    tl.debug_barrier()  # ... written before the window's entries, by any of the program's threads
     for start in range(0, W, BLOCK):  # the (capped) gradient, at the window's candidates
         offs = start + tl.arange(0, BLOCK)
         grad_z = _window_grad_tile(PLAN, GRAD, offs, W, k, u, y, anchor, rank, eps)
