@@ -144,9 +144,10 @@ def unroll_beam_search_to_eos(decoder, encoder_out, reorder_encoder_out, batch: 
             fin_steps = torch.where(filled, t, fin_steps)
             fin_beams = torch.where(filled, (placed.long() * (best.indices // V).unsqueeze(-1)).sum(1), fin_beams)
             n_finished = n_finished + ends.long().sum(1)
-            # one host read per step, as fairseq's generator: whether every sentence is done, and the step's NaN and
-            # +inf log-probabilities
-            overflow = counts.n_overflow if counts.n_overflow is not None else bad.new_zeros(())
+            # one host read per step, as fairseq's generator: whether every sentence is done, the step's NaN and +inf
+            # log-probabilities, and the rows the previous step's static window did not certify
+            overflow = counts.newest_overflow
+            overflow = overflow if overflow is not None else bad.new_zeros(())
             all_done, n_bad, n_overflow = torch.stack([(n_finished >= k).all().long(), bad, overflow]).tolist()
             if n_bad:
                 raise bad_lprobs_error(n_bad, t, (batch * k, V))

@@ -80,6 +80,12 @@ class SearchCounts:
         return None if sums is None else sums[2]
 
     @property
+    def newest_overflow(self) -> Optional[Tensor]:
+        """The newest static-window step's uncertified rows (a device count; None: no step used the window): what a
+        search that reads every step needs, the earlier steps' counts having been read at theirs."""
+        return self._windows[-1].n_overflow if self._windows else None
+
+    @property
     def scale_probe(self) -> Optional[Tensor]:
         """The sum of the gradient cap's scale probes (None: no step had one)."""
         if not self._probes:
