@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from ._common import check_inputs
-from .candidate_window import candidate_window
+from .candidate_window import candidate_window, window_depth
 from .gradient_cap import cap_row_grad_norm
 from .kernels.backend import check_backend
 from .kernels.sorted_soft_topk_window_op import WindowKernelFunction, use_window_kernel
@@ -149,9 +149,9 @@ def sorted_soft_topk_window(scores: Tensor, k: int, *, epsilon: float = 0.1, wid
     with_probe = scores.requires_grad and (grad_observer is not None or math.isfinite(grad_cap))
     with torch.profiler.record_function("softtopk::sorted_soft_topk_window"):
         if use_window_kernel(backend, scores, k, width):
-            depth = math.log(100.0 * n / tol) + math.log(2.0 * (k + 1) ** 2)  # candidate_window's, for n_out = n
             ranks, index, overflow, n_iter, err, probe = WindowKernelFunction.apply(
-                scores, k, width, float(epsilon), depth, tol, max_iter, float(grad_cap), grad_observer, with_probe)
+                scores, k, width, float(epsilon), window_depth(k, tol, n), tol, max_iter, float(grad_cap), grad_observer,
+                with_probe)
             info = WindowSolverInfo(err, n_iter, overflow, tol, probe)
             return (ranks, index, info) if return_info else (ranks, index)
         # one candidate past the window: its score decides the certificate
