@@ -461,6 +461,36 @@ def test_bench_ops_window_kernel_row_asks_for_the_kernels_with_the_skip_lifted(m
     assert set(asked["sorted_soft_topk_window"]) == {"torch", "triton"}
 
 
+def test_bench_ops_times_both_kernel_families_on_few_long_rows(monkeypatch, capsys):
+    """A call the split kernels take (few long rows of the sorted operator) gets a second kernel row,
+    ``ours_triton_rows``, whose call runs under ``one_program_a_row``; a call of many rows gets none. The operator is
+    spied on and runs on the torch path (the kernels' own tests are tests/test_triton_*.py)."""
+    from fairseq_softtopk.ops.kernels import sorted_soft_topk_split_op
+
+    bench_ops = script_module("bench/bench_ops.py")
+    asked, real = [], bench_ops.sorted_soft_topk
+
+    def spy(*args, backend, **options):
+        asked.append((backend, sorted_soft_topk_split_op.use_split_kernels(1, 2000)))
+        return real(*args, backend="torch", **options)
+
+    monkeypatch.setattr(bench_ops, "triton_skip_reason", lambda device: "")
+    monkeypatch.setattr(bench_ops, "sorted_soft_topk", spy)
+    monkeypatch.setattr(sorted_soft_topk_split_op, "SPLIT_MIN_LENGTH", 1000)
+    monkeypatch.setattr(sorted_soft_topk_split_op, "SPLIT_MAX_ROWS", 2)
+    common = ["--ops", "sorted_soft_topk", "--n", "2000", "--k", "3", "--eps", "0.1", "--cost", "linear", "--repeats",
+              "1", "--threads", "1", "--device", "cpu", "--triton", "--batch"]
+    assert bench_ops.main([*common, "2"]) == 0
+    assert bench_ops.main([*common, "3"]) == 0
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| sorted n=")]
+    assert [r[1] for r in rows] == ["ours", "ours_triton", "ours_triton_rows", "paper", "unrolled", "topk",
+                                    "ours", "ours_triton", "paper", "unrolled", "topk"]
+    assert rows[1][8].endswith("; split kernels") and rows[2][8].endswith("; one program a row")
+    assert rows[7][8].endswith(" it")
+    assert ("triton", True) in asked and ("triton", False) in asked
+
+
 def test_bench_ops_refuses_the_window_without_the_linear_cost(capsys):
     bench_ops = script_module("bench/bench_ops.py")
     with pytest.raises(SystemExit):

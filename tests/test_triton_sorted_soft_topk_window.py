@@ -4,15 +4,12 @@ observed norms; a float64 gradcheck; mutants that must fail; the ahead-of-time c
 register spills. On a CPU the kernel tests run under Triton's interpreter, in a child pytest."""
 
 import math
-import re
-import subprocess
-from pathlib import Path
-from typing import Optional
 
 import pytest
 import torch
 
-from triton_harness import DEVICE, interpreter_runner, kernel_test, needs_triton, run_under_the_interpreter
+from triton_harness import (DEVICE, compile_without_spills, interpreter_runner, kernel_test, needs_triton,
+                            run_under_the_interpreter)
 from fairseq_softtopk.ops import sorted_soft_topk_window
 from fairseq_softtopk.ops.kernels import backend as backend_module, soft_topk_op, sorted_soft_topk_op
 from fairseq_softtopk.ops.kernels import sorted_soft_topk_window_op
@@ -162,26 +159,6 @@ _SIGNATURES = {
 }
 
 
-def _spill_stores(ptx: str, arch: int, tmp_path: Path) -> Optional[int]:
-    """Bytes of register spill stores ``ptxas -v`` reports for ``ptx`` (Triton's bundled assemblers: the first
-    that takes this PTX version), None where none is found."""
-    import triton
-
-    source = tmp_path / "kernel.ptx"
-    source.write_text(ptx)
-    gpu = f"sm_{arch}a" if arch == 90 else f"sm_{arch}"
-    for name in ("ptxas", "ptxas-blackwell"):
-        binary = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
-        if not binary.is_file():
-            continue
-        run = subprocess.run([str(binary), "-v", f"--gpu-name={gpu}", str(source), "-o", str(tmp_path / "out.cubin")],
-                             capture_output=True, text=True)
-        found = re.findall(r"(\d+) bytes spill stores", run.stderr)
-        if run.returncode == 0 and found:
-            return sum(int(n) for n in found)
-    return None
-
-
 @needs_triton
 @pytest.mark.skipif(backend_module.interpreter_requested(), reason="under the interpreter, triton compiles nothing")
 @pytest.mark.parametrize("arch", [90, 80])
@@ -190,26 +167,13 @@ def test_every_window_kernel_compiles_for_the_gpu_without_spills(arch, dtype, mo
     """Ahead-of-time compilation to a cubin (no GPU needed) at the widest tile (KP 16, MAX_TILE entries), every
     variant; its PTX assembled again with ``ptxas -v`` (Triton's bundled one) reports no register spill."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, compile as triton_compile
-
     module = sorted_soft_topk_window_op.kernel_module()
     lanes = 16
     for name, signature in _SIGNATURES.items():
-        kernel = getattr(module, name)
         variants = ([{"HAS_OUT": True}, {"HAS_OUT": False}] if name == "_window_forward_kernel" else
                     [{"HAS_SCALE": True, "CAPPED": True, "ZBLOCK": sorted_soft_topk_window_op.ZERO_BLOCK},
                      {"HAS_SCALE": False, "CAPPED": False, "ZBLOCK": sorted_soft_topk_window_op.ZERO_BLOCK}])
         for flags in variants:
             constexprs = {"BLOCK": sorted_soft_topk_op.MAX_TILE // lanes, "KP": lanes, **flags}
-            assert set(kernel.arg_names) == set(signature) | set(constexprs), name
-            types = {arg: kind.replace("D", dtype) for arg, kind in signature.items()}
-            types.update({arg: "constexpr" for arg in constexprs})
-            compiled = triton_compile(ASTSource(fn=kernel, signature=types, constexprs=constexprs),
-                                      target=GPUTarget("cuda", arch, 32),
-                                      options=soft_topk_op._launch_options(sorted_soft_topk_op.MAX_TILE))
-            assert compiled.asm["cubin"], (name, arch, dtype, flags)
-            spills = _spill_stores(compiled.asm["ptx"], arch, tmp_path)
-            if spills is None:
-                pytest.skip("no bundled ptxas takes this PTX: the spill check needs one")
-            assert spills == 0, (name, arch, dtype, flags, spills)
+            compile_without_spills(getattr(module, name), signature, constexprs, arch, dtype,
+                                   soft_topk_op._launch_options(sorted_soft_topk_op.MAX_TILE), tmp_path, name)

@@ -166,7 +166,7 @@ def sorted_soft_topk(scores: Tensor, k: int, *, dim: int = -1, largest: bool = T
             info = SolverInfo(True, 0, 0.0)
         elif kernel:
             out, info = sorted_soft_topk_op.sorted_soft_topk_kernel(oriented_rows(scores, dim, prep), prep, k, tol,
-                                                                    max_iter)
+                                                                    max_iter, fixed_iterations)
         else:
             solve = fixed_newton_solve if fixed_iterations else newton_solve
             P, info = solve(prep, k, tol, max_iter)

@@ -21,7 +21,9 @@ Methods:
 * with ``--triton``, ``ours_triton``: ours with ``backend="triton"``, the fused Triton kernels (one launch
   for the solve of every row, one for the backward), and with ``--sparse`` also ``sparse_triton``; CUDA
   only: on the CPU the kernels run under Triton's interpreter, which is no speed to report, and the rows
-  say so. ``ours``, ``ours_fixed`` and ``sparse`` are the torch path (``backend="torch"``) on every device;
+  say so. ``ours``, ``ours_fixed`` and ``sparse`` are the torch path (``backend="torch"``) on every device.
+  The sorted operator's calls of few long rows take the many-programs-a-row kernels (the note says "split
+  kernels"); for them ``ours_triton_rows`` times the same call on the one-program-a-row kernels;
 * with ``--fixed-iterations N``, ``ours_fixed``: ours with ``fixed_iterations=True`` and
   ``max_iter=N`` (no host synchronisation: N iterations on all n entries, the GPU path), and
   with ``--compile MODE`` also ``ours_compiled``: that call under
@@ -71,7 +73,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's 
 from fairseq_softtopk.modules.beam_selection import WINDOW_ITERATIONS  # noqa: E402
 from fairseq_softtopk.ops import (candidate_window, soft_topk, sorted_soft_topk,  # noqa: E402
                                   sorted_soft_topk_window, sorted_sparse_soft_topk, sparse_soft_topk)
-from fairseq_softtopk.ops.kernels import triton_available  # noqa: E402
+from fairseq_softtopk.ops.kernels import sorted_soft_topk_split_op, triton_available  # noqa: E402
 from fairseq_softtopk.ops.paper_algorithm import paper_marginal_error, paper_soft_topk  # noqa: E402
 
 UNROLLED_MAX_ELEMENTS = 2e6  # n * (k+1) above which 200 unrolled iterations need > ~3 GB: skipped
@@ -156,7 +158,8 @@ def bench_case(n: int, k: int, eps: float, sorted_op: bool, repeats: int, tol: f
     ``fixed_iterations`` adds ``ours_fixed`` (and ``compile_mode`` ``ours_compiled``, whose
     ``err`` is its largest difference from ``ours_fixed``'s output); ``sparse`` adds ``sparse``, the
     quadratically regularised operator at ``regularization = eps`` (linear cost only); ``triton`` adds
-    ``ours_triton`` (unsorted operator; timed on CUDA only, see :func:`triton_skip_reason`); ``window`` adds
+    ``ours_triton`` (timed on CUDA only, see :func:`triton_skip_reason`; with few long rows of the sorted operator
+    also ``ours_triton_rows``, the one-program-a-row kernels); ``window`` adds
     ``ours_window`` (and with ``triton`` ``ours_window_triton``): the static window of ``window_width``
     candidates (None: the operator's default), sorted operator and linear cost only. ``scores`` is
     :func:`make_scores`' distribution.
@@ -205,6 +208,13 @@ def bench_case(n: int, k: int, eps: float, sorted_op: bool, repeats: int, tol: f
         info_box["ours_triton"] = info
         return out
 
+    def ours_triton_rows():  # the one-program-a-row kernels, where the call would take the split ones
+        with sorted_soft_topk_split_op.one_program_a_row():
+            out, info = op(x, k, epsilon=eps, cost=cost, tol=tol, largest=sorted_op, return_info=True,
+                           backend="triton")
+        info_box["ours_triton_rows"] = info
+        return out
+
     def ours_fixed():
         out, info = fixed_call(x)
         info_box["ours_fixed"] = info
@@ -251,6 +261,8 @@ def bench_case(n: int, k: int, eps: float, sorted_op: bool, repeats: int, tol: f
     methods = {"ours": ours}
     if triton:
         methods["ours_triton"] = ours_triton
+        if sorted_op and sorted_soft_topk_split_op.use_split_kernels(batch, n):
+            methods["ours_triton_rows"] = ours_triton_rows
     if fixed_iterations is not None:
         methods["ours_fixed"] = ours_fixed
         if compile_mode is not None:
@@ -271,7 +283,8 @@ def bench_case(n: int, k: int, eps: float, sorted_op: bool, repeats: int, tol: f
             rows.append(dict(method=name, seconds=None, best=None, mbytes=None, err=None,
                              note="skipped: the sorted operator with the linear cost only"))
             continue
-        if name in ("ours_triton", "sparse_triton", "ours_window_triton") and triton_skip_reason(device):
+        if name in ("ours_triton", "ours_triton_rows", "sparse_triton", "ours_window_triton") and \
+                triton_skip_reason(device):
             rows.append(dict(method=name, seconds=None, best=None, mbytes=None, err=None,
                              note=triton_skip_reason(device)))
             continue
@@ -289,8 +302,12 @@ def bench_case(n: int, k: int, eps: float, sorted_op: bool, repeats: int, tol: f
         seconds, best, nbytes, outputs[name] = _time(fn, x, repeats, device)
         err = info_box.get(name)
         note = ""
-        if name in ("ours", "ours_fixed", "ours_triton"):
+        if name in ("ours", "ours_fixed", "ours_triton", "ours_triton_rows"):
             note = f"{int(err.n_iter)} it" + ("" if bool(err.converged) else " NOT CONVERGED")
+            if name == "ours_triton_rows":
+                note += "; one program a row"
+            elif name == "ours_triton" and sorted_op and sorted_soft_topk_split_op.use_split_kernels(batch, n):
+                note += "; split kernels"
             err = float(err.marginal_error)
         elif name in ("sparse", "sparse_triton"):
             selected = outputs[name].detach()

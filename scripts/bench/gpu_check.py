@@ -101,8 +101,8 @@ DRY_RUN_STEPS = {
 
 #: the Triton kernels' tests (on a GPU on CUDA tensors; in the suite under the interpreter)
 KERNEL_TEST_FILES = ["tests/test_triton_soft_topk.py", "tests/test_triton_sorted_soft_topk.py",
-                     "tests/test_triton_sorted_soft_topk_window.py", "tests/test_triton_sorted_sparse_soft_topk.py",
-                     "tests/test_triton_sparse_soft_topk.py"]
+                     "tests/test_triton_sorted_soft_topk_split.py", "tests/test_triton_sorted_soft_topk_window.py",
+                     "tests/test_triton_sorted_sparse_soft_topk.py", "tests/test_triton_sparse_soft_topk.py"]
 
 
 class StepResult(NamedTuple):

@@ -231,12 +231,23 @@ def use_sorted_soft_topk_kernel(backend: str, scores: Tensor, n: int, k: int) ->
     return True
 
 
-def sorted_soft_topk_kernel(x: Tensor, prep: PreparedScores, k: int, tol: float,
-                            max_iter: int) -> Tuple[Tensor, SolverInfo]:
+def sorted_soft_topk_kernel(x: Tensor, prep: PreparedScores, k: int, tol: float, max_iter: int,
+                            sync_free: bool = False) -> Tuple[Tensor, SolverInfo]:
     """The kernels' sorted soft top-k of prepared rows: ``(out, info)``, ``out`` ``(rows, n, k)``, a view of the
-    plan differentiable in ``x``; ``info``'s fields are 0-dim tensors (``n_iter`` the largest count of a row)."""
-    plan, n_iter, err = sorted_soft_topk_forward(x, prep.z, prep.valid, prep.eps, prep.grad_eps, prep.top,
-                                                 prep.n_valid, k, tol, max_iter, not prep.all_valid)
+    plan differentiable in ``x``; ``info``'s fields are 0-dim tensors (``n_iter`` the largest count of a row).
+
+    Few long rows (``sorted_soft_topk_split_op.use_split_kernels``) run on the many-programs-a-row kernels, which
+    read whether a row goes on every few rounds unless ``sync_free``; the others on one program a row (never a
+    host read)."""
+    from . import sorted_soft_topk_split_op as split  # it imports this module
+
+    if split.use_split_kernels(*prep.z.shape):
+        plan, n_iter, err = split.sorted_soft_topk_split_forward(x, prep.z, prep.valid, prep.eps, prep.grad_eps,
+                                                                 prep.top, prep.n_valid, k, tol, max_iter,
+                                                                 not prep.all_valid, sync_free)
+    else:
+        plan, n_iter, err = sorted_soft_topk_forward(x, prep.z, prep.valid, prep.eps, prep.grad_eps, prep.top,
+                                                     prep.n_valid, k, tol, max_iter, not prep.all_valid)
     if err.shape[0]:
         max_err, max_iter_used = err.amax(), n_iter.amax()
     else:

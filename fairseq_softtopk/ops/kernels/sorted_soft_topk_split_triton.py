@@ -1,0 +1,297 @@
+"""Triton kernels of :func:`~fairseq_softtopk.ops.sorted_soft_topk` for few, long rows: many programs a row.
+
+The one-program-a-row kernels (``sorted_soft_topk_triton``) walk a row serially: a few rows of 1e5-1e6 entries
+leave most of a GPU idle. Here every pass over the scores runs on a ``(rows, chunks)`` grid, ``CHUNK`` entries a
+program, and each program writes its partial sums; a small launch of one program a row reduces them and takes
+the solver's decision:
+
+* forward: the whole row's semi-dual Newton solve (the one-program kernel's ``_newton``, the same steps and
+  tests) as a state machine kept in a per-row float64 state (:data:`STATE` offsets below). A *round* is two
+  launches: :func:`_split_evaluate_kernel` evaluates the row at its trial potentials (counts, log-normalisers,
+  Gram matrix per chunk), :func:`_split_step_kernel` accepts or rejects the trial and proposes the next one (a
+  rescaling, a Newton step or a backtrack), or marks the row done. Programs of rows that are done return at once.
+  :func:`_split_plan_kernel` writes the plan ``(k + 1, n)``;
+* backward: :func:`_split_backward_sums_kernel` (``b`` and the Gram matrix per chunk),
+  :func:`_split_backward_solve_kernel` (one program a row: ``u = K^{-1} b``), :func:`_split_backward_grad_kernel`
+  (the gradient per chunk).
+
+The launcher (``sorted_soft_topk_split_op``) decides how many rounds run. This module imports ``triton`` and the
+one-program kernels' device functions.
+"""
+
+import triton
+import triton.language as tl
+
+from fairseq_softtopk.ops.kernels.sorted_soft_topk_triton import (ARMIJO, LN2, LOG2E, MAX_BACKTRACK, RESCALE_GAIN,
+                                                                  RESCALE_STEPS, _div, _hessian, _marginal_error,
+                                                                  _plan_tile, _solve_ridged, _targets)
+
+# The per-row state, float64, offsets in units of KP (vectors) then scalars after the Gram matrix; the launcher
+# reads ACTIVE_AT (whether the row's solve goes on) and allocates state_size(KP) entries a row.
+G_AT = tl.constexpr(0)  # the potentials reached
+TRIAL_AT = tl.constexpr(1)  # the potentials the next evaluation reads
+STEP_AT = tl.constexpr(2)  # the Newton step in progress
+COUNTS_AT = tl.constexpr(3)  # the anchors' counts at g
+GRAM_AT = tl.constexpr(4)  # the Gram matrix at g (KP x KP, from 4 KP)
+# scalars, counted from 4 KP + KP * KP
+LSE_AT, ERR_AT, ALPHA_AT, F_AT, SLOPE_AT = (tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3),
+                                            tl.constexpr(4))
+FRESH_AT, GOING_AT, RESCALED_AT, N_NEWTON_AT = tl.constexpr(5), tl.constexpr(6), tl.constexpr(7), tl.constexpr(8)
+STALLED_AT, TRIES_AT, IN_RESCALE_AT, ACTIVE_AT = tl.constexpr(9), tl.constexpr(10), tl.constexpr(11), tl.constexpr(12)
+
+
+@triton.jit
+def _row_constants(EPS, N_VALID, row, k, KP: tl.constexpr):
+    """``(y_eps2 (1, KP), rest_bias (KP,), no_rest, n_valid float64, anchor (1, KP))`` of a row, as the one-program
+    forward kernel computes them."""
+    eps = tl.load(EPS + row).to(tl.float64)
+    n_valid = tl.load(N_VALID + row).to(tl.float64)
+    no_rest = n_valid == tl.cast(k, tl.float64)
+    lane = tl.arange(0, KP)
+    y_eps2 = (tl.where(lane <= k, k - lane, 0).to(tl.float64) * (LOG2E / eps))[None, :]
+    rest_bias = tl.where(lane == k, tl.where(no_rest, float("-inf"), 0.0), 0.0)
+    return y_eps2, rest_bias, no_rest, n_valid, lane[None, :]
+
+
+@triton.jit
+def _split_evaluate_kernel(Z, VALID, EPS, N_VALID, STATE, PART, n, k, CUT, HAS_MASK: tl.constexpr,
+                           BLOCK: tl.constexpr, KP: tl.constexpr, CHUNK: tl.constexpr):
+    """Program ``(row, chunk)``: the plan's sums over the chunk's ``CHUNK`` entries at the row's trial potentials.
+
+    Args: Z ``(rows, n)`` prepared scores, VALID ``(rows, n)`` uint8 (read with ``HAS_MASK``), EPS ``(rows,)``,
+    N_VALID ``(rows,)`` (Z's dtype), STATE ``(rows, state_size)`` float64, PART ``(rows, chunks, KP + 1 + KP *
+    KP)`` float64: the chunk's counts, its sum of log2-normalisers, its Gram matrix (rows that are done: not
+    written).
+    """
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    chunks = tl.num_programs(1)
+    state = STATE + row * (4 * KP + KP * KP + 16)
+    scalars = state + 4 * KP + KP * KP
+    if tl.load(scalars + ACTIVE_AT) != 0:
+        y_eps2, rest_bias, no_rest, n_valid, anchor = _row_constants(EPS, N_VALID, row, k, KP)
+        lane = tl.arange(0, KP)
+        trial = tl.load(state + TRIAL_AT * KP + lane)
+        shift = ((trial + rest_bias) * LOG2E)[None, :]
+        counts = tl.zeros((KP,), dtype=tl.float64)
+        lse = tl.zeros((BLOCK,), dtype=tl.float64)
+        gram = tl.zeros((KP, KP), dtype=Z.dtype.element_ty)
+        for start in range(0, CHUNK, BLOCK):
+            offs = chunk * CHUNK + start + tl.arange(0, BLOCK)
+            P, valid, lse_i = _plan_tile(Z + row * n, VALID + row * n, offs, n, True, y_eps2, shift, anchor, k, CUT,
+                                         HAS_MASK)
+            counts += tl.sum(P.to(tl.float64), axis=0)
+            lse += tl.where(valid, lse_i, 0.0)
+            gram += tl.dot(tl.trans(P), P, input_precision="ieee")
+        part = PART + (row * chunks + chunk) * (KP + 1 + KP * KP)
+        tl.store(part + lane, counts)
+        tl.store(part + KP, tl.sum(lse, axis=0))
+        tl.store(part + KP + 1 + lane[:, None] * KP + lane[None, :], gram.to(tl.float64))
+
+
+@triton.jit
+def _reduce_parts(PART, row, chunks, KP: tl.constexpr):
+    """``(counts (KP,), lse, Gram (KP, KP))`` float64: the chunks' partial sums of a row added up."""
+    lane = tl.arange(0, KP)
+    counts = tl.zeros((KP,), dtype=tl.float64)
+    lse = tl.cast(0.0, tl.float64)
+    gram = tl.zeros((KP, KP), dtype=tl.float64)
+    for c in range(0, chunks):
+        part = PART + (row * chunks + c) * (KP + 1 + KP * KP)
+        counts += tl.load(part + lane)
+        lse += tl.load(part + KP)
+        gram += tl.load(part + KP + 1 + lane[:, None] * KP + lane[None, :])
+    return counts, lse, gram
+
+
+@triton.jit
+def _flag(scalars, at):
+    """An integer field of the state (stored as float64)."""
+    return tl.load(scalars + at).to(tl.int32)
+
+
+@triton.jit
+def _split_step_kernel(EPS, N_VALID, STATE, PART, N_ITER, ERR, chunks, k, tol_hi, tol_lo, max_iter, RIDGE,
+                       KP: tl.constexpr):
+    """One program a row: one iteration of ``sorted_soft_topk_triton._newton``'s loop, from its evaluation on.
+
+    The trial just evaluated (PART, as :func:`_split_evaluate_kernel` wrote it) is accepted or not by the same tests
+    (the first trial always; a rescaling if it lowers the error; a Newton trial if it lowers the error or passes
+    Armijo's test), the stopping tests decide whether the row goes on, and if it does the next trial is proposed
+    (a rescaling while it pays off, a Newton step from the point reached, or half the last step). N_ITER ``(rows,)``
+    int32 and ERR ``(rows,)`` float64 are written at every step (the row's iterations and its error so far).
+    """
+    row = tl.program_id(0).to(tl.int64)
+    state = STATE + row * (4 * KP + KP * KP + 16)
+    scalars = state + 4 * KP + KP * KP
+    if _flag(scalars, ACTIVE_AT) != 0:
+        tol = tl.cast(tol_hi, tl.float64) + tl.cast(tol_lo, tl.float64)
+        y_eps2, rest_bias, no_rest, n_valid, anchor = _row_constants(EPS, N_VALID, row, k, KP)
+        lane = tl.arange(0, KP)
+        ri = lane[:, None]
+        ci = lane[None, :]
+        target, inv_target = _targets(n_valid, no_rest, k, KP)
+        g = tl.load(state + G_AT * KP + lane)
+        trial = tl.load(state + TRIAL_AT * KP + lane)
+        step = tl.load(state + STEP_AT * KP + lane)
+        counts = tl.load(state + COUNTS_AT * KP + lane)
+        gram = tl.load(state + GRAM_AT * KP + ri * KP + ci)
+        lse = tl.load(scalars + LSE_AT)
+        err = tl.load(scalars + ERR_AT)
+        alpha = tl.load(scalars + ALPHA_AT)
+        F = tl.load(scalars + F_AT)
+        slope = tl.load(scalars + SLOPE_AT)
+        fresh = _flag(scalars, FRESH_AT)
+        going = _flag(scalars, GOING_AT)
+        rescaled = _flag(scalars, RESCALED_AT)
+        n_newton = _flag(scalars, N_NEWTON_AT)
+        stalled = _flag(scalars, STALLED_AT)
+        tries = _flag(scalars, TRIES_AT)
+        in_rescale = _flag(scalars, IN_RESCALE_AT)
+        budget = max_iter
+        # the trial's evaluation, and the decision on it (as _newton's)
+        t_counts, t_lse, t_gram = _reduce_parts(PART, row, chunks, KP)
+        t_err = _marginal_error(t_counts, target, inv_target)
+        if fresh != 0:
+            accept = fresh != 0  # whatever its error (NaN data: NaN results, as the torch path's)
+            going = tl.where(t_err > 1.0, 1, 0)
+        elif in_rescale != 0:
+            rescaled += 1
+            accept = t_err < err
+            going = tl.where(accept & (t_err * RESCALE_GAIN <= err) & (t_err > tol), 1, 0)
+        else:
+            t_F = tl.sum(tl.where(lane < k, trial, 0.0), axis=0) - LN2 * t_lse
+            accept = (t_err < err) | (t_F >= F + ARMIJO * alpha * slope)
+            tries += 1
+            if accept | (tries >= MAX_BACKTRACK):
+                stalled = tl.where(t_err < 0.99 * err, 0, stalled + 1)
+                tries = 0
+        g = tl.where(accept, trial, g)
+        counts = tl.where(accept, t_counts, counts)
+        lse = tl.where(accept, t_lse, lse)
+        gram = tl.where(accept, t_gram, gram)
+        err = tl.where(accept, t_err, err)
+        in_rescale = tl.where((going != 0) & (rescaled < tl.minimum(budget, RESCALE_STEPS)), 1, 0)
+        newton_goes_on = (err > tol) & (stalled < 3) & (n_newton < budget - rescaled)
+        active = tl.where((in_rescale != 0) | (tries > 0) | newton_goes_on, 1, 0)
+        # the next trial
+        if active != 0:
+            if in_rescale != 0:  # Sinkhorn-like: g_r += log(target_r / count_r), relative to the rest anchor's
+                log_ratio = tl.log(target / tl.maximum(counts, 1e-300))
+                rest_shift = tl.where(no_rest, 0.0, tl.sum(tl.where(lane == k, log_ratio, 0.0), axis=0))
+                trial = g + tl.where(lane < k, tl.minimum(tl.maximum(log_ratio - rest_shift, -50.0), 50.0), 0.0)
+            elif tries == 0:  # a Newton step from the point reached
+                n_newton += 1
+                grad = tl.where(lane < k, target - counts, 0.0)
+                step = _solve_ridged(_hessian(gram, k, no_rest, KP), grad, k, RIDGE, KP)
+                step = tl.where((step == step) & (tl.abs(step) < float("inf")), step, 0.0)  # nan_to_num
+                F = tl.sum(tl.where(lane < k, g, 0.0), axis=0) - LN2 * lse
+                slope = tl.sum(grad * step, axis=0)
+                alpha = tl.cast(1.0, tl.float64)
+                trial = g + step
+            else:  # backtracking
+                alpha = 0.5 * alpha
+                trial = g + alpha * step
+        tl.store(state + G_AT * KP + lane, g)
+        tl.store(state + TRIAL_AT * KP + lane, trial)
+        tl.store(state + STEP_AT * KP + lane, step)
+        tl.store(state + COUNTS_AT * KP + lane, counts)
+        tl.store(state + GRAM_AT * KP + ri * KP + ci, gram)
+        tl.store(scalars + LSE_AT, lse)
+        tl.store(scalars + ERR_AT, err)
+        tl.store(scalars + ALPHA_AT, alpha)
+        tl.store(scalars + F_AT, F)
+        tl.store(scalars + SLOPE_AT, slope)
+        tl.store(scalars + FRESH_AT, tl.cast(0.0, tl.float64))  # the first trial is behind
+        tl.store(scalars + GOING_AT, going.to(tl.float64))
+        tl.store(scalars + RESCALED_AT, rescaled.to(tl.float64))
+        tl.store(scalars + N_NEWTON_AT, n_newton.to(tl.float64))
+        tl.store(scalars + STALLED_AT, stalled.to(tl.float64))
+        tl.store(scalars + TRIES_AT, tries.to(tl.float64))
+        tl.store(scalars + IN_RESCALE_AT, in_rescale.to(tl.float64))
+        tl.store(scalars + ACTIVE_AT, active.to(tl.float64))
+        tl.store(N_ITER + row, rescaled + n_newton)
+        tl.store(ERR + row, err)
+
+
+@triton.jit
+def _split_plan_kernel(Z, VALID, EPS, N_VALID, STATE, PLAN, n, k, CUT, HAS_MASK: tl.constexpr, BLOCK: tl.constexpr,
+                       KP: tl.constexpr, CHUNK: tl.constexpr):
+    """Program ``(row, chunk)``: the plan ``(rows, k + 1, n)`` on the chunk's entries at the potentials reached."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    y_eps2, rest_bias, no_rest, n_valid, anchor = _row_constants(EPS, N_VALID, row, k, KP)
+    g = tl.load(STATE + row * (4 * KP + KP * KP + 16) + G_AT * KP + tl.arange(0, KP))
+    shift = ((g + rest_bias) * LOG2E)[None, :]
+    PLAN += row * (k + 1) * n
+    for start in range(0, CHUNK, BLOCK):
+        offs = chunk * CHUNK + start + tl.arange(0, BLOCK)
+        P, valid, lse_i = _plan_tile(Z + row * n, VALID + row * n, offs, n, True, y_eps2, shift, anchor, k, CUT,
+                                     HAS_MASK)
+        tl.store(PLAN + anchor * n + offs[:, None], P, mask=(offs < n)[:, None] & (anchor <= k))
+
+
+@triton.jit
+def _split_backward_sums_kernel(PLAN, GRAD, PART, n, k, BLOCK: tl.constexpr, KP: tl.constexpr,
+                                CHUNK: tl.constexpr):
+    """Program ``(row, chunk)``: the chunk's ``b_r = sum_i P_ir (G_ir - Gbar_i)`` and Gram matrix (see
+    ``sorted_soft_topk_triton._sorted_backward_kernel``), to PART ``(rows, chunks, KP + KP * KP)`` float64."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    PLAN += row * (k + 1) * n
+    GRAD += row * (k + 1) * n
+    lane = tl.arange(0, KP)
+    anchor = lane[None, :]
+    rank = anchor < k
+    b = tl.zeros((KP,), dtype=tl.float64)
+    gram = tl.zeros((KP, KP), dtype=PLAN.dtype.element_ty)
+    for start in range(0, CHUNK, BLOCK):
+        offs = chunk * CHUNK + start + tl.arange(0, BLOCK)
+        inside = (offs < n)[:, None]
+        P = tl.load(PLAN + anchor * n + offs[:, None], mask=inside & (anchor <= k), other=0.0)
+        PG = P * tl.load(GRAD + anchor * n + offs[:, None], mask=inside & rank, other=0.0)
+        G_bar = tl.sum(PG, axis=1)
+        b += tl.sum(PG.to(tl.float64), axis=0) - tl.sum(tl.where(rank, P * G_bar[:, None], 0.0).to(tl.float64),
+                                                        axis=0)
+        gram += tl.dot(tl.trans(P), P, input_precision="ieee")
+    part = PART + (row * tl.num_programs(1) + chunk) * (KP + 1 + KP * KP)
+    tl.store(part + lane, b)
+    tl.store(part + KP + 1 + lane[:, None] * KP + lane[None, :], gram.to(tl.float64))
+
+
+@triton.jit
+def _split_backward_solve_kernel(PART, NO_REST, U, chunks, k, RIDGE, KP: tl.constexpr):
+    """One program a row: ``u = K^{-1} b`` from the chunks' sums, to U ``(rows, KP)`` float64."""
+    row = tl.program_id(0).to(tl.int64)
+    b, unused, gram = _reduce_parts(PART, row, chunks, KP)
+    no_rest = tl.load(NO_REST + row) != 0
+    tl.store(U + row * KP + tl.arange(0, KP), _solve_ridged(_hessian(gram, k, no_rest, KP), b, k, RIDGE, KP))
+
+
+@triton.jit
+def _split_backward_grad_kernel(PLAN, GRAD, U, EPS, GRAD_Z, n, k, BLOCK: tl.constexpr, KP: tl.constexpr,
+                                CHUNK: tl.constexpr):
+    """Program ``(row, chunk)``: ``grad_z`` ``(rows, n)`` on the chunk's entries (the one-program backward's second
+    pass)."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    PLAN += row * (k + 1) * n
+    GRAD += row * (k + 1) * n
+    GRAD_Z += row * n
+    eps = tl.load(EPS + row)
+    lane = tl.arange(0, KP)
+    anchor = lane[None, :]
+    rank = anchor < k
+    y = tl.where(rank, k - anchor, 0).to(PLAN.dtype.element_ty)
+    u = tl.load(U + row * KP + lane).to(PLAN.dtype.element_ty)[None, :]
+    for start in range(0, CHUNK, BLOCK):
+        offs = chunk * CHUNK + start + tl.arange(0, BLOCK)
+        inside = (offs < n)[:, None]
+        P = tl.load(PLAN + anchor * n + offs[:, None], mask=inside & rank, other=0.0)
+        PG = P * tl.load(GRAD + anchor * n + offs[:, None], mask=inside & rank, other=0.0)
+        G_bar = tl.sum(PG, axis=1)
+        y_bar = tl.sum(P * y, axis=1)
+        direct_minus_implicit = tl.sum(y * (PG - P * u), axis=1)
+        Pu = tl.sum(P * u, axis=1)
+        grad_z = _div(direct_minus_implicit - y_bar * (G_bar - Pu), eps)
+        tl.store(GRAD_Z + offs, grad_z, mask=offs < n)
