@@ -63,7 +63,7 @@ def assert_matches_torch(x, k, rng, **kwargs):
     torch.testing.assert_close(grad_k, grad_t, rtol=0, atol=1e-4 * float(grad_t.abs().max()))
     assert bool(info_k.converged) and info_t.converged and float(info_k.marginal_error) <= tol
     assert abs(int(info_k.n_iter) - info_t.n_iter) <= 2
-    exact = soft_topk(x.double(), k, tol=1e-12, warn=False, **kwargs)
+    exact = soft_topk(x.double(), k, warn=False, **dict(kwargs, tol=1e-12))
     torch.testing.assert_close(out_k.double(), exact, rtol=0, atol=max(1e-6, 2 * denom * tol))
 
 
@@ -219,6 +219,10 @@ _SIGNATURES = {
                                         N_ITER="*i32", ERR="*fp64", n="i32", top_cols="i32", k="i32", tol_hi="fp32",
                                         tol_lo="fp32", max_iter="i32"),
     "_soft_topk_backward_kernel": dict(LOGITS="*D", GRAD="*D", EPS="*D", GRAD_Z="*D", n="i32"),
+    "_soft_topk_short_rows_kernel": dict(Z="*D", VALID="*u8", EPS="*D", TOP="*D", N_VALID="*D", S="*D", OUT="*D",
+                                         N_ITER="*i32", ERR="*fp64", rows="i32", n="i32", top_cols="i32", k="i32",
+                                         tol_hi="fp32", tol_lo="fp32", max_iter="i32"),
+    "_soft_topk_short_backward_kernel": dict(LOGITS="*D", GRAD="*D", EPS="*D", GRAD_Z="*D", rows="i32", n="i32"),
 }
 
 
@@ -236,11 +240,13 @@ def test_every_kernel_compiles_for_the_gpu(arch, monkeypatch, tmp_path):
     for name, signature in _SIGNATURES.items():
         kernel = getattr(module, name)
         constexprs = {"BLOCK": soft_topk_op.MAX_BLOCK}
+        if "ROWS" in kernel.arg_names:  # the short-row kernels: 64 rows of 32 entries
+            constexprs = {"BLOCK": 32, "ROWS": soft_topk_op.SHORT_TILE // 32}
         if "HAS_MASK" in kernel.arg_names:
             constexprs.update(HAS_MASK=True, LIMIT=80.0, RESOLUTION=1e-6)
         assert set(kernel.arg_names) == set(signature) | set(constexprs), name
         # Triton turns integer arguments equal to 1 into constants at launch: rows of one entry (n = k = 1)
-        ones = {arg: 1 for arg in ("n", "k", "top_cols", "max_iter") if arg in signature}
+        ones = {arg: 1 for arg in ("rows", "n", "k", "top_cols", "max_iter") if arg in signature}
         for dtype, constants in (("fp32", constexprs), ("fp64", constexprs), ("fp32", dict(constexprs, **ones))):
             types = {arg: kind.replace("D", dtype) for arg, kind in signature.items()}
             types.update({arg: "constexpr" for arg in constants})
@@ -248,6 +254,51 @@ def test_every_kernel_compiles_for_the_gpu(arch, monkeypatch, tmp_path):
                                       target=GPUTarget("cuda", arch, 32),
                                       options=dict(num_warps=8, enable_fp_fusion=True))
             assert compiled.asm["cubin"], (name, dtype, constants)
+
+
+def _attention_rows(rng, dtype, rows=70, n=37):
+    """Rows like top-k attention's: ``rows`` (not a multiple of a program's rows) of ``n`` keys; row 0 with 10
+    keys at -inf, row 1 with 30 masked, row 2 with exactly 4 unmasked (k = 4: every valid key selected), rows
+    3.. causal-style masks (row i keeps its first 4 + i % 33 keys), the last rows at a large scale."""
+    x = torch.randn(rows, n, generator=rng, dtype=torch.float64)
+    x[-5:] *= 30.0
+    x[0, :10] = -math.inf
+    mask = torch.arange(n).expand(rows, n) >= (4 + torch.arange(rows) % 33).unsqueeze(1)
+    mask[0] = False
+    mask[1] = False
+    mask[1, :30] = True
+    mask[2] = True
+    mask[2, :4] = False
+    return x.to(dtype), mask
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("epsilon", [0.01, 0.1, 1.0])
+def test_short_rows_match_the_torch_path_and_the_one_row_kernels(rng, monkeypatch, dtype, epsilon):
+    """Rows of at most SHORT_MAX_LENGTH entries run several to a program, each row's scores in registers: the torch
+    path's values, gradients and info, and exactly (bit for bit) what the one-row kernels give."""
+    x, mask = _attention_rows(rng, dtype)
+    # tol 1e-6: at the default 1e-5 a float32 row may stop one iteration apart on the two paths (the kernels sum in
+    # float64, the torch path in float32), its entries then 1.5e-5 apart, both within the tolerance's 2 k tol
+    assert_matches_torch(x, 4, rng, epsilon=epsilon, mask=mask, tol=1e-6)
+    assert soft_topk_op.rows_per_program(70, soft_topk_op.block_size(37, False)) == 32  # three programs, one partial
+    weights = torch.randn(x.shape, generator=rng, dtype=torch.float64).to(dtype)
+    short = _run(x, 4, "triton", weights, epsilon=epsilon, mask=mask)
+    monkeypatch.setattr(soft_topk_op, "SHORT_MAX_LENGTH", 0)
+    one_row = _run(x, 4, "triton", weights, epsilon=epsilon, mask=mask)
+    for a, b in zip(short[:2], one_row[:2]):  # values, gradients
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert (int(short[2].n_iter), float(short[2].marginal_error)) == (int(one_row[2].n_iter),
+                                                                      float(one_row[2].marginal_error))
+
+
+@kernel_test
+def test_short_rows_of_extreme_k_and_one_row_match_the_torch_path(rng):
+    x = torch.randn(5, 20, generator=rng, dtype=torch.float64)
+    assert_matches_torch(x, 1, rng, epsilon=0.05)
+    assert_matches_torch(x, 19, rng, epsilon=0.5)
+    assert_matches_torch(x[:1], 3, rng, epsilon=0.1)
 
 
 def _load_mutant(monkeypatch, tmp_path, old: str, new: str):
@@ -261,12 +312,15 @@ def _load_mutant(monkeypatch, tmp_path, old: str, new: str):
 
 
 @kernel_test
-@pytest.mark.parametrize("old, new", [
-    ("sig = tl.where(inside, sig, 0.0)", "sig = tl.where(inside, sig, 1e-3)"),  # the tail of a row counted
-    ("_div(w, eps) * (g - mean_row)", "_div(w, eps) * g"),  # the threshold's dependence on z forgotten
-], ids=["forward-tail-mask", "backward-mean"])
-def test_a_wrong_kernel_fails_the_comparison(rng, monkeypatch, tmp_path, old, new):
-    x, _ = _scores(rng, 2, 1000, torch.float32)
+@pytest.mark.parametrize("old, new, n", [
+    ("sig = tl.where(inside, sig, 0.0)", "sig = tl.where(inside, sig, 1e-3)", 1000),  # the tail of a row counted
+    ("_div(w, eps) * (g - mean_row)", "_div(w, eps) * g", 1000),  # the threshold's dependence on z forgotten
+    # the short rows' kernels (rows of at most SHORT_MAX_LENGTH): a solve stopped early, the backward's mean dropped
+    ("done = tl.where(going, t_done, done)", "done = tl.where(going, t_done | (n_iter > 1), done)", 200),
+    ("(g - mean_g.to(g.dtype)[:, None])", "g", 200),
+], ids=["forward-tail-mask", "backward-mean", "short-rows-stop-early", "short-rows-backward-mean"])
+def test_a_wrong_kernel_fails_the_comparison(rng, monkeypatch, tmp_path, old, new, n):
+    x, _ = _scores(rng, 2, n, torch.float32)
     assert_matches_torch(x, 5, rng, epsilon=0.1)  # the kernels as they are pass
     _load_mutant(monkeypatch, tmp_path, old, new)
     with pytest.raises(AssertionError):

@@ -428,7 +428,7 @@ def test_kernel_mutant_fails_the_comparison(rng, monkeypatch, tmp_path, old, new
 
 
 @kernel_test
-def test_the_kernel_path_names_its_profiler_ranges_as_the_torch_path(rng):
+def test_kernel_path_names_its_profiler_ranges_as_the_torch_path(rng):
     """bench_train and bench_attention attribute launches by these ranges: the kernels' backward has the torch path's."""
     leaf = torch.randn(2, 300, generator=rng).to(DEVICE).requires_grad_()
     names = {}
@@ -441,8 +441,10 @@ def test_the_kernel_path_names_its_profiler_ranges_as_the_torch_path(rng):
 
 @kernel_test
 @pytest.mark.parametrize("fixed_iterations", [False, True])
-def test_a_beam_search_step_on_the_kernels_selects_as_the_torch_path(rng, fixed_iterations, monkeypatch):
-    """select_beams with ``backend="triton"``: the same candidates, beam weights and gradients as the torch path."""
+def test_kernel_beam_search_step_selects_as_the_torch_path(rng, fixed_iterations, monkeypatch):
+    """select_beams with ``backend="triton"`` on the dense operator (the adaptive window, ``window_width=0``, and
+    the fixed-iteration search): the same candidates, beam weights and gradients as the torch path. (The default
+    search's static window has its own kernels: tests/test_triton_sorted_soft_topk_window.py.)"""
     from fairseq_softtopk.modules.beam_search_config import BeamSearchConfig
     from fairseq_softtopk.modules.beam_selection import select_beams
 
@@ -456,7 +458,7 @@ def test_a_beam_search_step_on_the_kernels_selects_as_the_torch_path(rng, fixed_
     for backend in ("torch", "triton"):
         leaf = scores.clone().requires_grad_()
         config = BeamSearchConfig(beam=3, epsilon=0.1, tol=1e-5, max_iter=30, fixed_iterations=fixed_iterations,
-                                  backend=backend, selection_grad="full")
+                                  backend=backend, selection_grad="full", window_width=0)
         selection = select_beams(leaf, 3, config, leaf.detach().topk(4).values[:, -1:])
         dense = torch.zeros(2, 90, 3, device=DEVICE).scatter_add(
             1, selection.candidates.unsqueeze(-1).expand(-1, -1, 3), selection.weights)
@@ -469,7 +471,7 @@ def test_a_beam_search_step_on_the_kernels_selects_as_the_torch_path(rng, fixed_
 
 
 @kernel_test
-def test_the_sync_free_solve_on_the_kernels_never_waits_and_launches_a_few_operations(rng):
+def test_kernel_sync_free_solve_never_waits_and_launches_a_few_operations(rng):
     """The kernels' claim, counted as tests/test_dispatch_count.py counts the torch path: with
     ``fixed_iterations=True`` forward and backward read nothing on the host (the default checks read a few
     values), and the solve is a handful of dispatched operations where the torch path's is over 15 per

@@ -1,9 +1,11 @@
 """``torch.library`` ops around the Triton kernels of :func:`~fairseq_softtopk.ops.soft_topk` (linear cost).
 
 * ``fairseq_softtopk::soft_topk_forward``: the whole threshold solve of every row on the device, one
-  launch (``soft_topk_triton._soft_topk_threshold_kernel``); returns the output, the logits, and per row
-  the iterations used and the marginal error reached, as tensors (nothing read on the host);
-* ``fairseq_softtopk::soft_topk_backward``: the implicit gradient, one launch.
+  launch (``soft_topk_triton._soft_topk_threshold_kernel``, one program a row; rows of at most
+  :data:`SHORT_MAX_LENGTH` entries, top-k attention's, ``_soft_topk_short_rows_kernel``, several rows a program);
+  returns the output, the logits, and per row the iterations used and the marginal error reached, as tensors
+  (nothing read on the host);
+* ``fairseq_softtopk::soft_topk_backward``: the implicit gradient, one launch (the same two shapes).
 
 Both have fake (meta) implementations and the forward an autograd rule, so that they run under
 ``torch.compile`` and pass ``torch.library.opcheck``. The kernels module imports ``triton`` and is loaded
@@ -31,6 +33,11 @@ MAX_BLOCK = 4096
 INTERPRETER_MAX_BLOCK = 1 << 16
 #: rows longer than this run on the torch path: the kernels' offsets within a row are int32
 MAX_ROW_LENGTH = 2 ** 31 - 2 ** 17
+#: rows of at most this many entries (top-k attention's: a few dozen keys) run several to a program, each row's
+#: scores held in registers for the whole solve (``_soft_topk_short_rows_kernel``) ...
+SHORT_MAX_LENGTH = 256
+#: ... SHORT_TILE entries of them a program (64 rows of up to 32 entries, 8 rows of 256)
+SHORT_TILE = 2048
 
 _kernel_modules = {}  # the loaded kernels module (one entry)
 
@@ -76,6 +83,12 @@ def _float32_halves(value: float) -> Tuple[float, float]:
     return hi, value - hi
 
 
+def rows_per_program(rows: int, block: int) -> int:
+    """Rows a program of the short-row kernels takes: SHORT_TILE entries' worth, a power of two, no more than the
+    rows rounded up to one."""
+    return max(1, min(SHORT_TILE // block, 1 << max(rows - 1, 0).bit_length()))
+
+
 def launch_forward(z: Tensor, valid: Tensor, eps: Tensor, top: Tensor, n_valid: Tensor, k: int, tol: float,
                    max_iter: int, has_mask: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Runs the forward kernel; arguments as :func:`soft_topk_forward`'s. Returns ``(out, logits, n_iter, err)``."""
@@ -89,6 +102,14 @@ def launch_forward(z: Tensor, valid: Tensor, eps: Tensor, top: Tensor, n_valid: 
     module, interpret = _kernels_for(z)
     block = block_size(n, interpret)
     tol_hi, tol_lo = _float32_halves(float(tol))
+    if n <= SHORT_MAX_LENGTH:
+        per_program = rows_per_program(rows, block)
+        launch(module._soft_topk_short_rows_kernel, (math.ceil(rows / per_program),),
+               z, valid.contiguous().view(torch.uint8), eps.reshape(rows).contiguous(), top.contiguous(),
+               n_valid.contiguous(), logits, out, n_iter, err, rows, n, top.shape[-1], k, tol_hi, tol_lo, max_iter,
+               HAS_MASK=has_mask, LIMIT=-log_floor(z.dtype), RESOLUTION=4 * torch.finfo(z.dtype).eps,
+               ROWS=per_program, BLOCK=block, **_launch_options(per_program * block))
+        return out, logits, n_iter, err
     launch(module._soft_topk_threshold_kernel, (rows,),
         z, valid.contiguous().view(torch.uint8), eps.reshape(rows).contiguous(), top.contiguous(),
         n_valid.contiguous(), logits, out, n_iter, err, n, top.shape[-1], k, tol_hi, tol_lo, max_iter,
@@ -107,6 +128,12 @@ def launch_backward(logits: Tensor, grad: Tensor, eps: Tensor) -> Tensor:
         return grad_z
     module, interpret = _kernels_for(logits)
     block = block_size(n, interpret)
+    if n <= SHORT_MAX_LENGTH:
+        per_program = rows_per_program(rows, block)
+        launch(module._soft_topk_short_backward_kernel, (math.ceil(rows / per_program),), logits, grad,
+               eps.reshape(rows).to(logits.dtype).contiguous(), grad_z, rows, n, ROWS=per_program, BLOCK=block,
+               **_launch_options(per_program * block))
+        return grad_z
     launch(module._soft_topk_backward_kernel, (rows,), logits, grad, eps.reshape(rows).to(logits.dtype).contiguous(),
            grad_z, n, BLOCK=block, **_launch_options(block))
     return grad_z

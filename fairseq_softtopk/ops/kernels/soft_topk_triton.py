@@ -164,3 +164,99 @@ def _soft_topk_backward_kernel(LOGITS, GRAD, EPS, GRAD_Z, n, BLOCK: tl.constexpr
         g = tl.load(GRAD + offs, mask=inside, other=0.0)
         w = tl.sigmoid(logits) * tl.sigmoid(-logits)
         tl.store(GRAD_Z + offs, _div(w, eps) * (g - mean_row), mask=inside)
+
+
+@triton.jit
+def _short_rows_tile(Z, VALID, EPS, first, rows, n, HAS_MASK: tl.constexpr, ROWS: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    """``(row indices (ROWS,), in-bounds (ROWS, BLOCK), valid, z, eps)`` of the ``ROWS`` rows from ``first``."""
+    r = first + tl.arange(0, ROWS)
+    row_ok = r < rows
+    cols = tl.arange(0, BLOCK)
+    inside = row_ok[:, None] & (cols[None, :] < n)
+    offs = r.to(tl.int64)[:, None] * n + cols[None, :]
+    z = tl.load(Z + offs, mask=inside, other=0.0)
+    valid = inside
+    if HAS_MASK:
+        valid = valid & (tl.load(VALID + offs, mask=inside, other=0) != 0)
+    eps = tl.load(EPS + r, mask=row_ok, other=1.0)
+    return r, offs, row_ok, inside, valid, z, eps
+
+
+@triton.jit
+def _short_sums(s, inside, t, LIMIT: tl.constexpr):
+    """:func:`_sigmoid_sums` of each row of the ``(ROWS, BLOCK)`` tile ``s`` at its threshold ``t`` ``(ROWS,)``."""
+    sig = tl.where(inside, tl.sigmoid(tl.minimum(tl.maximum(s - t.to(s.dtype)[:, None], -LIMIT), LIMIT)), 0.0)
+    return tl.sum(sig.to(tl.float64), axis=1), tl.sum((sig - sig * sig).to(tl.float64), axis=1)
+
+
+@triton.jit
+def _soft_topk_short_rows_kernel(Z, VALID, EPS, TOP, N_VALID, S, OUT, N_ITER, ERR, rows, n, top_cols, k, tol_hi,
+                                 tol_lo, max_iter, HAS_MASK: tl.constexpr, LIMIT: tl.constexpr,
+                                 RESOLUTION: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """:func:`_soft_topk_threshold_kernel` for rows of at most ``BLOCK`` entries, ``ROWS`` rows a program (top-k
+    attention's shapes: thousands of rows of a few dozen keys). Each row's scores stay in registers for the whole
+    solve (no pass over memory per iteration); every row takes the same steps as in the one-row kernel, and the
+    program iterates while one of its rows goes on. Arguments as that kernel's, ``rows`` the row count."""
+    first = tl.program_id(0) * ROWS
+    r, offs, row_ok, inside, valid, z, eps = _short_rows_tile(Z, VALID, EPS, first, rows, n, HAS_MASK, ROWS, BLOCK)
+    tol = tl.cast(tol_hi, tl.float64) + tl.cast(tol_lo, tl.float64)
+    eps64 = eps.to(tl.float64)
+    kf = tl.cast(k, tl.float64)
+    n_valid = tl.load(N_VALID + r, mask=row_ok, other=k + 1).to(tl.float64)
+    full = n_valid == kf
+    top = TOP + r.to(tl.int64) * top_cols
+    kth = tl.load(top + k - 1, mask=row_ok, other=0.0).to(tl.float64)
+    has_after = tl.where(top_cols > k, row_ok, False)
+    after = tl.load(top + k, mask=has_after, other=0.0).to(tl.float64)
+    after = tl.where((top_cols > k) & (full == 0), after, kth - 1.0)
+    t = 0.5 * (kth + after) / eps64
+    span = tl.log(n_valid) + 2.0
+    hi = tl.load(top, mask=row_ok, other=0.0).to(tl.float64) / eps64 + span
+    denom = tl.maximum(tl.minimum(n_valid - kf, kf), 1.0)
+    s = tl.where(valid, _div(z, eps[:, None]), float("-inf"))
+    lo = tl.min(tl.where(valid, z, float("inf")), axis=1).to(tl.float64) / eps64 - span
+    total, slope = _short_sums(s, inside, t, LIMIT)
+    excess, err, done = _stop_test(total, kf, full, denom, t, lo, hi, tol, RESOLUTION)
+    n_iter = tl.full((ROWS,), 1, tl.int32)
+    going = (n_iter < max_iter) & (done == 0) & row_ok
+    while tl.max(going.to(tl.int32), axis=0) != 0:
+        lo = tl.where(going & (excess > 0), tl.maximum(lo, t), lo)
+        hi = tl.where(going & (excess < 0), tl.minimum(hi, t), hi)
+        newton = t + excess / tl.maximum(slope, 1e-300)
+        inside_bracket = (newton > lo) & (newton < hi) & (slope > 0)
+        t = tl.where(going, tl.where(inside_bracket, newton, 0.5 * (lo + hi)), t)
+        n_iter += going.to(tl.int32)
+        t_total, t_slope = _short_sums(s, inside, t, LIMIT)
+        t_excess, t_err, t_done = _stop_test(t_total, kf, full, denom, t, lo, hi, tol, RESOLUTION)
+        total = tl.where(going, t_total, total)
+        slope = tl.where(going, t_slope, slope)
+        excess = tl.where(going, t_excess, excess)
+        err = tl.where(going, t_err, err)
+        done = tl.where(going, t_done, done)
+        going = (n_iter < max_iter) & (done == 0) & row_ok
+    tl.store(N_ITER + r, n_iter, mask=row_ok)
+    tl.store(ERR + r, err, mask=row_ok)
+    logits = tl.minimum(tl.maximum(s - t.to(s.dtype)[:, None], -LIMIT), LIMIT)
+    logits = tl.where(full[:, None], float("inf"), logits)
+    logits = tl.where(s == float("-inf"), float("-inf"), logits)
+    tl.store(S + offs, logits, mask=inside)
+    tl.store(OUT + offs, tl.sigmoid(logits), mask=inside)
+
+
+@triton.jit
+def _soft_topk_short_backward_kernel(LOGITS, GRAD, EPS, GRAD_Z, rows, n, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """:func:`_soft_topk_backward_kernel` for rows of at most ``BLOCK`` entries, ``ROWS`` rows a program."""
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = r < rows
+    cols = tl.arange(0, BLOCK)
+    inside = row_ok[:, None] & (cols[None, :] < n)
+    offs = r.to(tl.int64)[:, None] * n + cols[None, :]
+    logits = tl.load(LOGITS + offs, mask=inside, other=float("-inf"))
+    g = tl.load(GRAD + offs, mask=inside, other=0.0)
+    eps = tl.load(EPS + r, mask=row_ok, other=1.0)
+    w = tl.sigmoid(logits) * tl.sigmoid(-logits)
+    w_sum = tl.sum(w.to(tl.float64), axis=1)
+    mean_g = tl.sum((w * g).to(tl.float64), axis=1) / tl.where(w_sum > 0, w_sum, 1.0)
+    grad_z = _div(w, eps[:, None]) * (g - mean_g.to(g.dtype)[:, None])
+    tl.store(GRAD_Z + offs, grad_z, mask=inside)
