@@ -28,7 +28,7 @@ from ..semi_dual import subnormal_cut
 from ..semi_dual_warm_start import hard_start
 from .loading import check_device, launch, load_kernels
 from .soft_topk_op import _float32_halves, _launch_options
-from .sorted_soft_topk_op import INTERPRETER_MAX_TILE, MAX_TILE, _ridge, anchor_lanes
+from .sorted_soft_topk_op import INTERPRETER_MAX_TILE, MAX_TILE, _ridge, _setup_context, anchor_lanes
 
 KERNEL_FILE = Path(__file__).with_name("sorted_soft_topk_split_triton.py")
 #: entries of a row per program on a GPU (BLOCK = MAX_TILE / KP of them per iteration: 32 iterations at KP = 16);
@@ -196,13 +196,6 @@ def _split_backward_fake(plan, grad, eps, no_rest):
     return plan.new_empty((plan.shape[0], plan.shape[2]))
 
 
-def _setup_context(ctx, inputs, output):
-    grad_eps, n_valid, k = inputs[4], inputs[6], inputs[7]
-    plan, n_iter, err = output
-    ctx.save_for_backward(plan, grad_eps, n_valid == k)
-    ctx.mark_non_differentiable(n_iter, err)
-
-
 def _backward(ctx, grad_plan, grad_n_iter, grad_err):
     plan, grad_eps, no_rest = ctx.saved_tensors
     grad_x = None
@@ -212,4 +205,5 @@ def _backward(ctx, grad_plan, grad_n_iter, grad_err):
     return (grad_x,) + (None,) * 11
 
 
+# the forward's inputs and outputs are the one-program op's: the same context (the plan, eps, rows without a rest)
 sorted_soft_topk_split_forward.register_autograd(_backward, setup_context=_setup_context)

@@ -22,9 +22,9 @@ one-program kernels' device functions.
 import triton
 import triton.language as tl
 
-from fairseq_softtopk.ops.kernels.sorted_soft_topk_triton import (ARMIJO, LN2, LOG2E, MAX_BACKTRACK, RESCALE_GAIN,
-                                                                  RESCALE_STEPS, _div, _hessian, _marginal_error,
-                                                                  _plan_tile, _solve_ridged, _targets)
+from fairseq_softtopk.ops.kernels.sorted_soft_topk_triton import (LOG2E, _div, _hessian, _judge_trial,
+                                                                  _marginal_error, _next_trial, _plan_tile,
+                                                                  _solve_ridged, _targets)
 
 # The per-row state, float64, offsets in units of KP (vectors) then scalars after the Gram matrix; the launcher
 # reads ACTIVE_AT (whether the row's solve goes on) and allocates state_size(KP) entries a row.
@@ -115,11 +115,10 @@ def _split_step_kernel(EPS, N_VALID, STATE, PART, N_ITER, ERR, chunks, k, tol_hi
                        KP: tl.constexpr):
     """One program a row: one iteration of ``sorted_soft_topk_triton._newton``'s loop, from its evaluation on.
 
-    The trial just evaluated (PART, as :func:`_split_evaluate_kernel` wrote it) is accepted or not by the same tests
-    (the first trial always; a rescaling if it lowers the error; a Newton trial if it lowers the error or passes
-    Armijo's test), the stopping tests decide whether the row goes on, and if it does the next trial is proposed
-    (a rescaling while it pays off, a Newton step from the point reached, or half the last step). N_ITER ``(rows,)``
-    int32 and ERR ``(rows,)`` float64 are written at every step (the row's iterations and its error so far).
+    The trial just evaluated (PART, as :func:`_split_evaluate_kernel` wrote it) is judged by the one-program
+    kernel's ``_judge_trial`` (the same tests decide whether the row goes on), and if it does the next trial is
+    proposed by its ``_next_trial`` (a rescaling while it pays off, a Newton step, or half the last step). N_ITER
+    ``(rows,)`` int32 and ERR ``(rows,)`` float64 are written at every step (the row's iterations and error so far).
     """
     row = tl.program_id(0).to(tl.int64)
     state = STATE + row * (4 * KP + KP * KP + 16)
@@ -148,50 +147,16 @@ def _split_step_kernel(EPS, N_VALID, STATE, PART, N_ITER, ERR, chunks, k, tol_hi
         stalled = _flag(scalars, STALLED_AT)
         tries = _flag(scalars, TRIES_AT)
         in_rescale = _flag(scalars, IN_RESCALE_AT)
-        budget = max_iter
-        # the trial's evaluation, and the decision on it (as _newton's)
+        # the trial's evaluation judged, and the next trial where the row goes on (as _newton's loop)
         t_counts, t_lse, t_gram = _reduce_parts(PART, row, chunks, KP)
         t_err = _marginal_error(t_counts, target, inv_target)
-        if fresh != 0:
-            accept = fresh != 0  # whatever its error (NaN data: NaN results, as the torch path's)
-            going = tl.where(t_err > 1.0, 1, 0)
-        elif in_rescale != 0:
-            rescaled += 1
-            accept = t_err < err
-            going = tl.where(accept & (t_err * RESCALE_GAIN <= err) & (t_err > tol), 1, 0)
-        else:
-            t_F = tl.sum(tl.where(lane < k, trial, 0.0), axis=0) - LN2 * t_lse
-            accept = (t_err < err) | (t_F >= F + ARMIJO * alpha * slope)
-            tries += 1
-            if accept | (tries >= MAX_BACKTRACK):
-                stalled = tl.where(t_err < 0.99 * err, 0, stalled + 1)
-                tries = 0
-        g = tl.where(accept, trial, g)
-        counts = tl.where(accept, t_counts, counts)
-        lse = tl.where(accept, t_lse, lse)
-        gram = tl.where(accept, t_gram, gram)
-        err = tl.where(accept, t_err, err)
-        in_rescale = tl.where((going != 0) & (rescaled < tl.minimum(budget, RESCALE_STEPS)), 1, 0)
-        newton_goes_on = (err > tol) & (stalled < 3) & (n_newton < budget - rescaled)
-        active = tl.where((in_rescale != 0) | (tries > 0) | newton_goes_on, 1, 0)
-        # the next trial
+        g, counts, lse, gram, err, going, rescaled, stalled, tries, in_rescale, active = _judge_trial(
+            trial, t_counts, t_lse, t_gram, t_err, g, counts, lse, gram, err, F, alpha, slope, fresh, going,
+            rescaled, stalled, tries, in_rescale, n_newton, max_iter, tol, k, KP)
         if active != 0:
-            if in_rescale != 0:  # Sinkhorn-like: g_r += log(target_r / count_r), relative to the rest anchor's
-                log_ratio = tl.log(target / tl.maximum(counts, 1e-300))
-                rest_shift = tl.where(no_rest, 0.0, tl.sum(tl.where(lane == k, log_ratio, 0.0), axis=0))
-                trial = g + tl.where(lane < k, tl.minimum(tl.maximum(log_ratio - rest_shift, -50.0), 50.0), 0.0)
-            elif tries == 0:  # a Newton step from the point reached
-                n_newton += 1
-                grad = tl.where(lane < k, target - counts, 0.0)
-                step = _solve_ridged(_hessian(gram, k, no_rest, KP), grad, k, RIDGE, KP)
-                step = tl.where((step == step) & (tl.abs(step) < float("inf")), step, 0.0)  # nan_to_num
-                F = tl.sum(tl.where(lane < k, g, 0.0), axis=0) - LN2 * lse
-                slope = tl.sum(grad * step, axis=0)
-                alpha = tl.cast(1.0, tl.float64)
-                trial = g + step
-            else:  # backtracking
-                alpha = 0.5 * alpha
-                trial = g + alpha * step
+            trial, step, alpha, F, slope, n_newton = _next_trial(g, counts, lse, gram, step, alpha, F, slope,
+                                                                 n_newton, in_rescale, tries, target, no_rest, k,
+                                                                 RIDGE, KP)
         tl.store(state + G_AT * KP + lane, g)
         tl.store(state + TRIAL_AT * KP + lane, trial)
         tl.store(state + STEP_AT * KP + lane, step)

@@ -143,14 +143,77 @@ def _solve_ridged(K, rhs, k, RIDGE, KP: tl.constexpr):
 
 
 @triton.jit
+def _next_trial(g, counts, lse, gram, step, alpha, F, slope, n_newton, in_rescale, tries, target, no_rest, k, RIDGE,
+                KP: tl.constexpr):
+    """The next point :func:`_newton` evaluates, after the first: a Sinkhorn-like rescaling while it pays off, a
+    Newton step from the point reached (``tries == 0``), or half the last step (backtracking). Returns ``(trial,
+    step, alpha, F, slope, n_newton)``."""
+    lane = tl.arange(0, KP)
+    if in_rescale != 0:  # Sinkhorn-like: g_r += log(target_r / count_r), relative to the rest anchor's
+        log_ratio = tl.log(target / tl.maximum(counts, 1e-300))
+        rest_shift = tl.where(no_rest, 0.0, tl.sum(tl.where(lane == k, log_ratio, 0.0), axis=0))
+        trial = g + tl.where(lane < k, tl.minimum(tl.maximum(log_ratio - rest_shift, -50.0), 50.0), 0.0)
+    elif tries == 0:  # a Newton step from the point reached (semi_dual_newton._maximise)
+        n_newton += 1
+        grad = tl.where(lane < k, target - counts, 0.0)
+        step = _solve_ridged(_hessian(gram, k, no_rest, KP), grad, k, RIDGE, KP)
+        step = tl.where((step == step) & (tl.abs(step) < float("inf")), step, 0.0)  # nan_to_num
+        F = tl.sum(tl.where(lane < k, g, 0.0), axis=0) - LN2 * lse
+        slope = tl.sum(grad * step, axis=0)
+        alpha = tl.cast(1.0, tl.float64)
+        trial = g + step
+    else:  # backtracking
+        alpha = 0.5 * alpha
+        trial = g + alpha * step
+    return trial, step, alpha, F, slope, n_newton
+
+
+@triton.jit
+def _judge_trial(trial, t_counts, t_lse, t_gram, t_err, g, counts, lse, gram, err, F, alpha, slope, fresh, going,
+                 rescaled, stalled, tries, in_rescale, n_newton, budget, tol, k, KP: tl.constexpr):
+    """:func:`_newton`'s decision on an evaluated trial and whether the solve goes on: the first trial is kept
+    whatever its error, a rescaling if it lowers the error, a Newton trial if it lowers the error or passes Armijo's
+    test on the semi-dual ``F``. Returns ``(g, counts, lse, gram, err, going, rescaled, stalled, tries, in_rescale,
+    active)`` (the point reached, the steps' state, whether the next trial is a rescaling, whether there is one)."""
+    lane = tl.arange(0, KP)
+    if fresh != 0:
+        accept = fresh != 0  # whatever its error (NaN data: NaN results, as the torch path's)
+        going = tl.where(t_err > 1.0, 1, 0)
+    elif in_rescale != 0:
+        rescaled += 1
+        accept = t_err < err
+        going = tl.where(accept & (t_err * RESCALE_GAIN <= err) & (t_err > tol), 1, 0)
+    else:
+        # a step is kept if it lowers the marginal error or passes Armijo's test on F
+        t_F = tl.sum(tl.where(lane < k, trial, 0.0), axis=0) - LN2 * t_lse
+        accept = (t_err < err) | (t_F >= F + ARMIJO * alpha * slope)
+        tries += 1
+        if accept | (tries >= MAX_BACKTRACK):
+            # at the floating-point floor progress stops: three steps without 1% less error end the solve
+            stalled = tl.where(t_err < 0.99 * err, 0, stalled + 1)
+            tries = 0
+    g = tl.where(accept, trial, g)
+    counts = tl.where(accept, t_counts, counts)
+    lse = tl.where(accept, t_lse, lse)
+    gram = tl.where(accept, t_gram, gram)
+    err = tl.where(accept, t_err, err)
+    in_rescale = tl.where((going != 0) & (rescaled < tl.minimum(budget, RESCALE_STEPS)), 1, 0)
+    newton_goes_on = (err > tol) & (stalled < 3) & (n_newton < budget - rescaled)
+    active = tl.where((in_rescale != 0) | (tries > 0) | newton_goes_on, 1, 0)
+    return g, counts, lse, gram, err, going, rescaled, stalled, tries, in_rescale, active
+
+
+@triton.jit
 def _newton(SRC, VALID, count, use_mask, g, target, inv_target, no_rest, y_eps2, rest_bias, anchor, k, tol, budget,
             CUT, RIDGE, HAS_MASK: tl.constexpr, BLOCK: tl.constexpr, KP: tl.constexpr):
     """The solve from ``g`` on the ``count`` entries at ``SRC`` (``VALID`` read where ``use_mask``): at most
-    ``budget`` iterations. Returns ``(g, err, iterations)``; ``budget = 0``: the point ``g`` evaluated."""
-    lane = tl.arange(0, KP)
-    # The point reached (potentials, counts, log-normalisers, Gram matrix, error) and the state of the steps:
-    # every trial, whether the start, a rescaling or a Newton step at some length, is one evaluation below
-    # (one call site: the kernel's code holds one copy of the pass).
+    ``budget`` iterations. Returns ``(g, err, iterations)``; ``budget = 0``: the point ``g`` evaluated.
+
+    Each trial (the start, a rescaling, or a Newton step at some length: :func:`_next_trial`) is one evaluation,
+    judged by :func:`_judge_trial`; the many-programs-a-row kernels (``sorted_soft_topk_split_triton``) take the
+    same two steps around their split evaluation."""
+    # The point reached (potentials, counts, log-normalisers, Gram matrix, error) and the state of the steps
+    # (one evaluation call site: the kernel's code holds one copy of the pass).
     counts = tl.zeros((KP,), dtype=tl.float64)
     lse = tl.cast(0.0, tl.float64)
     gram = tl.zeros((KP, KP), dtype=SRC.dtype.element_ty)
@@ -170,50 +233,17 @@ def _newton(SRC, VALID, count, use_mask, g, target, inv_target, no_rest, y_eps2,
     while active != 0:
         if fresh != 0:
             trial = g
-        elif in_rescale != 0:  # Sinkhorn-like: g_r += log(target_r / count_r), relative to the rest anchor's
-            log_ratio = tl.log(target / tl.maximum(counts, 1e-300))
-            rest_shift = tl.where(no_rest, 0.0, tl.sum(tl.where(lane == k, log_ratio, 0.0), axis=0))
-            trial = g + tl.where(lane < k, tl.minimum(tl.maximum(log_ratio - rest_shift, -50.0), 50.0), 0.0)
-        elif tries == 0:  # a Newton step from the point reached (semi_dual_newton._maximise)
-            n_newton += 1
-            grad = tl.where(lane < k, target - counts, 0.0)
-            step = _solve_ridged(_hessian(gram, k, no_rest, KP), grad, k, RIDGE, KP)
-            step = tl.where((step == step) & (tl.abs(step) < float("inf")), step, 0.0)  # nan_to_num
-            F = tl.sum(tl.where(lane < k, g, 0.0), axis=0) - LN2 * lse
-            slope = tl.sum(grad * step, axis=0)
-            alpha = tl.cast(1.0, tl.float64)
-            trial = g + step
-        else:  # backtracking
-            alpha = 0.5 * alpha
-            trial = g + alpha * step
+        else:
+            trial, step, alpha, F, slope, n_newton = _next_trial(g, counts, lse, gram, step, alpha, F, slope,
+                                                                 n_newton, in_rescale, tries, target, no_rest, k,
+                                                                 RIDGE, KP)
         t_counts, t_lse, t_gram = _evaluate(SRC, VALID, count, use_mask, trial, y_eps2, rest_bias, anchor, k, CUT,
                                             HAS_MASK, BLOCK, KP)
         t_err = _marginal_error(t_counts, target, inv_target)
-        if fresh != 0:
-            accept = fresh != 0  # whatever its error (NaN data: NaN results, as the torch path's)
-            going = tl.where(t_err > 1.0, 1, 0)
-        elif in_rescale != 0:
-            rescaled += 1
-            accept = t_err < err
-            going = tl.where(accept & (t_err * RESCALE_GAIN <= err) & (t_err > tol), 1, 0)
-        else:
-            # a step is kept if it lowers the marginal error or passes Armijo's test on F
-            t_F = tl.sum(tl.where(lane < k, trial, 0.0), axis=0) - LN2 * t_lse
-            accept = (t_err < err) | (t_F >= F + ARMIJO * alpha * slope)
-            tries += 1
-            if accept | (tries >= MAX_BACKTRACK):
-                # at the floating-point floor progress stops: three steps without 1% less error end the solve
-                stalled = tl.where(t_err < 0.99 * err, 0, stalled + 1)
-                tries = 0
-        g = tl.where(accept, trial, g)
-        counts = tl.where(accept, t_counts, counts)
-        lse = tl.where(accept, t_lse, lse)
-        gram = tl.where(accept, t_gram, gram)
-        err = tl.where(accept, t_err, err)
+        g, counts, lse, gram, err, going, rescaled, stalled, tries, in_rescale, active = _judge_trial(
+            trial, t_counts, t_lse, t_gram, t_err, g, counts, lse, gram, err, F, alpha, slope, fresh, going,
+            rescaled, stalled, tries, in_rescale, n_newton, budget, tol, k, KP)
         fresh = 0
-        in_rescale = tl.where((going != 0) & (rescaled < tl.minimum(budget, RESCALE_STEPS)), 1, 0)
-        newton_goes_on = (err > tol) & (stalled < 3) & (n_newton < budget - rescaled)
-        active = tl.where((in_rescale != 0) | (tries > 0) | newton_goes_on, 1, 0)
     return g, err, rescaled + n_newton
 
 
