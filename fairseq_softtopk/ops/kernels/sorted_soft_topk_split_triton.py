@@ -22,9 +22,9 @@ one-program kernels' device functions.
 import triton
 import triton.language as tl
 
-from fairseq_softtopk.ops.kernels.sorted_soft_topk_triton import (LOG2E, _div, _hessian, _judge_trial,
-                                                                  _marginal_error, _next_trial, _plan_tile,
-                                                                  _solve_ridged, _targets)
+from fairseq_softtopk.ops.kernels.sorted_soft_topk_triton import (LOG2E, _backward_grad_tile, _backward_sums_tile,
+                                                                  _hessian, _judge_trial, _marginal_error,
+                                                                  _next_trial, _plan_tile, _solve_ridged, _targets)
 
 # The per-row state, float64, offsets in units of KP (vectors) then scalars after the Gram matrix; the launcher
 # reads ACTIVE_AT (whether the row's solve goes on) and allocates state_size(KP) entries a row.
@@ -200,25 +200,19 @@ def _split_plan_kernel(Z, VALID, EPS, N_VALID, STATE, PLAN, n, k, CUT, HAS_MASK:
 def _split_backward_sums_kernel(PLAN, GRAD, PART, n, k, BLOCK: tl.constexpr, KP: tl.constexpr,
                                 CHUNK: tl.constexpr):
     """Program ``(row, chunk)``: the chunk's ``b_r = sum_i P_ir (G_ir - Gbar_i)`` and Gram matrix (see
-    ``sorted_soft_topk_triton._sorted_backward_kernel``), to PART ``(rows, chunks, KP + KP * KP)`` float64."""
+    ``sorted_soft_topk_triton._sorted_backward_kernel``), to PART ``(rows, chunks, KP + 1 + KP * KP)`` float64."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     PLAN += row * (k + 1) * n
     GRAD += row * (k + 1) * n
     lane = tl.arange(0, KP)
-    anchor = lane[None, :]
-    rank = anchor < k
     b = tl.zeros((KP,), dtype=tl.float64)
     gram = tl.zeros((KP, KP), dtype=PLAN.dtype.element_ty)
     for start in range(0, CHUNK, BLOCK):
-        offs = chunk * CHUNK + start + tl.arange(0, BLOCK)
-        inside = (offs < n)[:, None]
-        P = tl.load(PLAN + anchor * n + offs[:, None], mask=inside & (anchor <= k), other=0.0)
-        PG = P * tl.load(GRAD + anchor * n + offs[:, None], mask=inside & rank, other=0.0)
-        G_bar = tl.sum(PG, axis=1)
-        b += tl.sum(PG.to(tl.float64), axis=0) - tl.sum(tl.where(rank, P * G_bar[:, None], 0.0).to(tl.float64),
-                                                        axis=0)
-        gram += tl.dot(tl.trans(P), P, input_precision="ieee")
+        b_tile, gram_tile = _backward_sums_tile(PLAN, GRAD, chunk * CHUNK + start + tl.arange(0, BLOCK), n,
+                                                lane[None, :], k)
+        b += b_tile
+        gram += gram_tile
     part = PART + (row * tl.num_programs(1) + chunk) * (KP + 1 + KP * KP)
     tl.store(part + lane, b)
     tl.store(part + KP + 1 + lane[:, None] * KP + lane[None, :], gram.to(tl.float64))
@@ -245,18 +239,7 @@ def _split_backward_grad_kernel(PLAN, GRAD, U, EPS, GRAD_Z, n, k, BLOCK: tl.cons
     GRAD_Z += row * n
     eps = tl.load(EPS + row)
     lane = tl.arange(0, KP)
-    anchor = lane[None, :]
-    rank = anchor < k
-    y = tl.where(rank, k - anchor, 0).to(PLAN.dtype.element_ty)
     u = tl.load(U + row * KP + lane).to(PLAN.dtype.element_ty)[None, :]
     for start in range(0, CHUNK, BLOCK):
         offs = chunk * CHUNK + start + tl.arange(0, BLOCK)
-        inside = (offs < n)[:, None]
-        P = tl.load(PLAN + anchor * n + offs[:, None], mask=inside & rank, other=0.0)
-        PG = P * tl.load(GRAD + anchor * n + offs[:, None], mask=inside & rank, other=0.0)
-        G_bar = tl.sum(PG, axis=1)
-        y_bar = tl.sum(P * y, axis=1)
-        direct_minus_implicit = tl.sum(y * (PG - P * u), axis=1)
-        Pu = tl.sum(P * u, axis=1)
-        grad_z = _div(direct_minus_implicit - y_bar * (G_bar - Pu), eps)
-        tl.store(GRAD_Z + offs, grad_z, mask=offs < n)
+        tl.store(GRAD_Z + offs, _backward_grad_tile(PLAN, GRAD, offs, n, lane[None, :], k, u, eps), mask=offs < n)

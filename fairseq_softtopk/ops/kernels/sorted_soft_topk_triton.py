@@ -398,6 +398,36 @@ def _sorted_forward_kernel(Z, VALID, EPS, N_VALID, G0, FLOOR, MARGIN, WIN, PLAN,
 
 
 @triton.jit
+def _backward_sums_tile(PLAN, GRAD, offs, n, anchor, k):
+    """The backward's first pass on the entries ``offs`` of a row's plan ``(k + 1, n)`` and its gradient: their
+    terms of ``b_r = sum_i P_ir (G_ir - Gbar_i)`` ``(KP,)`` float64 and of the Gram matrix ``(KP, KP)`` in the
+    plan's dtype."""
+    rank = anchor < k
+    inside = (offs < n)[:, None]
+    P = tl.load(PLAN + anchor * n + offs[:, None], mask=inside & (anchor <= k), other=0.0)
+    PG = P * tl.load(GRAD + anchor * n + offs[:, None], mask=inside & rank, other=0.0)
+    G_bar = tl.sum(PG, axis=1)
+    b = tl.sum(PG.to(tl.float64), axis=0) - tl.sum(tl.where(rank, P * G_bar[:, None], 0.0).to(tl.float64), axis=0)
+    return b, tl.dot(tl.trans(P), P, input_precision="ieee")
+
+
+@triton.jit
+def _backward_grad_tile(PLAN, GRAD, offs, n, anchor, k, u, eps):
+    """The backward's second pass: ``grad_z`` ``(BLOCK,)`` of the entries ``offs`` given ``u = K^{-1} b`` ``(1,
+    KP)`` in the plan's dtype (see :func:`_sorted_backward_kernel`)."""
+    rank = anchor < k
+    y = tl.where(rank, k - anchor, 0).to(PLAN.dtype.element_ty)
+    inside = (offs < n)[:, None]
+    P = tl.load(PLAN + anchor * n + offs[:, None], mask=inside & rank, other=0.0)
+    PG = P * tl.load(GRAD + anchor * n + offs[:, None], mask=inside & rank, other=0.0)
+    G_bar = tl.sum(PG, axis=1)
+    y_bar = tl.sum(P * y, axis=1)
+    direct_minus_implicit = tl.sum(y * (PG - P * u), axis=1)
+    Pu = tl.sum(P * u, axis=1)
+    return _div(direct_minus_implicit - y_bar * (G_bar - Pu), eps)
+
+
+@triton.jit
 def _sorted_backward_kernel(PLAN, GRAD, EPS, NO_REST, GRAD_Z, n, k, RIDGE, BLOCK: tl.constexpr, KP: tl.constexpr):
     """One program per row: ``SortedSoftTopKFunction._vjp``.
 
@@ -415,30 +445,14 @@ def _sorted_backward_kernel(PLAN, GRAD, EPS, NO_REST, GRAD_Z, n, k, RIDGE, BLOCK
     GRAD_Z += row * n
     eps = tl.load(EPS + row)
     no_rest = tl.load(NO_REST + row) != 0
-    lane = tl.arange(0, KP)
-    anchor = lane[None, :]
-    rank = anchor < k
-    y = tl.where(rank, k - anchor, 0).to(PLAN.dtype.element_ty)
+    anchor = tl.arange(0, KP)[None, :]
     b = tl.zeros((KP,), dtype=tl.float64)
     gram = tl.zeros((KP, KP), dtype=PLAN.dtype.element_ty)
     for start in range(0, n, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        inside = (offs < n)[:, None]
-        P = tl.load(PLAN + anchor * n + offs[:, None], mask=inside & (anchor <= k), other=0.0)
-        PG = P * tl.load(GRAD + anchor * n + offs[:, None], mask=inside & rank, other=0.0)
-        G_bar = tl.sum(PG, axis=1)
-        b += tl.sum(PG.to(tl.float64), axis=0) - tl.sum(tl.where(rank, P * G_bar[:, None], 0.0).to(tl.float64),
-                                                        axis=0)
-        gram += tl.dot(tl.trans(P), P, input_precision="ieee")
+        b_tile, gram_tile = _backward_sums_tile(PLAN, GRAD, start + tl.arange(0, BLOCK), n, anchor, k)
+        b += b_tile
+        gram += gram_tile
     u = _solve_ridged(_hessian(gram, k, no_rest, KP), b, k, RIDGE, KP).to(PLAN.dtype.element_ty)[None, :]
     for start in range(0, n, BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        inside = (offs < n)[:, None]
-        P = tl.load(PLAN + anchor * n + offs[:, None], mask=inside & rank, other=0.0)
-        PG = P * tl.load(GRAD + anchor * n + offs[:, None], mask=inside & rank, other=0.0)
-        G_bar = tl.sum(PG, axis=1)
-        y_bar = tl.sum(P * y, axis=1)
-        direct_minus_implicit = tl.sum(y * (PG - P * u), axis=1)
-        Pu = tl.sum(P * u, axis=1)
-        grad_z = _div(direct_minus_implicit - y_bar * (G_bar - Pu), eps)
-        tl.store(GRAD_Z + offs, grad_z, mask=offs < n)
+        tl.store(GRAD_Z + offs, _backward_grad_tile(PLAN, GRAD, offs, n, anchor, k, u, eps), mask=offs < n)
