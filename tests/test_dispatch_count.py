@@ -176,3 +176,35 @@ def test_kernel_rows_of_bench_train_are_counted_on_the_cpu(toy_data_bin, capsys)
     assert float(kernels["solve bwd"]) == 1.0 and float(torch_path["solve bwd"]) > 10
     assert 1 <= float(kernels["solve"]) < float(torch_path["solve"]) / 10
     assert float(kernels["syncs/step"]) == 0.0  # the fixed-iteration search waits for nothing, kernels included
+
+
+@kernel_test
+def test_kernel_default_soft_search_launches_at_most_hards_plus_ten_a_step(rng):
+    """The default soft search on the kernels (the static window: ``torch.topk`` and one launch forward, a zero fill
+    and one launch backward) against hard mode's search on the same model and batch: at most 10 more launches a
+    decoding step, forward and backward together, and no host read inside a step (the issue's CPU-countable
+    target; benchmarks/bench_train_multi30k_lstm_window_cpu.md counts the Multi30k LSTM). The model's scores are
+    peaked (scale 3), so that no row overflows its window (an overflow searches the batch again)."""
+    dictionary = word_dictionary(13)
+    model = build_model(dictionary, scale=3.0).to(DEVICE)
+    sample = make_sample(dictionary, rng, [5, 3, 4])
+    sample = {"net_input": {key: value.to(DEVICE) for key, value in sample["net_input"].items()},
+              "target": sample["target"].to(DEVICE)}
+    per_step = {}
+    for mode in ("soft", "hard"):
+        criterion = build_criterion(dictionary, topk_mode=mode, topk_backend="triton", teacher_forcing_ratio=0.0)
+        encoder_out = model.encoder(sample["net_input"]["src_tokens"], src_lengths=sample["net_input"]["src_lengths"])
+        with DispatchCounter() as counter:
+            beam = unroll_beam_search(model.decoder, encoder_out, model.encoder.reorder_encoder_out, sample["target"],
+                                      dictionary.pad(), dictionary.eos(), criterion.search)
+            loss = beam.gold_lprobs.sum()
+            (loss if beam.scale_probe is None else loss + beam.scale_probe).backward()  # hard mode: no cap probe
+        assert counter.total("syncs", inside="beam_step") == 0
+        if mode == "soft":
+            kernels = {op: n for (_, op), n in counter.ops["launches"].items() if op.endswith("_kernel")}
+            steps = sample["target"].shape[1]
+            # one forward launch a step (no retry); a backward launch for each step whose selection the loss reaches
+            assert set(kernels) == {"_window_forward_kernel", "_window_backward_kernel"}
+            assert kernels["_window_forward_kernel"] == steps and 0 < kernels["_window_backward_kernel"] <= steps
+        per_step[mode] = counter.total("launches") / sample["target"].shape[1]
+    assert per_step["soft"] <= per_step["hard"] + 10, per_step
