@@ -124,13 +124,14 @@ def test_readme_long_protocol_row_is_the_published_run(repo_root):
     row = _readme_row(repo_root, "| Multi30k En-De, beam-search fine-tuning for 3 epochs")
     assert len(results["seeds"]) == 5 and "LSTM, 5 seeds" in row
     tuned, untuned = row.split("at lenpen 1.0")
-    for arm in ("tf", "hard", "soft", "soft_risk"):
+    for arm in ("tf", "hard", "soft", "soft_risk", "hard_risk"):
         s = results["summary"][arm]["test"]
         assert re.search(re.escape(f"{arm} {s['bleu_mean']:.2f} ± {s['bleu_sd']:.2f}") + r"(?!\d)", tuned), arm
         at_1 = statistics.fmean(scores["test"]["at_lenpen"]["1.0"]["bleu"]
                                 for scores in results["scores"][arm].values())
         assert re.search(re.escape(f"{arm} {at_1:.2f}") + r"(?![\d ±])", untuned), arm
-    for arm, base in (("soft_risk", "tf"), ("soft_risk", "hard"), ("hard", "tf"), ("soft", "hard")):
+    for arm, base in (("soft_risk", "tf"), ("soft_risk", "hard"), ("hard", "tf"), ("soft", "hard"), ("hard_risk", "tf"),
+                      ("soft_risk", "hard_risk")):
         t = results["ttest"][base][arm]["test"]
         delta = f"{t['delta_mean']:+.2f}".replace("-", "−")
         assert f"{arm} − {base} {delta} ± {t['delta_sd']:.2f} (p {t['p_value']:.2g})" in untuned, (arm, base)
