@@ -208,6 +208,25 @@ def test_kernel_one_long_row_at_the_papers_epsilon(rng, monkeypatch):
     assert_matches_torch(x, 5, rng, epsilon=0.3)
 
 
+@kernel_test
+@pytest.mark.parametrize("epsilon", [0.03, 0.3])
+def test_kernel_real_beam_steps_match_the_torch_path(rng, monkeypatch, epsilon):
+    """Four real rows of the shipped Multi30k Transformer's beam search (tests/fixtures/beam_steps_multi30k_transformer
+    .npz: each row's 4,096 best candidates, log-probabilities), shuffled, in chunks of 1,024: the torch path's values
+    and gradients at the beam search's epsilon and at the paper's."""
+    import numpy as np
+    from pathlib import Path
+
+    monkeypatch.setattr(split_op, "SPLIT_MIN_LENGTH", 4096)
+    monkeypatch.setattr(split_op, "INTERPRETER_CHUNK", 1024)
+    monkeypatch.setattr(split_op, "CHUNK", 1024)
+    data = np.load(Path(__file__).parent / "fixtures" / "beam_steps_multi30k_transformer.npz")
+    rows = torch.from_numpy(data["scores"][[0, 40, 80, 120]].copy())
+    rows = rows[:, torch.randperm(rows.shape[1], generator=rng)]  # the kernels see no order
+    assert split_op.use_split_kernels(*rows.shape)
+    assert_matches_torch(rows, 5, rng, epsilon=epsilon)
+
+
 def test_the_split_kernels_take_few_long_rows():
     assert split_op.use_split_kernels(1, split_op.SPLIT_MIN_LENGTH)
     assert split_op.use_split_kernels(split_op.SPLIT_MAX_ROWS, 10 ** 6)
