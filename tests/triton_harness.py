@@ -64,10 +64,11 @@ def spill_stores(ptx: str, arch: int, tmp_path: Path) -> Optional[int]:
 
 
 def compile_without_spills(kernel, signature: Dict[str, str], constexprs: dict, arch: int, dtype: str,
-                           options: dict, tmp_path: Path, name: str = "") -> None:
+                           options: dict, tmp_path: Path, name: str = "", allowed_spill_bytes: int = 0) -> None:
     """Compiles ``kernel`` ahead of time for ``sm_{arch}`` (no GPU needed; ``D`` in ``signature``'s types is
     ``dtype``) and asserts a cubin and, by ``ptxas -v``, no register spill (skips where no bundled ptxas takes
-    the PTX). The caller sets ``TRITON_CACHE_DIR`` to a fresh directory, so that nothing comes from a cache."""
+    the PTX; ``allowed_spill_bytes``: a known spill, which must not grow). The caller sets ``TRITON_CACHE_DIR`` to a
+    fresh directory, so that nothing comes from a cache."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile as triton_compile
 
@@ -80,4 +81,4 @@ def compile_without_spills(kernel, signature: Dict[str, str], constexprs: dict, 
     spills = spill_stores(compiled.asm["ptx"], arch, tmp_path)
     if spills is None:
         pytest.skip("no bundled ptxas takes this PTX: the spill check needs one")
-    assert spills == 0, (name, arch, dtype, constexprs, spills)
+    assert spills <= allowed_spill_bytes, (name, arch, dtype, constexprs, spills)

@@ -32,7 +32,9 @@ KERNEL_FILE = Path(__file__).with_name("sorted_soft_topk_triton.py")
 #: the largest k the kernels take: the programs hold the k x k Newton system, the Gram matrix and its trial copy
 #: as (KP, KP) float64/float32 register tiles, KP the next power of two >= k + 1. Compiled for sm_90 (Triton 3.9,
 #: MAX_TILE entries, 4 warps), KP = 32 takes 230-255 registers a thread without spilling in both dtypes; at
-#: KP = 64 the forward spills (68 bytes a thread in float32, 772 in float64). Beam sizes are far below 31.
+#: KP = 64 the forward spills (68 bytes a thread in float32, 772 in float64). Beam sizes are far below 31. Triton 3.6
+#: (the GPU machines' so far) spills a little in the forward already (80 bytes a thread at KP = 32 in float32, 36 at
+#: KP = 16 in float64; the compile tests hold these as a ceiling).
 MAX_K = 31
 #: entries of a (BLOCK, KP) tile at most, on a GPU (BLOCK = MAX_TILE / KP entries of the row: 64 at KP = 16); at
 #: 2048 entries (8 warps) the forward spills at KP = 16 ...
