@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import script_module
-from triton_harness import (DEVICE, IN_PROCESS, interpreter_runner, kernel_test, needs_triton,
+from triton_harness import (DEVICE, IN_PROCESS, interpreter_runner, kernel_test, load_mutant, needs_triton,
                             run_under_the_interpreter)
 from fairseq_softtopk.ops import SoftTopKConvergenceWarning, soft_topk
 from fairseq_softtopk.ops.kernels import (KernelFallbackWarning, backend as backend_module, fallback_counts,
@@ -301,16 +301,6 @@ def test_short_rows_of_extreme_k_and_one_row_match_the_torch_path(rng):
     assert_matches_torch(x[:1], 3, rng, epsilon=0.1)
 
 
-def _load_mutant(monkeypatch, tmp_path, old: str, new: str):
-    """The kernels, from now on, are those of a copy of their source with ``old`` replaced by ``new``."""
-    source = soft_topk_op.KERNEL_FILE.read_text()
-    assert source.count(old) == 1, old
-    path = tmp_path / "soft_topk_triton.py"
-    path.write_text(source.replace(old, new))
-    monkeypatch.setattr(soft_topk_op, "KERNEL_FILE", path)
-    monkeypatch.setattr(soft_topk_op, "_kernel_modules", {})
-
-
 @kernel_test
 @pytest.mark.parametrize("old, new, n", [
     ("sig = tl.where(inside, sig, 0.0)", "sig = tl.where(inside, sig, 1e-3)", 1000),  # the tail of a row counted
@@ -322,7 +312,7 @@ def _load_mutant(monkeypatch, tmp_path, old: str, new: str):
 def test_a_wrong_kernel_fails_the_comparison(rng, monkeypatch, tmp_path, old, new, n):
     x, _ = _scores(rng, 2, n, torch.float32)
     assert_matches_torch(x, 5, rng, epsilon=0.1)  # the kernels as they are pass
-    _load_mutant(monkeypatch, tmp_path, old, new)
+    load_mutant(soft_topk_op, monkeypatch, tmp_path, old, new)
     with pytest.raises(AssertionError):
         assert_matches_torch(x, 5, rng, epsilon=0.1)
 

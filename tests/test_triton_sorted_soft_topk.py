@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from triton_harness import (DEVICE, compile_without_spills, interpreter_runner, kernel_test, needs_triton,
+from triton_harness import (DEVICE, compile_without_spills, interpreter_runner, kernel_test, load_mutant, needs_triton,
                             run_under_the_interpreter)
 from fairseq_softtopk.ops import sorted_soft_topk
 from fairseq_softtopk.ops.kernels import (KernelFallbackWarning, backend as backend_module, fallback_counts,
@@ -314,12 +314,7 @@ def test_kernel_windows_of_extreme_k_and_masked_rows_match_the_torch_path(rng, w
 def test_kernel_window_mutant_fails_its_test(rng, windows, monkeypatch, tmp_path, old, new, check):
     """Each window test fails on a kernel whose window is broken: solved with the whole row's rest target, or
     never certified."""
-    source = sorted_soft_topk_op.KERNEL_FILE.read_text()
-    assert source.count(old) == 1, old
-    path = tmp_path / "sorted_soft_topk_triton.py"
-    path.write_text(source.replace(old, new))
-    monkeypatch.setattr(sorted_soft_topk_op, "KERNEL_FILE", path)
-    monkeypatch.setattr(sorted_soft_topk_op, "_kernel_modules", {})
+    load_mutant(sorted_soft_topk_op, monkeypatch, tmp_path, old, new)
     with pytest.raises(AssertionError):
         if check == "long-rows":
             test_kernel_long_rows_solve_on_the_torch_paths_window(rng, windows, torch.float64)
@@ -417,12 +412,7 @@ def test_every_kernel_compiles_for_the_gpu(arch, dtype, lanes, monkeypatch, tmp_
 def test_kernel_mutant_fails_the_comparison(rng, monkeypatch, tmp_path, old, new):
     x, _ = _scores(rng, 2, 200, torch.float32)
     assert_matches_torch(x, 4, rng, epsilon=0.2)  # the kernels as they are pass
-    source = sorted_soft_topk_op.KERNEL_FILE.read_text()
-    assert source.count(old) == 1, old
-    path = tmp_path / "sorted_soft_topk_triton.py"
-    path.write_text(source.replace(old, new))
-    monkeypatch.setattr(sorted_soft_topk_op, "KERNEL_FILE", path)
-    monkeypatch.setattr(sorted_soft_topk_op, "_kernel_modules", {})
+    load_mutant(sorted_soft_topk_op, monkeypatch, tmp_path, old, new)
     with pytest.raises(AssertionError):
         assert_matches_torch(x, 4, rng, epsilon=0.2)
 

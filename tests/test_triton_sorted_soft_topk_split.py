@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from triton_harness import (DEVICE, compile_without_spills, interpreter_runner, kernel_test, needs_triton,
+from triton_harness import (DEVICE, compile_without_spills, interpreter_runner, kernel_test, load_mutant, needs_triton,
                             run_under_the_interpreter)
 from fairseq_softtopk.ops import sorted_soft_topk
 from fairseq_softtopk.ops.kernels import backend as backend_module, soft_topk_op, sorted_soft_topk_op
@@ -188,12 +188,7 @@ def test_kernel_ops_pass_opcheck(rng, split):
 def test_kernel_mutant_fails_the_comparison(rng, split, monkeypatch, tmp_path, old, new):
     x, _ = _scores(rng, 2, 300, torch.float32)
     assert_matches_torch(x, 4, rng, epsilon=0.2)  # the kernels as they are pass
-    source = split_op.KERNEL_FILE.read_text()
-    assert source.count(old) == 1, old
-    path = tmp_path / "sorted_soft_topk_split_triton.py"
-    path.write_text(source.replace(old, new))
-    monkeypatch.setattr(split_op, "KERNEL_FILE", path)
-    monkeypatch.setattr(split_op, "_kernel_modules", {})
+    load_mutant(split_op, monkeypatch, tmp_path, old, new)
     with pytest.raises(AssertionError):
         assert_matches_torch(x, 4, rng, epsilon=0.2)
 

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from triton_harness import (DEVICE, compile_without_spills, interpreter_runner, kernel_test, needs_triton,
+from triton_harness import (DEVICE, compile_without_spills, interpreter_runner, kernel_test, load_mutant, needs_triton,
                             run_under_the_interpreter)
 from fairseq_softtopk.ops import sorted_soft_topk_window
 from fairseq_softtopk.ops.kernels import backend as backend_module, soft_topk_op, sorted_soft_topk_op
@@ -84,15 +84,6 @@ def test_kernel_gradient_passes_gradcheck_in_float64(rng):
     assert torch.autograd.gradcheck(ranks, (x,), eps=1e-6, atol=1e-6, rtol=1e-5)
 
 
-def _mutant(monkeypatch, tmp_path, old, new):
-    source = sorted_soft_topk_window_op.KERNEL_FILE.read_text()
-    assert source.count(old) == 1, old
-    path = tmp_path / "sorted_soft_topk_window_triton.py"
-    path.write_text(source.replace(old, new))
-    monkeypatch.setattr(sorted_soft_topk_window_op, "KERNEL_FILE", path)
-    monkeypatch.setattr(sorted_soft_topk_window_op, "_kernel_modules", {})
-
-
 @kernel_test
 @pytest.mark.parametrize("old, new", [
     ("floor = kth - depth.to(kth.dtype)", "floor = kth - 2.0 * depth.to(kth.dtype)"),  # the floor twice as deep
@@ -104,7 +95,7 @@ def test_kernel_mutant_fails_the_comparison(rng, monkeypatch, tmp_path, old, new
     """Each mutant of the kernels (a certificate that flags other rows than the torch path's, a cap that ignores
     the loss scale) fails a comparison the kernels as they are pass (:func:`test_kernel_flags_match_at_the_floor`,
     :func:`test_kernel_window_is_the_torch_path`)."""
-    _mutant(monkeypatch, tmp_path, old, new)
+    load_mutant(sorted_soft_topk_window_op, monkeypatch, tmp_path, old, new)
     with pytest.raises(AssertionError):
         _compare_flags(8)
         test_kernel_window_is_the_torch_path(rng, torch.float64, 0.05)

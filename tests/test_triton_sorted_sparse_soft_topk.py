@@ -16,7 +16,7 @@ import warnings
 import pytest
 import torch
 
-from triton_harness import DEVICE, interpreter_runner, kernel_test, needs_triton, run_under_the_interpreter
+from triton_harness import DEVICE, interpreter_runner, kernel_test, load_mutant, needs_triton, run_under_the_interpreter
 from device_check import package_device_check
 from fairseq_softtopk.ops import sorted_sparse_soft_topk
 from fairseq_softtopk.ops.kernels import (KernelFallbackWarning, backend as backend_module, fallback_counts,
@@ -221,12 +221,7 @@ def test_every_kernel_compiles_for_the_gpu(arch, dtype, monkeypatch, tmp_path):
 def test_a_wrong_kernel_fails_the_comparison(rng, monkeypatch, tmp_path, old, new):
     x, _ = _scores(rng, 2, 40, torch.float64)
     assert_matches_torch(x, 3, rng, regularization=0.5, max_iter=6)  # the torch path takes 2 (a mutant: all 6)
-    source = op.KERNEL_FILE.read_text()
-    assert source.count(old) == 1, old
-    path = tmp_path / "sorted_sparse_soft_topk_triton.py"
-    path.write_text(source.replace(old, new))
-    monkeypatch.setattr(op, "KERNEL_FILE", path)
-    monkeypatch.setattr(op, "_kernel_modules", {})
+    load_mutant(op, monkeypatch, tmp_path, old, new)
     with pytest.raises(AssertionError), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a mutant's solve may miss the tolerance
         assert_matches_torch(x, 3, rng, regularization=0.5, max_iter=6)

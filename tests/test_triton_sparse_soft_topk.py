@@ -17,7 +17,7 @@ import warnings
 import pytest
 import torch
 
-from triton_harness import DEVICE, interpreter_runner, kernel_test, needs_triton, run_under_the_interpreter
+from triton_harness import DEVICE, interpreter_runner, kernel_test, load_mutant, needs_triton, run_under_the_interpreter
 from device_check import package_device_check
 from fairseq_softtopk.ops import sparse_soft_topk
 from fairseq_softtopk.ops.kernels import (KernelFallbackWarning, backend as backend_module, fallback_counts,
@@ -304,16 +304,6 @@ def test_every_kernel_compiles_for_the_gpu(arch, monkeypatch, tmp_path):
             assert compiled.asm["cubin"], (name, power, dtype, constants)
 
 
-def _load_mutant(monkeypatch, tmp_path, old: str, new: str):
-    """The kernels, from now on, are those of a copy of their source with ``old`` replaced by ``new``."""
-    source = sparse_soft_topk_op.KERNEL_FILE.read_text()
-    assert source.count(old) == 1, old
-    path = tmp_path / "sparse_soft_topk_triton.py"
-    path.write_text(source.replace(old, new))
-    monkeypatch.setattr(sparse_soft_topk_op, "KERNEL_FILE", path)
-    monkeypatch.setattr(sparse_soft_topk_op, "_kernel_modules", {})
-
-
 @kernel_test
 @pytest.mark.parametrize("old, new", [
     ("c0 += tl.sum((valid & (d == 0.0))", "c0 += 0 * tl.sum((valid & (d == 0.0))"),  # the piece left of t wrong
@@ -323,7 +313,7 @@ def _load_mutant(monkeypatch, tmp_path, old: str, new: str):
 def test_a_wrong_kernel_fails_the_comparison(rng, monkeypatch, tmp_path, old, new):
     x = torch.randint(0, 12, (2, 500), generator=rng).double()
     assert_matches_torch(x, 30, rng, regularization=2.0, p=4 / 3)  # the kernels as they are pass
-    _load_mutant(monkeypatch, tmp_path, old, new)
+    load_mutant(sparse_soft_topk_op, monkeypatch, tmp_path, old, new)
     with pytest.raises(AssertionError):
         assert_matches_torch(x, 30, rng, regularization=2.0, p=4 / 3)
 

@@ -82,3 +82,15 @@ def compile_without_spills(kernel, signature: Dict[str, str], constexprs: dict, 
     if spills is None:
         pytest.skip("no bundled ptxas takes this PTX: the spill check needs one")
     assert spills <= allowed_spill_bytes, (name, arch, dtype, constexprs, spills)
+
+
+def load_mutant(op_module, monkeypatch, tmp_path: Path, old: str, new: str) -> None:
+    """From now on (until ``monkeypatch`` undoes it) ``op_module`` loads its kernels from a copy of its kernel file
+    (``KERNEL_FILE``) with ``old``, which must occur exactly once, replaced by ``new``: a mutant the tests must
+    catch."""
+    source = op_module.KERNEL_FILE.read_text()
+    assert source.count(old) == 1, old
+    path = tmp_path / op_module.KERNEL_FILE.name
+    path.write_text(source.replace(old, new))
+    monkeypatch.setattr(op_module, "KERNEL_FILE", path)
+    monkeypatch.setattr(op_module, "_kernel_modules", {})
