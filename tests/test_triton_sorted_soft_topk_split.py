@@ -68,7 +68,7 @@ def test_kernel_masks_and_infinities_match_the_torch_path(rng, split, dtype, eps
 
 @kernel_test
 def test_kernel_ties_and_extreme_k_match_the_torch_path(rng, split):
-    """Ties at the (k+1)-th best, k = 1, and rows with exactly k valid entries (no rest anchor) or k + 1."""
+    """Ties at the (k+1)-th best, k = 1, rows with exactly k valid entries (no rest anchor) or k + 1, and k = 20."""
     ties = torch.randint(0, 6, (2, 260), generator=rng).double()
     assert_matches_torch(ties, 4, rng, epsilon=0.3)
     x, _ = _scores(rng, 2, 200, torch.float32)
@@ -79,7 +79,8 @@ def test_kernel_ties_and_extreme_k_match_the_torch_path(rng, split):
     mask[1, 190:] = False  # 10 valid entries: k + 1
     mask[2, 191:] = False  # 9: exactly k, no rest anchor (a full soft sort)
     assert_matches_torch(x, 9, rng, epsilon=0.2, mask=mask)
-    assert len(split) == 3
+    assert_matches_torch(x, 20, rng, epsilon=0.5)  # 21 anchors: the wider tile (KP 32)
+    assert len(split) == 4
 
 
 @kernel_test
