@@ -132,7 +132,8 @@ def launch_split_forward(z: Tensor, valid: Tensor, eps: Tensor, top: Tensor, n_v
     tol_hi, tol_lo = _float32_halves(float(tol))
     cut, ridge = subnormal_cut(z.dtype, k), _ridge(z.dtype)
     options = _launch_options(block * kp)
-    rounds = sync_free_rounds(max_iter) if sync_free else 1 + max_iter * 13  # a row's budget bounds the latter
+    # with host reads the rows' own budget ends the solve: the start, then at most 12 trials (MAX_BACKTRACK) a step
+    rounds = sync_free_rounds(max_iter) if sync_free else 1 + max_iter * 13
     for done in range(1, rounds + 1):
         launch(module._split_evaluate_kernel, (rows, chunks), z, valid, eps, n_valid, state, parts, n, k, cut,
                HAS_MASK=has_mask, BLOCK=block, KP=kp, CHUNK=chunk, **options)
