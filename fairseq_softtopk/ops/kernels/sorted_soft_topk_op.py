@@ -202,16 +202,23 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(n_iter, err)
 
 
-def _backward(ctx, grad_plan, grad_n_iter, grad_err):
-    plan, grad_eps, no_rest = ctx.saved_tensors
-    grad_x = None
-    if ctx.needs_input_grad[0]:
-        with torch.profiler.record_function("softtopk::sorted_soft_topk_backward"):  # the torch path's range
-            grad_x = sorted_soft_topk_backward(plan, grad_plan, grad_eps, no_rest)
-    return (grad_x,) + (None,) * 10
+def implicit_backward(backward_op, n_inputs: int):
+    """The autograd rule of a forward op with :func:`sorted_soft_topk_forward`'s outputs and context: the scores'
+    gradient (the op's first input) by ``backward_op(plan, grad_plan, grad_eps, no_rest)``, none for its other
+    ``n_inputs - 1`` inputs."""
+    def backward(ctx, grad_plan, grad_n_iter, grad_err):
+        plan, grad_eps, no_rest = ctx.saved_tensors
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            with torch.profiler.record_function("softtopk::sorted_soft_topk_backward"):  # the torch path's range
+                grad_x = backward_op(plan, grad_plan, grad_eps, no_rest)
+        return (grad_x,) + (None,) * (n_inputs - 1)
+
+    return backward
 
 
-sorted_soft_topk_forward.register_autograd(_backward, setup_context=_setup_context)
+sorted_soft_topk_forward.register_autograd(implicit_backward(sorted_soft_topk_backward, 11),
+                                           setup_context=_setup_context)
 
 
 def use_sorted_soft_topk_kernel(backend: str, scores: Tensor, n: int, k: int) -> bool:

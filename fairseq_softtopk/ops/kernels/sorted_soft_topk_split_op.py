@@ -28,7 +28,8 @@ from ..semi_dual import subnormal_cut
 from ..semi_dual_warm_start import hard_start
 from .loading import check_device, launch, load_kernels
 from .soft_topk_op import _float32_halves, _launch_options
-from .sorted_soft_topk_op import INTERPRETER_MAX_TILE, MAX_TILE, _ridge, _setup_context, anchor_lanes
+from .sorted_soft_topk_op import (INTERPRETER_MAX_TILE, MAX_TILE, _ridge, _setup_context, anchor_lanes,
+                                  implicit_backward)
 
 KERNEL_FILE = Path(__file__).with_name("sorted_soft_topk_split_triton.py")
 #: entries of a row per program on a GPU (BLOCK = MAX_TILE / KP of them per iteration: 32 iterations at KP = 16);
@@ -197,14 +198,5 @@ def _split_backward_fake(plan, grad, eps, no_rest):
     return plan.new_empty((plan.shape[0], plan.shape[2]))
 
 
-def _backward(ctx, grad_plan, grad_n_iter, grad_err):
-    plan, grad_eps, no_rest = ctx.saved_tensors
-    grad_x = None
-    if ctx.needs_input_grad[0]:
-        with torch.profiler.record_function("softtopk::sorted_soft_topk_backward"):  # the torch path's range
-            grad_x = sorted_soft_topk_split_backward(plan, grad_plan, grad_eps, no_rest)
-    return (grad_x,) + (None,) * 11
-
-
-# the forward's inputs and outputs are the one-program op's: the same context (the plan, eps, rows without a rest)
-sorted_soft_topk_split_forward.register_autograd(_backward, setup_context=_setup_context)
+sorted_soft_topk_split_forward.register_autograd(implicit_backward(sorted_soft_topk_split_backward, 12),
+                                                 setup_context=_setup_context)
