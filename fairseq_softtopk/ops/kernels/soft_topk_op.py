@@ -101,20 +101,17 @@ def launch_forward(z: Tensor, valid: Tensor, eps: Tensor, top: Tensor, n_valid: 
         return out, logits, n_iter, err
     module, interpret = _kernels_for(z)
     block = block_size(n, interpret)
-    tol_hi, tol_lo = _float32_halves(float(tol))
+    tensors = (z, valid.contiguous().view(torch.uint8), eps.reshape(rows).contiguous(), top.contiguous(),
+               n_valid.contiguous(), logits, out, n_iter, err)
+    scalars = (n, top.shape[-1], k, *_float32_halves(float(tol)), max_iter)
+    constants = dict(HAS_MASK=has_mask, LIMIT=-log_floor(z.dtype), RESOLUTION=4 * torch.finfo(z.dtype).eps)
     if n <= SHORT_MAX_LENGTH:
         per_program = rows_per_program(rows, block)
-        launch(module._soft_topk_short_rows_kernel, (math.ceil(rows / per_program),),
-               z, valid.contiguous().view(torch.uint8), eps.reshape(rows).contiguous(), top.contiguous(),
-               n_valid.contiguous(), logits, out, n_iter, err, rows, n, top.shape[-1], k, tol_hi, tol_lo, max_iter,
-               HAS_MASK=has_mask, LIMIT=-log_floor(z.dtype), RESOLUTION=4 * torch.finfo(z.dtype).eps,
-               ROWS=per_program, BLOCK=block, **_launch_options(per_program * block))
-        return out, logits, n_iter, err
-    launch(module._soft_topk_threshold_kernel, (rows,),
-        z, valid.contiguous().view(torch.uint8), eps.reshape(rows).contiguous(), top.contiguous(),
-        n_valid.contiguous(), logits, out, n_iter, err, n, top.shape[-1], k, tol_hi, tol_lo, max_iter,
-        HAS_MASK=has_mask, LIMIT=-log_floor(z.dtype), RESOLUTION=4 * torch.finfo(z.dtype).eps, BLOCK=block,
-        **_launch_options(block))
+        launch(module._soft_topk_short_rows_kernel, (math.ceil(rows / per_program),), *tensors, rows, *scalars,
+               ROWS=per_program, BLOCK=block, **constants, **_launch_options(per_program * block))
+    else:
+        launch(module._soft_topk_threshold_kernel, (rows,), *tensors, *scalars, BLOCK=block, **constants,
+               **_launch_options(block))
     return out, logits, n_iter, err
 
 
@@ -128,14 +125,13 @@ def launch_backward(logits: Tensor, grad: Tensor, eps: Tensor) -> Tensor:
         return grad_z
     module, interpret = _kernels_for(logits)
     block = block_size(n, interpret)
+    tensors = (logits, grad, eps.reshape(rows).to(logits.dtype).contiguous(), grad_z)
     if n <= SHORT_MAX_LENGTH:
         per_program = rows_per_program(rows, block)
-        launch(module._soft_topk_short_backward_kernel, (math.ceil(rows / per_program),), logits, grad,
-               eps.reshape(rows).to(logits.dtype).contiguous(), grad_z, rows, n, ROWS=per_program, BLOCK=block,
-               **_launch_options(per_program * block))
-        return grad_z
-    launch(module._soft_topk_backward_kernel, (rows,), logits, grad, eps.reshape(rows).to(logits.dtype).contiguous(),
-           grad_z, n, BLOCK=block, **_launch_options(block))
+        launch(module._soft_topk_short_backward_kernel, (math.ceil(rows / per_program),), *tensors, rows, n,
+               ROWS=per_program, BLOCK=block, **_launch_options(per_program * block))
+    else:
+        launch(module._soft_topk_backward_kernel, (rows,), *tensors, n, BLOCK=block, **_launch_options(block))
     return grad_z
 
 

@@ -42,7 +42,7 @@ def _sigmoid_sums(S, n, t, LIMIT: tl.constexpr, BLOCK: tl.constexpr):
         offs = start + tl.arange(0, BLOCK)
         inside = offs < n
         s = tl.load(S + offs, mask=inside, other=float("-inf"))
-        sig = tl.sigmoid(tl.minimum(tl.maximum(s - t, -LIMIT), LIMIT))
+        sig = tl.sigmoid(_clamped(s - t, LIMIT))
         sig = tl.where(inside, sig, 0.0)
         acc += sig.to(tl.float64)
         acc_slope += (sig - sig * sig).to(tl.float64)
@@ -56,6 +56,44 @@ def _stop_test(total, k, full, denom, t, lo, hi, tol, RESOLUTION: tl.constexpr):
     err = tl.where(full, 0.0, tl.abs(excess) / denom)
     done = (err <= tol) | (hi - lo <= RESOLUTION * (1.0 + tl.abs(t)))
     return excess, err, done
+
+
+@triton.jit
+def _clamped(x, LIMIT: tl.constexpr):
+    """``x`` clamped to ``[-LIMIT, LIMIT]``, as the torch path clamps the logits."""
+    return tl.minimum(tl.maximum(x, -LIMIT), LIMIT)
+
+
+@triton.jit
+def _hard_start(best, kth, after, has_after, full, n_valid, kf, eps64):
+    """``(t, span, hi, denom)`` of a row (or of each row of a vector of them), float64: the hard threshold that
+    starts Newton (midway between the k-th and (k+1)-th best score, in units of eps), the half-width of a bracket
+    that always holds (the sum > k at ``lo``, < k at ``hi``), its upper end, and the marginal error's denominator."""
+    after = tl.where(has_after & (full == 0), after, kth - 1.0)
+    t = 0.5 * (kth + after) / eps64
+    span = tl.log(n_valid) + 2.0
+    hi = best / eps64 + span
+    denom = tl.maximum(tl.minimum(n_valid - kf, kf), 1.0)
+    return t, span, hi, denom
+
+
+@triton.jit
+def _bracketed_newton(t, lo, hi, excess, slope):
+    """One step of the torch path's safeguarded Newton: the bracket narrowed to ``t``'s side, then Newton's point
+    where it lies inside, else the bracket's midpoint. Returns ``(t, lo, hi)``."""
+    lo = tl.where(excess > 0, tl.maximum(lo, t), lo)
+    hi = tl.where(excess < 0, tl.minimum(hi, t), hi)
+    newton = t + excess / tl.maximum(slope, 1e-300)
+    inside_bracket = (newton > lo) & (newton < hi) & (slope > 0)
+    return tl.where(inside_bracket, newton, 0.5 * (lo + hi)), lo, hi
+
+
+@triton.jit
+def _logits(s, t, full, LIMIT: tl.constexpr):
+    """The output's logits from ``s = z / eps`` at the threshold ``t`` (in ``s``'s dtype): clamped, ``+inf`` on
+    full rows, ``-inf`` where excluded."""
+    logits = tl.where(full, float("inf"), _clamped(s - t, LIMIT))
+    return tl.where(s == float("-inf"), float("-inf"), logits)
 
 
 @triton.jit
@@ -85,14 +123,9 @@ def _soft_topk_threshold_kernel(Z, VALID, EPS, TOP, N_VALID, S, OUT, N_ITER, ERR
     n_valid = tl.load(N_VALID + row).to(tl.float64)
     kf = tl.cast(k, tl.float64)
     full = n_valid == kf  # every valid entry selected: A = 1, no threshold exists
-    # the hard threshold (midway between the k-th and (k+1)-th best score, in units of eps) starts Newton
-    kth = tl.load(TOP + k - 1).to(tl.float64)
-    after = tl.load(TOP + k, mask=top_cols > k, other=0.0).to(tl.float64)
-    after = tl.where((top_cols > k) & (full == 0), after, kth - 1.0)
-    t = 0.5 * (kth + after) / eps64
-    span = tl.log(n_valid) + 2.0  # a bracket that always holds: sum > k at lo, < k at hi
-    hi = tl.load(TOP).to(tl.float64) / eps64 + span
-    denom = tl.maximum(tl.minimum(n_valid - kf, kf), 1.0)
+    t, span, hi, denom = _hard_start(tl.load(TOP).to(tl.float64), tl.load(TOP + k - 1).to(tl.float64),
+                                     tl.load(TOP + k, mask=top_cols > k, other=0.0).to(tl.float64), top_cols > k,
+                                     full, n_valid, kf, eps64)
     # pass 0: s = z / eps (-inf where excluded) into S, and the smallest valid z for the bracket
     z_min = tl.full((BLOCK,), float("inf"), Z.dtype.element_ty)
     for start in range(0, n, BLOCK):
@@ -110,11 +143,7 @@ def _soft_topk_threshold_kernel(Z, VALID, EPS, TOP, N_VALID, S, OUT, N_ITER, ERR
     excess, err, done = _stop_test(total, kf, full, denom, t, lo, hi, tol, RESOLUTION)
     n_iter = 1
     while (n_iter < max_iter) & (done == 0):
-        lo = tl.where(excess > 0, tl.maximum(lo, t), lo)
-        hi = tl.where(excess < 0, tl.minimum(hi, t), hi)
-        newton = t + excess / tl.maximum(slope, 1e-300)
-        inside_bracket = (newton > lo) & (newton < hi) & (slope > 0)
-        t = tl.where(inside_bracket, newton, 0.5 * (lo + hi))
+        t, lo, hi = _bracketed_newton(t, lo, hi, excess, slope)
         n_iter += 1
         total, slope = _sigmoid_sums(S, n, t.to(Z.dtype.element_ty), LIMIT, BLOCK)
         excess, err, done = _stop_test(total, kf, full, denom, t, lo, hi, tol, RESOLUTION)
@@ -125,9 +154,7 @@ def _soft_topk_threshold_kernel(Z, VALID, EPS, TOP, N_VALID, S, OUT, N_ITER, ERR
         offs = start + tl.arange(0, BLOCK)
         inside = offs < n
         s = tl.load(S + offs, mask=inside, other=float("-inf"))
-        logits = tl.minimum(tl.maximum(s - t_row, -LIMIT), LIMIT)
-        logits = tl.where(full, float("inf"), logits)
-        logits = tl.where(s == float("-inf"), float("-inf"), logits)
+        logits = _logits(s, t_row, full, LIMIT)
         tl.store(S + offs, logits, mask=inside)
         tl.store(OUT + offs, tl.sigmoid(logits), mask=inside)
 
@@ -186,7 +213,7 @@ def _short_rows_tile(Z, VALID, EPS, first, rows, n, HAS_MASK: tl.constexpr, ROWS
 @triton.jit
 def _short_sums(s, inside, t, LIMIT: tl.constexpr):
     """:func:`_sigmoid_sums` of each row of the ``(ROWS, BLOCK)`` tile ``s`` at its threshold ``t`` ``(ROWS,)``."""
-    sig = tl.where(inside, tl.sigmoid(tl.minimum(tl.maximum(s - t.to(s.dtype)[:, None], -LIMIT), LIMIT)), 0.0)
+    sig = tl.where(inside, tl.sigmoid(_clamped(s - t.to(s.dtype)[:, None], LIMIT)), 0.0)
     return tl.sum(sig.to(tl.float64), axis=1), tl.sum((sig - sig * sig).to(tl.float64), axis=1)
 
 
@@ -206,14 +233,10 @@ def _soft_topk_short_rows_kernel(Z, VALID, EPS, TOP, N_VALID, S, OUT, N_ITER, ER
     n_valid = tl.load(N_VALID + r, mask=row_ok, other=k + 1).to(tl.float64)
     full = n_valid == kf
     top = TOP + r.to(tl.int64) * top_cols
-    kth = tl.load(top + k - 1, mask=row_ok, other=0.0).to(tl.float64)
-    has_after = tl.where(top_cols > k, row_ok, False)
-    after = tl.load(top + k, mask=has_after, other=0.0).to(tl.float64)
-    after = tl.where((top_cols > k) & (full == 0), after, kth - 1.0)
-    t = 0.5 * (kth + after) / eps64
-    span = tl.log(n_valid) + 2.0
-    hi = tl.load(top, mask=row_ok, other=0.0).to(tl.float64) / eps64 + span
-    denom = tl.maximum(tl.minimum(n_valid - kf, kf), 1.0)
+    t, span, hi, denom = _hard_start(tl.load(top, mask=row_ok, other=0.0).to(tl.float64),
+                                     tl.load(top + k - 1, mask=row_ok, other=0.0).to(tl.float64),
+                                     tl.load(top + k, mask=tl.where(top_cols > k, row_ok, False), other=0.0)
+                                     .to(tl.float64), top_cols > k, full, n_valid, kf, eps64)
     s = tl.where(valid, _div(z, eps[:, None]), float("-inf"))
     lo = tl.min(tl.where(valid, z, float("inf")), axis=1).to(tl.float64) / eps64 - span
     total, slope = _short_sums(s, inside, t, LIMIT)
@@ -221,11 +244,10 @@ def _soft_topk_short_rows_kernel(Z, VALID, EPS, TOP, N_VALID, S, OUT, N_ITER, ER
     n_iter = tl.full((ROWS,), 1, tl.int32)
     going = (n_iter < max_iter) & (done == 0) & row_ok
     while tl.max(going.to(tl.int32), axis=0) != 0:
-        lo = tl.where(going & (excess > 0), tl.maximum(lo, t), lo)
-        hi = tl.where(going & (excess < 0), tl.minimum(hi, t), hi)
-        newton = t + excess / tl.maximum(slope, 1e-300)
-        inside_bracket = (newton > lo) & (newton < hi) & (slope > 0)
-        t = tl.where(going, tl.where(inside_bracket, newton, 0.5 * (lo + hi)), t)
+        t_next, lo_next, hi_next = _bracketed_newton(t, lo, hi, excess, slope)
+        t = tl.where(going, t_next, t)
+        lo = tl.where(going, lo_next, lo)
+        hi = tl.where(going, hi_next, hi)
         n_iter += going.to(tl.int32)
         t_total, t_slope = _short_sums(s, inside, t, LIMIT)
         t_excess, t_err, t_done = _stop_test(t_total, kf, full, denom, t, lo, hi, tol, RESOLUTION)
@@ -237,9 +259,7 @@ def _soft_topk_short_rows_kernel(Z, VALID, EPS, TOP, N_VALID, S, OUT, N_ITER, ER
         going = (n_iter < max_iter) & (done == 0) & row_ok
     tl.store(N_ITER + r, n_iter, mask=row_ok)
     tl.store(ERR + r, err, mask=row_ok)
-    logits = tl.minimum(tl.maximum(s - t.to(s.dtype)[:, None], -LIMIT), LIMIT)
-    logits = tl.where(full[:, None], float("inf"), logits)
-    logits = tl.where(s == float("-inf"), float("-inf"), logits)
+    logits = _logits(s, t.to(s.dtype)[:, None], full[:, None], LIMIT)
     tl.store(S + offs, logits, mask=inside)
     tl.store(OUT + offs, tl.sigmoid(logits), mask=inside)
 
