@@ -23,8 +23,9 @@ import triton
 import triton.language as tl
 
 from fairseq_softtopk.ops.kernels.sorted_soft_topk_triton import (LOG2E, _backward_grad_tile, _backward_sums_tile,
-                                                                  _hessian, _judge_trial, _marginal_error,
-                                                                  _next_trial, _plan_tile, _solve_ridged, _targets)
+                                                                  _evaluate, _hessian, _judge_trial, _marginal_error,
+                                                                  _next_trial, _plan_tile, _row_constants,
+                                                                  _solve_ridged, _targets)
 
 # The per-row state, float64, offsets in units of KP (vectors) then scalars after the Gram matrix; the launcher
 # reads ACTIVE_AT (whether the row's solve goes on) and allocates state_size(KP) entries a row.
@@ -41,16 +42,11 @@ STALLED_AT, TRIES_AT, IN_RESCALE_AT, ACTIVE_AT = tl.constexpr(9), tl.constexpr(1
 
 
 @triton.jit
-def _row_constants(EPS, N_VALID, row, k, KP: tl.constexpr):
-    """``(y_eps2 (1, KP), rest_bias (KP,), no_rest, n_valid float64, anchor (1, KP))`` of a row, as the one-program
-    forward kernel computes them."""
-    eps = tl.load(EPS + row).to(tl.float64)
-    n_valid = tl.load(N_VALID + row).to(tl.float64)
-    no_rest = n_valid == tl.cast(k, tl.float64)
-    lane = tl.arange(0, KP)
-    y_eps2 = (tl.where(lane <= k, k - lane, 0).to(tl.float64) * (LOG2E / eps))[None, :]
-    rest_bias = tl.where(lane == k, tl.where(no_rest, float("-inf"), 0.0), 0.0)
-    return y_eps2, rest_bias, no_rest, n_valid, lane[None, :]
+def _row_state(STATE, row, KP: tl.constexpr):
+    """``(state, scalars)``: pointers to a row's solver state and to its scalars (after the vectors and the Gram
+    matrix); a row holds ``state_size(KP)`` entries."""
+    state = STATE + row * (4 * KP + KP * KP + 16)
+    return state, state + 4 * KP + KP * KP
 
 
 @triton.jit
@@ -66,26 +62,16 @@ def _split_evaluate_kernel(Z, VALID, EPS, N_VALID, STATE, PART, n, k, CUT, HAS_M
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     chunks = tl.num_programs(1)
-    state = STATE + row * (4 * KP + KP * KP + 16)
-    scalars = state + 4 * KP + KP * KP
+    state, scalars = _row_state(STATE, row, KP)
     if tl.load(scalars + ACTIVE_AT) != 0:
         y_eps2, rest_bias, no_rest, n_valid, anchor = _row_constants(EPS, N_VALID, row, k, KP)
         lane = tl.arange(0, KP)
-        trial = tl.load(state + TRIAL_AT * KP + lane)
-        shift = ((trial + rest_bias) * LOG2E)[None, :]
-        counts = tl.zeros((KP,), dtype=tl.float64)
-        lse = tl.zeros((BLOCK,), dtype=tl.float64)
-        gram = tl.zeros((KP, KP), dtype=Z.dtype.element_ty)
-        for start in range(0, CHUNK, BLOCK):
-            offs = chunk * CHUNK + start + tl.arange(0, BLOCK)
-            P, valid, lse_i = _plan_tile(Z + row * n, VALID + row * n, offs, n, True, y_eps2, shift, anchor, k, CUT,
-                                         HAS_MASK)
-            counts += tl.sum(P.to(tl.float64), axis=0)
-            lse += tl.where(valid, lse_i, 0.0)
-            gram += tl.dot(tl.trans(P), P, input_precision="ieee")
+        counts, lse, gram = _evaluate(Z + row * n, VALID + row * n, chunk * CHUNK, (chunk + 1) * CHUNK, n, True,
+                                      tl.load(state + TRIAL_AT * KP + lane), y_eps2, rest_bias, anchor, k, CUT,
+                                      HAS_MASK, BLOCK, KP)
         part = PART + (row * chunks + chunk) * (KP + 1 + KP * KP)
         tl.store(part + lane, counts)
-        tl.store(part + KP, tl.sum(lse, axis=0))
+        tl.store(part + KP, lse)
         tl.store(part + KP + 1 + lane[:, None] * KP + lane[None, :], gram.to(tl.float64))
 
 
@@ -121,8 +107,7 @@ def _split_step_kernel(EPS, N_VALID, STATE, PART, N_ITER, ERR, chunks, k, tol_hi
     ``(rows,)`` int32 and ERR ``(rows,)`` float64 are written at every step (the row's iterations and error so far).
     """
     row = tl.program_id(0).to(tl.int64)
-    state = STATE + row * (4 * KP + KP * KP + 16)
-    scalars = state + 4 * KP + KP * KP
+    state, scalars = _row_state(STATE, row, KP)
     if _flag(scalars, ACTIVE_AT) != 0:
         tol = tl.cast(tol_hi, tl.float64) + tl.cast(tol_lo, tl.float64)
         y_eps2, rest_bias, no_rest, n_valid, anchor = _row_constants(EPS, N_VALID, row, k, KP)
@@ -186,7 +171,8 @@ def _split_plan_kernel(Z, VALID, EPS, N_VALID, STATE, PLAN, n, k, CUT, HAS_MASK:
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     y_eps2, rest_bias, no_rest, n_valid, anchor = _row_constants(EPS, N_VALID, row, k, KP)
-    g = tl.load(STATE + row * (4 * KP + KP * KP + 16) + G_AT * KP + tl.arange(0, KP))
+    state, scalars = _row_state(STATE, row, KP)
+    g = tl.load(state + G_AT * KP + tl.arange(0, KP))
     shift = ((g + rest_bias) * LOG2E)[None, :]
     PLAN += row * (k + 1) * n
     for start in range(0, CHUNK, BLOCK):

@@ -75,15 +75,29 @@ def _plan_tile(Z, VALID, offs, n, use_mask, y_eps2, shift, anchor, k, CUT, HAS_M
 
 
 @triton.jit
-def _evaluate(Z, VALID, n, use_mask, g, y_eps2, rest_bias, anchor, k, CUT, HAS_MASK: tl.constexpr,
+def _row_constants(EPS, N_VALID, row, k, KP: tl.constexpr):
+    """``(y_eps2 (1, KP), rest_bias (KP,), no_rest, n_valid float64, anchor (1, KP))`` of a row: the anchors
+    ``y_r = k - r`` over epsilon in log2 units, and the rest anchor (lane k) of rows without one (exactly k valid
+    entries), which takes no mass and has no marginal error."""
+    eps = tl.load(EPS + row).to(tl.float64)
+    n_valid = tl.load(N_VALID + row).to(tl.float64)
+    no_rest = n_valid == tl.cast(k, tl.float64)
+    lane = tl.arange(0, KP)
+    y_eps2 = (tl.where(lane <= k, k - lane, 0).to(tl.float64) * (LOG2E / eps))[None, :]
+    rest_bias = tl.where(lane == k, tl.where(no_rest, float("-inf"), 0.0), 0.0)
+    return y_eps2, rest_bias, no_rest, n_valid, lane[None, :]
+
+
+@triton.jit
+def _evaluate(Z, VALID, first, stop, n, use_mask, g, y_eps2, rest_bias, anchor, k, CUT, HAS_MASK: tl.constexpr,
               BLOCK: tl.constexpr, KP: tl.constexpr):
-    """One pass over the row at potentials ``g`` ``(KP,)``: ``(counts (KP,) float64, sum_i lse_i (log2
-    units, float64), Gram (KP, KP) in the scores' dtype)``."""
+    """One pass over the entries ``first`` to ``stop`` of the row (of ``n``) at potentials ``g`` ``(KP,)``:
+    ``(counts (KP,) float64, sum_i lse_i (log2 units, float64), Gram (KP, KP) in the scores' dtype)``."""
     shift = ((g + rest_bias) * LOG2E)[None, :]
     counts = tl.zeros((KP,), dtype=tl.float64)
     lse = tl.zeros((BLOCK,), dtype=tl.float64)
     gram = tl.zeros((KP, KP), dtype=Z.dtype.element_ty)
-    for start in range(0, n, BLOCK):
+    for start in range(first, stop, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         P, valid, lse_i = _plan_tile(Z, VALID, offs, n, use_mask, y_eps2, shift, anchor, k, CUT, HAS_MASK)
         counts += tl.sum(P.to(tl.float64), axis=0)
@@ -237,8 +251,8 @@ def _newton(SRC, VALID, count, use_mask, g, target, inv_target, no_rest, y_eps2,
             trial, step, alpha, F, slope, n_newton = _next_trial(g, counts, lse, gram, step, alpha, F, slope,
                                                                  n_newton, in_rescale, tries, target, no_rest, k,
                                                                  RIDGE, KP)
-        t_counts, t_lse, t_gram = _evaluate(SRC, VALID, count, use_mask, trial, y_eps2, rest_bias, anchor, k, CUT,
-                                            HAS_MASK, BLOCK, KP)
+        t_counts, t_lse, t_gram = _evaluate(SRC, VALID, 0, count, count, use_mask, trial, y_eps2, rest_bias, anchor,
+                                            k, CUT, HAS_MASK, BLOCK, KP)
         t_err = _marginal_error(t_counts, target, inv_target)
         g, counts, lse, gram, err, going, rescaled, stalled, tries, in_rescale, active = _judge_trial(
             trial, t_counts, t_lse, t_gram, t_err, g, counts, lse, gram, err, F, alpha, slope, fresh, going,
@@ -363,16 +377,9 @@ def _sorted_forward_kernel(Z, VALID, EPS, N_VALID, G0, FLOOR, MARGIN, WIN, PLAN,
     VALID += row * n
     PLAN += row * (k + 1) * n
     tol = tl.cast(tol_hi, tl.float64) + tl.cast(tol_lo, tl.float64)  # scalar arguments: tl.cast, not .to
-    eps_z = tl.load(EPS + row)
-    eps = eps_z.to(tl.float64)
-    n_valid = tl.load(N_VALID + row).to(tl.float64)
-    kf = tl.cast(k, tl.float64)
-    no_rest = n_valid == kf
+    eps_z = tl.load(EPS + row)  # the window widens in the scores' units
+    y_eps2, rest_bias, no_rest, n_valid, anchor = _row_constants(EPS, N_VALID, row, k, KP)
     lane = tl.arange(0, KP)
-    anchor = lane[None, :]
-    y_eps2 = (tl.where(lane <= k, k - lane, 0).to(tl.float64) * (LOG2E / eps))[None, :]
-    # the rest anchor (lane k) of rows without one takes no mass and has no marginal error
-    rest_bias = tl.where(lane == k, tl.where(no_rest, float("-inf"), 0.0), 0.0)
     g0 = tl.load(G0 + row * (k + 1) + lane, mask=lane <= k, other=0.0)
     if WMAX > 0:
         g, err, used, windowed, cut = _window_solve(Z, VALID, WIN + row * WMAX, n, tl.load(FLOOR + row),
