@@ -61,8 +61,7 @@ def candidate_window(kth: Tensor, k: int, epsilon: Union[float, Tensor], tol: fl
         ``(rows, 1)`` in ``kth``'s dtype: the window is the candidates with ``score >= floor``.
     """
     if isinstance(n_out, Tensor):
-        gap = math.log(2.0 * (k + 1) ** 2) if boundary_gap is None else boundary_gap
-        depth = gap - torch.log(0.01 * tol / n_out.double())
+        depth = _boundary_gap(k, boundary_gap) - torch.log(0.01 * tol / n_out.double())
         return kth - depth.to(kth.dtype) * epsilon
     return kth - window_depth(k, tol, n_out, boundary_gap) * epsilon
 
@@ -70,6 +69,9 @@ def candidate_window(kth: Tensor, k: int, epsilon: Union[float, Tensor], tol: fl
 def window_depth(k: int, tol: float, n_out: int, boundary_gap: Optional[float] = None) -> float:
     """How far below the (k+1)-th best :func:`candidate_window`'s floor lies, in epsilons, for a Python
     ``n_out``: ``log(100 n_out / tol) + boundary_gap`` (default ``log(2 (k+1)^2)``), in Python floats."""
-    if boundary_gap is None:
-        boundary_gap = math.log(2.0 * (k + 1) ** 2)
-    return math.log(100.0 * n_out / tol) + boundary_gap
+    return math.log(100.0 * n_out / tol) + _boundary_gap(k, boundary_gap)
+
+
+def _boundary_gap(k: int, boundary_gap: Optional[float]) -> float:
+    """``boundary_gap``, or its default ``log(2 (k+1)^2)``."""
+    return math.log(2.0 * (k + 1) ** 2) if boundary_gap is None else boundary_gap

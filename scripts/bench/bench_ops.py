@@ -258,10 +258,11 @@ def bench_case(n: int, k: int, eps: float, sorted_op: bool, repeats: int, tol: f
     def sparse_triton():
         return sparse_call("sparse_triton", "triton")
 
+    split_rows = sorted_op and sorted_soft_topk_split_op.use_split_kernels(batch, n)  # the split kernels' calls
     methods = {"ours": ours}
     if triton:
         methods["ours_triton"] = ours_triton
-        if sorted_op and sorted_soft_topk_split_op.use_split_kernels(batch, n):
+        if split_rows:
             methods["ours_triton_rows"] = ours_triton_rows
     if fixed_iterations is not None:
         methods["ours_fixed"] = ours_fixed
@@ -306,7 +307,7 @@ def bench_case(n: int, k: int, eps: float, sorted_op: bool, repeats: int, tol: f
             note = f"{int(err.n_iter)} it" + ("" if bool(err.converged) else " NOT CONVERGED")
             if name == "ours_triton_rows":
                 note += "; one program a row"
-            elif name == "ours_triton" and sorted_op and sorted_soft_topk_split_op.use_split_kernels(batch, n):
+            elif name == "ours_triton" and split_rows:
                 note += "; split kernels"
             err = float(err.marginal_error)
         elif name in ("sparse", "sparse_triton"):

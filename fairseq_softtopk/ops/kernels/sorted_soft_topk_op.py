@@ -250,13 +250,12 @@ def sorted_soft_topk_kernel(x: Tensor, prep: PreparedScores, k: int, tol: float,
     host read)."""
     from . import sorted_soft_topk_split_op as split  # it imports this module
 
+    args = (x, prep.z, prep.valid, prep.eps, prep.grad_eps, prep.top, prep.n_valid, k, tol, max_iter,
+            not prep.all_valid)
     if split.use_split_kernels(*prep.z.shape):
-        plan, n_iter, err = split.sorted_soft_topk_split_forward(x, prep.z, prep.valid, prep.eps, prep.grad_eps,
-                                                                 prep.top, prep.n_valid, k, tol, max_iter,
-                                                                 not prep.all_valid, sync_free)
+        plan, n_iter, err = split.sorted_soft_topk_split_forward(*args, sync_free)
     else:
-        plan, n_iter, err = sorted_soft_topk_forward(x, prep.z, prep.valid, prep.eps, prep.grad_eps, prep.top,
-                                                     prep.n_valid, k, tol, max_iter, not prep.all_valid)
+        plan, n_iter, err = sorted_soft_topk_forward(*args)
     if err.shape[0]:
         max_err, max_iter_used = err.amax(), n_iter.amax()
     else:
