@@ -147,20 +147,26 @@ def test_kernel_gradcheck_float64(rng, kernel_calls):
     assert kernel_calls and set(kernel_calls) == {3}
 
 
-@kernel_test
-def test_kernel_ops_pass_opcheck(rng):
+def opcheck_plan_ops(forward, backward, x, mask, rng, max_iter, *options):
+    """``torch.library.opcheck`` of a sorted plan op ``forward`` (on ``x``'s rows prepared for k = 3, epsilon 0.3,
+    the linear cost, ``mask``; its arguments then ``options``) and of ``backward`` on the plan it gives."""
     from fairseq_softtopk.ops._common import oriented_rows, prepare_scores
 
-    x, mask = _scores(rng, 2, 60, torch.float64, masked=10)
-    x = x.to(DEVICE).requires_grad_()
-    prep = prepare_scores(x, 3, -1, True, 0.3, mask.to(DEVICE), "linear", 3)
+    prep = prepare_scores(x, 3, -1, True, 0.3, mask, "linear", 3)
     args = (oriented_rows(x, -1, prep), prep.z, prep.valid, prep.eps, prep.grad_eps, prep.top, prep.n_valid,
-            3, 1e-10, 50, True)
-    torch.library.opcheck(torch.ops.fairseq_softtopk.sorted_soft_topk_forward.default, args)
-    plan = sorted_soft_topk_op.sorted_soft_topk_forward(*args)[0]
+            3, 1e-10, max_iter, True, *options)
+    torch.library.opcheck(forward, args)
+    plan = forward(*args)[0]
     grad = torch.randn(plan.shape, generator=rng, dtype=torch.float64).to(DEVICE)
-    torch.library.opcheck(torch.ops.fairseq_softtopk.sorted_soft_topk_backward.default,
-                          (plan.detach(), grad, prep.grad_eps, prep.n_valid == 3))
+    torch.library.opcheck(backward, (plan.detach(), grad, prep.grad_eps, prep.n_valid == 3))
+
+
+@kernel_test
+def test_kernel_ops_pass_opcheck(rng):
+    x, mask = _scores(rng, 2, 60, torch.float64, masked=10)
+    opcheck_plan_ops(torch.ops.fairseq_softtopk.sorted_soft_topk_forward.default,
+                     torch.ops.fairseq_softtopk.sorted_soft_topk_backward.default, x.to(DEVICE).requires_grad_(),
+                     mask.to(DEVICE), rng, 50)
 
 
 @kernel_test

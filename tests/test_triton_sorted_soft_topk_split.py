@@ -14,8 +14,8 @@ from triton_harness import (DEVICE, compile_without_spills, interpreter_runner, 
 from fairseq_softtopk.ops import sorted_soft_topk
 from fairseq_softtopk.ops.kernels import backend as backend_module, soft_topk_op, sorted_soft_topk_op
 from fairseq_softtopk.ops.kernels import sorted_soft_topk_split_op as split_op
-# the one-program kernels' comparison with the torch path (values, gradients, converged, info tensors)
-from test_triton_sorted_soft_topk import assert_matches_torch
+# the one-program kernels' comparison with the torch path (values, gradients, converged, info tensors), opcheck
+from test_triton_sorted_soft_topk import assert_matches_torch, opcheck_plan_ops
 
 
 @interpreter_runner
@@ -165,19 +165,11 @@ def test_kernel_budget_too_small_and_nan_rows_are_reported(rng, split):
 
 @kernel_test
 def test_kernel_ops_pass_opcheck(rng, split):
-    from fairseq_softtopk.ops._common import oriented_rows, prepare_scores
-
     x, mask = _scores(rng, 2, 160, torch.float64)
-    x = x.to(DEVICE).requires_grad_()
-    prep = prepare_scores(x, 3, -1, True, 0.3, mask.to(DEVICE), "linear", 3)
     for sync_free in (False, True):
-        args = (oriented_rows(x, -1, prep), prep.z, prep.valid, prep.eps, prep.grad_eps, prep.top, prep.n_valid,
-                3, 1e-10, 30, True, sync_free)
-        torch.library.opcheck(torch.ops.fairseq_softtopk.sorted_soft_topk_split_forward.default, args)
-    plan = split_op.sorted_soft_topk_split_forward(*args)[0]
-    grad = torch.randn(plan.shape, generator=rng, dtype=torch.float64).to(DEVICE)
-    torch.library.opcheck(torch.ops.fairseq_softtopk.sorted_soft_topk_split_backward.default,
-                          (plan.detach(), grad, prep.grad_eps, prep.n_valid == 3))
+        opcheck_plan_ops(torch.ops.fairseq_softtopk.sorted_soft_topk_split_forward.default,
+                         torch.ops.fairseq_softtopk.sorted_soft_topk_split_backward.default,
+                         x.to(DEVICE).requires_grad_(), mask.to(DEVICE), rng, 30, sync_free)
 
 
 @kernel_test
