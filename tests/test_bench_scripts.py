@@ -683,3 +683,44 @@ def test_kernel_specialisations_records_every_solve_of_each_update_and_restores_
     assert len(per_update) == 2 and all(lengths for _, lengths in per_update)  # a solve per decoding step
     for variants, lengths in per_update:
         assert variants == {diag.specialisation(n, 3) for n in lengths}
+
+
+def test_main_loop_takes_the_longest_backward_branch_and_drops_predicates_and_modifiers():
+    instructions = script_module("bench/kernel_instructions.py")
+    sass = "\n".join([
+        "        /*0000*/                   MOV R1, c[0x0][0x28] ;",
+        "        /*0010*/                   FFMA R2, R3, R4, R5 ;",
+        "        /*0020*/               @P0 MUFU.EX2 R6, R2 ;",
+        "        /*0030*/              @!P1 LDG.E R7, [R8.64] ;",
+        "        /*0040*/              @!P2 BRA 0x10 ;",           # the loop: 0x10 to 0x40, 4 instructions
+        "        /*0050*/                   FADD R2, R2, R2 ;",
+        "        /*0060*/                   BRA 0x50 ;",             # a shorter one (2)
+        "        /*0070*/                   BRA 0x90 ;",             # forward: no loop
+        "        /*0080*/                   EXIT ;"])
+    assert instructions.main_loop(sass) == ["FFMA", "MUFU", "LDG", "BRA"]
+    assert instructions.main_loop("        /*0000*/                   EXIT ;") == []
+
+
+def test_kernel_instructions_counts_fewer_instructions_an_entry_with_the_anchors_unrolled(tmp_path, capsys):
+    """The split kernels' passes at the beam search's k = 5, compiled for sm_90: each pass with the anchors unrolled
+    issues fewer warp instructions an entry than the (BLOCK, KP) tiles, and none spills."""
+    pytest.importorskip("triton")
+    instructions = script_module("bench/kernel_instructions.py")
+    if not instructions._tool("cuobjdump").is_file():
+        pytest.skip("triton bundles no cuobjdump here")
+    out = tmp_path / "table.md"
+    assert instructions.main(["--k", "5", "--dtype", "fp32", "--out", str(out)]) == 0
+    assert capsys.readouterr().out == out.read_text()
+    lines = [line.split("|")[1:-1] for line in out.read_text().splitlines() if line.startswith("| forward")
+             or line.startswith("| backward")]
+    rows = [dict(zip(["pass", "k", "dtype", "path", "BLOCK", "warps", "regs", "spill", "loop", "per_warp", "per_entry"],
+                     (c.strip() for c in cells))) | {"ratio": cells[-1].strip()} for cells in lines]
+    assert [(r["pass"], r["path"]) for r in rows] == [
+        (label, path) for label, _ in instructions.PASSES for path in ("unrolled", "tiles KP 16")]
+    for unrolled, tiles in zip(rows[::2], rows[1::2]):
+        assert unrolled["spill"] == tiles["spill"] == "0"
+        assert (unrolled["BLOCK"], unrolled["warps"], unrolled["per_warp"]) == ("128", "4", "32")
+        assert float(tiles["per_entry"]) > 2 * float(unrolled["per_entry"])
+        assert float(tiles["ratio"]) == pytest.approx(float(tiles["per_entry"]) / float(unrolled["per_entry"]),
+                                                      rel=0.02)
+        assert int(unrolled["loop"]) / 32 == pytest.approx(float(unrolled["per_entry"]), abs=0.01)

@@ -27,7 +27,8 @@ def test_kernels_under_the_interpreter(repo_root):
 @pytest.fixture
 def split(monkeypatch):
     """Rows of 100 entries or more, in calls of up to 8 rows, run on the split kernels in chunks of 128 entries
-    (blocks of 64); returns the list of the split forward's launches (each the ``sync_free`` flag)."""
+    (blocks of 32 with the anchors unrolled, of 64 or 32 in (BLOCK, KP) tiles); returns the list of the split
+    forward's launches (each the ``sync_free`` flag)."""
     monkeypatch.setattr(split_op, "SPLIT_MIN_LENGTH", 100)
     monkeypatch.setattr(split_op, "SPLIT_MAX_ROWS", 8)
     monkeypatch.setattr(split_op, "CHUNK", 128)
@@ -36,6 +37,8 @@ def split(monkeypatch):
     monkeypatch.setattr(sorted_soft_topk_op, "INTERPRETER_MAX_TILE", 1024)
     monkeypatch.setattr(split_op, "MAX_TILE", 1024)
     monkeypatch.setattr(split_op, "INTERPRETER_MAX_TILE", 1024)
+    monkeypatch.setattr(split_op, "UNROLLED_BLOCK", 32)
+    monkeypatch.setattr(split_op, "INTERPRETER_UNROLLED_BLOCK", 32)
     calls, forward = [], split_op.launch_split_forward
 
     def counted(*args):
@@ -176,8 +179,11 @@ def test_kernel_ops_pass_opcheck(rng, split):
 @pytest.mark.parametrize("old, new", [
     ("        counts += tl.load(part + lane)\n", "        counts += tl.where(c == 0, tl.load(part + lane), 0.0)\n"),
     ("tl.store(scalars + ERR_AT, err)", "tl.store(scalars + ERR_AT, err * 0.0)"),
-    ("tl.store(part + lane, b)", "tl.store(part + lane, -b)"),
-], ids=["reduce-first-chunk-only", "error-not-kept-between-rounds", "backward-rhs-sign"])
+    ("added + (b[r] + (PG[r]", "added + (b[r] - (PG[r]"),
+    ("tl.cast(K1 - 1 - r, tl.float64) * (LOG2E / eps)", "tl.cast(K1 - 1 - r, tl.float64) * (1.5 * LOG2E / eps)"),
+    ("((ri == r) & (ci == s)) | ((ri == s) & (ci == r))", "((ri == r) & (ci == s))"),
+], ids=["reduce-first-chunk-only", "error-not-kept-between-rounds", "backward-rhs-sign", "unrolled-anchor-slope",
+        "unrolled-gram-one-triangle"])
 def test_kernel_mutant_fails_the_comparison(rng, split, monkeypatch, tmp_path, old, new):
     x, _ = _scores(rng, 2, 300, torch.float32)
     assert_matches_torch(x, 4, rng, epsilon=0.2)  # the kernels as they are pass
@@ -236,39 +242,27 @@ def test_fake_implementations_give_shapes_and_dtypes_on_the_meta_device():
     assert grad_z.shape == (2, 50) and grad_z.device.type == "meta"
 
 
-#: the kernels' arguments (D: the scores' dtype)
-_SIGNATURES = {
-    "_split_evaluate_kernel": dict(Z="*D", VALID="*u8", EPS="*D", N_VALID="*D", STATE="*fp64", PART="*fp64",
-                                   n="i32", k="i32", CUT="fp32"),
-    "_split_step_kernel": dict(EPS="*D", N_VALID="*D", STATE="*fp64", PART="*fp64", N_ITER="*i32", ERR="*fp64",
-                               chunks="i32", k="i32", tol_hi="fp32", tol_lo="fp32", max_iter="i32", RIDGE="fp32"),
-    "_split_plan_kernel": dict(Z="*D", VALID="*u8", EPS="*D", N_VALID="*D", STATE="*fp64", PLAN="*D", n="i32",
-                               k="i32", CUT="fp32"),
-    "_split_backward_sums_kernel": dict(PLAN="*D", GRAD="*D", PART="*fp64", n="i32", k="i32"),
-    "_split_backward_solve_kernel": dict(PART="*fp64", NO_REST="*u8", U="*fp64", chunks="i32", k="i32",
-                                         RIDGE="fp32"),
-    "_split_backward_grad_kernel": dict(PLAN="*D", GRAD="*D", U="*fp64", EPS="*D", GRAD_Z="*D", n="i32", k="i32"),
-}
-
-
 @needs_triton
 @pytest.mark.skipif(backend_module.interpreter_requested(), reason="under the interpreter, triton compiles nothing")
 @pytest.mark.parametrize("arch", [90, 80])
 @pytest.mark.parametrize("dtype", ["fp32", "fp64"])
-@pytest.mark.parametrize("lanes", [16, 32])
-def test_every_split_kernel_compiles_for_the_gpu_without_spills(arch, dtype, lanes, monkeypatch, tmp_path):
-    """Ahead-of-time compilation to a cubin (no GPU needed), at both anchor tile widths (k up to 31), with a mask;
-    ``ptxas -v`` (Triton's bundled one) reports no register spill."""
+@pytest.mark.parametrize("k", [5, 7, 15, 31], ids=["unrolled-k5", "unrolled-k7", "tiles-KP16", "tiles-KP32"])
+def test_every_split_kernel_compiles_for_the_gpu_without_spills(arch, dtype, k, monkeypatch, tmp_path):
+    """Ahead-of-time compilation to a cubin (no GPU needed) as the launcher compiles them: the passes with the
+    anchors unrolled (the beam search's k = 5, and the most anchors unrolled) and in (BLOCK, KP) tiles at both widths
+    (k up to 31), with a mask; ``ptxas -v`` (Triton's bundled one) reports no register spill."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     module = split_op.kernel_module()
-    block = sorted_soft_topk_op.MAX_TILE // lanes
-    for name, signature in _SIGNATURES.items():
+    lanes = sorted_soft_topk_op.anchor_lanes(k)
+    block, chunk, chunks, pass_options = split_op.pass_geometry(10 ** 6, k, interpret=False)
+    assert pass_options["K1"] == (k + 1 if k + 1 <= split_op.UNROLL_MAX_ANCHORS else 0)
+    for name, signature in split_op.KERNEL_SIGNATURES.items():
         kernel = getattr(module, name)
         constexprs = {"KP": lanes}
+        options = split_op.row_options(lanes)
         if "BLOCK" in kernel.arg_names:
-            constexprs.update(BLOCK=block, CHUNK=split_op.CHUNK)
+            options = dict(pass_options)
+            constexprs.update(BLOCK=block, CHUNK=chunk, K1=options.pop("K1"))
         if "HAS_MASK" in kernel.arg_names:
             constexprs["HAS_MASK"] = True
-        options = (soft_topk_op._launch_options(block * lanes) if "BLOCK" in constexprs else
-                   split_op.row_options(lanes))
         compile_without_spills(kernel, signature, constexprs, arch, dtype, options, tmp_path, name)

@@ -37,12 +37,35 @@ KERNEL_FILE = Path(__file__).with_name("sorted_soft_topk_split_triton.py")
 CHUNK = 2048
 #: ... and under the interpreter (whose cost is per iteration and per program)
 INTERPRETER_CHUNK = 1 << 17
+#: rows of at most this many anchors (k + 1) take the passes with the anchors unrolled, one value each a thread (no
+#: padded lane); more anchors take the one-program kernels' (BLOCK, KP) tiles. At 8 anchors a float64 pass holds its
+#: 36 Gram terms and 8 counts in registers without spilling on sm_90 and sm_80 (tests/test_triton_sorted_soft_topk_split.py)
+UNROLL_MAX_ANCHORS = 8
+#: entries per iteration of the unrolled passes: one a thread of 4 warps; and under the interpreter
+UNROLLED_BLOCK = 128
+INTERPRETER_UNROLLED_BLOCK = 1 << 15
 #: rows at least this long, in calls of at most SPLIT_MAX_ROWS rows, take these kernels (the one-program kernels'
 #: grid would have fewer programs than an H100 has SMs); not yet tuned on a GPU
 SPLIT_MIN_LENGTH = 16384
 SPLIT_MAX_ROWS = 32
 #: rounds between two host reads of whether a row is still going (sync_free=False)
 CHECK_EVERY = 4
+
+#: the kernels' run-time arguments and their Triton types (``D``: the scores' dtype), for ahead-of-time compilation
+#: (the compile tests, scripts/bench/kernel_instructions.py); the passes over entries take the constexprs HAS_MASK
+#: (the evaluation and the plan), BLOCK, KP, CHUNK and K1, the row launches KP
+KERNEL_SIGNATURES = {
+    "_split_evaluate_kernel": dict(Z="*D", VALID="*u8", EPS="*D", N_VALID="*D", STATE="*fp64", PART="*fp64",
+                                   n="i32", k="i32", CUT="fp32"),
+    "_split_step_kernel": dict(EPS="*D", N_VALID="*D", STATE="*fp64", PART="*fp64", N_ITER="*i32", ERR="*fp64",
+                               chunks="i32", k="i32", tol_hi="fp32", tol_lo="fp32", max_iter="i32", RIDGE="fp32"),
+    "_split_plan_kernel": dict(Z="*D", VALID="*u8", EPS="*D", N_VALID="*D", STATE="*fp64", PLAN="*D", n="i32",
+                               k="i32", CUT="fp32"),
+    "_split_backward_sums_kernel": dict(PLAN="*D", GRAD="*D", PART="*fp64", n="i32", k="i32"),
+    "_split_backward_solve_kernel": dict(PART="*fp64", NO_REST="*u8", U="*fp64", chunks="i32", k="i32",
+                                         RIDGE="fp32"),
+    "_split_backward_grad_kernel": dict(PLAN="*D", GRAD="*D", U="*fp64", EPS="*D", GRAD_Z="*D", n="i32", k="i32"),
+}
 
 _kernel_modules = {}
 _one_program = threading.local()  # one_program_a_row's flag
@@ -87,13 +110,27 @@ def sync_free_rounds(max_iter: int) -> int:
     return 1 + 2 * max_iter
 
 
-def _geometry(n: int, k: int, interpret: bool) -> Tuple[int, int, int]:
-    """``(BLOCK, CHUNK, chunks)``: entries per iteration and per program (CHUNK a multiple of BLOCK), programs a row."""
+def unrolled_anchors(k: int) -> int:
+    """The kernels' ``K1``: ``k + 1`` where the passes unroll the anchors, 0 where they take ``(BLOCK, KP)`` tiles."""
+    return k + 1 if k + 1 <= UNROLL_MAX_ANCHORS else 0
+
+
+def pass_geometry(n: int, k: int, interpret: bool, unroll: bool = True) -> Tuple[int, int, int, dict]:
+    """``(BLOCK, CHUNK, chunks, pass options)``: entries per iteration and per program (CHUNK a multiple of BLOCK),
+    programs a row, the compile options of the passes over entries (``K1`` and the launch options); ``unroll=False``:
+    the (BLOCK, KP) tiles whatever k (the instruction counts compare both)."""
     kp = anchor_lanes(k)
     chunk = INTERPRETER_CHUNK if interpret else CHUNK
-    block = max(16, min((INTERPRETER_MAX_TILE if interpret else MAX_TILE) // kp, chunk))
+    anchors = unrolled_anchors(k) if unroll else 0
+    if anchors:
+        block = INTERPRETER_UNROLLED_BLOCK if interpret else UNROLLED_BLOCK
+    else:
+        block = (INTERPRETER_MAX_TILE if interpret else MAX_TILE) // kp
+    block = max(16, min(block, chunk))
     chunk = max(chunk, block)
-    return block, chunk, max(1, math.ceil(n / chunk))
+    options = (dict(num_warps=max(1, min(8, block // 32)), enable_fp_fusion=True) if anchors else
+               _launch_options(block * kp))
+    return block, chunk, max(1, math.ceil(n / chunk)), dict(K1=anchors, **options)
 
 
 def row_options(kp: int) -> dict:
@@ -120,7 +157,7 @@ def launch_split_forward(z: Tensor, valid: Tensor, eps: Tensor, top: Tensor, n_v
         return plan, n_iter, err
     module, interpret = _kernels_for(z)
     kp = anchor_lanes(k)
-    block, chunk, chunks = _geometry(n, k, interpret)
+    block, chunk, chunks, options = pass_geometry(n, k, interpret)
     state = z.new_zeros((rows, state_size(kp)), dtype=torch.float64)
     scalars = state[:, 4 * kp + kp * kp:]
     state[:, _TRIAL_AT * kp:_TRIAL_AT * kp + k + 1] = hard_start(top, n_valid == k, eps, k)
@@ -132,7 +169,6 @@ def launch_split_forward(z: Tensor, valid: Tensor, eps: Tensor, top: Tensor, n_v
     n_valid = n_valid.contiguous()
     tol_hi, tol_lo = _float32_halves(float(tol))
     cut, ridge = subnormal_cut(z.dtype, k), _ridge(z.dtype)
-    options = _launch_options(block * kp)
     # with host reads the rows' own budget ends the solve: the start, then at most 12 trials (MAX_BACKTRACK) a step
     rounds = sync_free_rounds(max_iter) if sync_free else 1 + max_iter * 13
     for done in range(1, rounds + 1):
@@ -158,10 +194,9 @@ def launch_split_backward(plan: Tensor, grad: Tensor, eps: Tensor, no_rest: Tens
         return grad_z
     module, interpret = _kernels_for(plan)
     kp = anchor_lanes(k)
-    block, chunk, chunks = _geometry(n, k, interpret)
+    block, chunk, chunks, options = pass_geometry(n, k, interpret)
     parts = plan.new_empty((rows, chunks, kp + 1 + kp * kp), dtype=torch.float64)
     u = plan.new_empty((rows, kp), dtype=torch.float64)
-    options = _launch_options(block * kp)
     launch(module._split_backward_sums_kernel, (rows, chunks), plan, grad, parts, n, k, BLOCK=block, KP=kp,
            CHUNK=chunk, **options)
     launch(module._split_backward_solve_kernel, (rows,), parts, no_rest.contiguous().view(torch.uint8), u, chunks, k,
