@@ -711,6 +711,7 @@ def test_kernel_instructions_counts_fewer_instructions_an_entry_with_the_anchors
     out = tmp_path / "table.md"
     assert instructions.main(["--k", "5", "--dtype", "fp32", "--out", str(out)]) == 0
     assert capsys.readouterr().out == out.read_text()
+    assert "`python scripts/bench/kernel_instructions.py --k 5 --dtype fp32 --out " in out.read_text().splitlines()[0]
     lines = [line.split("|")[1:-1] for line in out.read_text().splitlines() if line.startswith("| forward")
              or line.startswith("| backward")]
     rows = [dict(zip(["pass", "k", "dtype", "path", "BLOCK", "warps", "regs", "spill", "loop", "per_warp", "per_entry"],

@@ -12,7 +12,7 @@ backward branch), counted:
 * ``regs``, ``spill B``: registers a thread and bytes of spill stores (``ptxas -v``);
 * ``loop``: instructions a thread issues in one iteration; ``entries/warp``: the entries a warp covers in one;
 * ``warp instr/entry``: the first over the second, what the SMs' schedulers issue per entry of the row;
-* ``MUFU``, ``LDG``, ``shared``, ``SHFL`` ``/entry``: special-function (exp2, log2, reciprocal), global-load,
+* ``MUFU``, ``LDG``, ``LDS+STS``, ``SHFL`` ``/entry``: special-function (exp2, log2, reciprocal), global-load,
   shared-memory (LDS, STS) and warp-shuffle instructions per entry (warp instructions).
 
 A static count along the loop's straight line (branches inside it counted once, taken or not), not a time:
@@ -111,7 +111,7 @@ def count_pass(kernel_name: str, k: int, unroll: bool, dtype: str, arch: int, wo
     return {"path": "unrolled" if constexprs["K1"] else f"tiles KP {constexprs['KP']}", "BLOCK": block,
             "warps": options["num_warps"], "regs": registers, "spill B": spills, "loop": len(loop),
             "entries/warp": per_warp, "warp instr/entry": len(loop) / per_warp, "MUFU/entry": per_entry("MUFU"),
-            "LDG/entry": per_entry("LDG"), "shared/entry": per_entry("LDS", "STS"), "SHFL/entry": per_entry("SHFL")}
+            "LDG/entry": per_entry("LDG"), "LDS+STS/entry": per_entry("LDS", "STS"), "SHFL/entry": per_entry("SHFL")}
 
 
 def table(ks: Sequence[int], dtypes: Sequence[str], arch: int) -> List[Dict[str, object]]:
@@ -135,16 +135,20 @@ def table(ks: Sequence[int], dtypes: Sequence[str], arch: int) -> List[Dict[str,
     return rows
 
 
-def markdown(rows: List[Dict[str, object]], arch: int) -> str:
+def markdown(rows: List[Dict[str, object]], arch: int, command: str) -> str:
+    """The rows as a markdown table under a line naming the compiler, the target and ``command``."""
+    import triton
+
     columns = ["pass", "k", "dtype", "path", "BLOCK", "warps", "regs", "spill B", "loop", "entries/warp",
-               "warp instr/entry", "MUFU/entry", "LDG/entry", "shared/entry", "SHFL/entry", "ratio"]
+               "warp instr/entry", "MUFU/entry", "LDG/entry", "LDS+STS/entry", "SHFL/entry", "ratio"]
 
     def cell(value) -> str:
         if value is None:
             return ""
         return f"{value:.2f}".rstrip("0").rstrip(".") if isinstance(value, float) else str(value)
 
-    lines = [f"Static counts, sm_{arch} (`python scripts/bench/kernel_instructions.py`): not a time.", "",
+    lines = [f"Static counts of the compiled kernels (Triton {triton.__version__}, sm_{arch}), not a time: `{command}`",
+             "",
              "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(cell(row.get(c)) for c in columns) + " |" for row in rows]
     return "\n".join(lines) + "\n"
@@ -163,7 +167,8 @@ def main(argv: Sequence[str] = None) -> int:
     except ImportError:
         print("kernel_instructions: needs triton (the virtualenv's)", file=sys.stderr)
         return 2
-    text = markdown(table(args.k, args.dtype, args.arch), args.arch)
+    command = " ".join(["python scripts/bench/kernel_instructions.py", *(argv if argv is not None else sys.argv[1:])])
+    text = markdown(table(args.k, args.dtype, args.arch), args.arch, command)
     print(text, end="")
     if args.out:
         args.out.write_text(text)
