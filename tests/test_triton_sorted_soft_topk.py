@@ -391,36 +391,48 @@ KNOWN_SPILLS = {("3.6.0", "_sorted_forward_kernel", "fp32", 32): 80, ("3.6.0", "
 
 @needs_triton
 @pytest.mark.skipif(backend_module.interpreter_requested(), reason="under the interpreter, triton compiles nothing")
-@pytest.mark.parametrize("arch, dtype, lanes", [(90, "fp32", 32), (90, "fp64", 16), (80, "fp32", 16),
-                                                 (80, "fp64", 32)])
-def test_every_kernel_compiles_for_the_gpu(arch, dtype, lanes, monkeypatch, tmp_path):
-    """Ahead-of-time compilation to a cubin (no GPU needed): both dtypes on sm_90 and sm_80 (float64: the float64
-    ``tl.dot``), each at both tile widths (KP 16 and 32, k up to 31); lowering errors the interpreter lets
-    through fail here, and so does a register spill (``ptxas -v``) beyond the known ones (:data:`KNOWN_SPILLS`)."""
+@pytest.mark.parametrize("arch, dtype, k", [(90, "fp32", 31), (90, "fp64", 15), (80, "fp32", 15), (80, "fp64", 31),
+                                            (90, "fp32", 5), (90, "fp64", 7), (80, "fp32", 7), (80, "fp64", 5)])
+def test_every_kernel_compiles_for_the_gpu(arch, dtype, k, monkeypatch, tmp_path):
+    """Ahead-of-time compilation to a cubin (no GPU needed), as the launchers compile them: both dtypes on sm_90 and
+    sm_80 (float64: the float64 ``tl.dot``), in tiles at both widths (KP 16 and 32, k up to 31) and with the anchors
+    unrolled (k = 5 and 7); lowering errors the interpreter lets through fail here, and so does a register spill
+    (``ptxas -v``) beyond the known ones (:data:`KNOWN_SPILLS`)."""
+    import triton
+
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # compiled now, not found in a cache
     module = sorted_soft_topk_op.kernel_module()
+    lanes = sorted_soft_topk_op.anchor_lanes(k)
+    unrolled_block = sorted_soft_topk_op.block_size(10 ** 6, k, interpret=False, unroll=True)
+    backward_options = sorted_soft_topk_op.pass_options(unrolled_block, k)
+    anchors = backward_options.pop("K1")
+    assert anchors == (k + 1 if k <= 7 else 0)
     for name, signature in _SIGNATURES.items():
-        constexprs = {"BLOCK": sorted_soft_topk_op.MAX_TILE // lanes, "KP": lanes}
         if "HAS_MASK" in getattr(module, name).arg_names:  # the forward: with a mask, on candidate windows
-            constexprs.update(HAS_MASK=True, WMAX=sorted_soft_topk_op.WINDOW_MAX)
-        import triton
-
+            block = sorted_soft_topk_op.block_size(10 ** 6, k, interpret=False)
+            constexprs = dict(BLOCK=block, KP=lanes, K1=anchors, HAS_MASK=True, WMAX=sorted_soft_topk_op.WINDOW_MAX)
+            options = soft_topk_op._launch_options(block * lanes)
+        else:
+            constexprs = dict(BLOCK=unrolled_block, KP=lanes, K1=anchors)
+            options = backward_options
         known = KNOWN_SPILLS.get((triton.__version__, name, dtype, lanes), 0) if arch == 90 else 0
-        compile_without_spills(getattr(module, name), signature, constexprs, arch, dtype,
-                               soft_topk_op._launch_options(sorted_soft_topk_op.MAX_TILE), tmp_path, name, known)
+        compile_without_spills(getattr(module, name), signature, constexprs, arch, dtype, options, tmp_path, name,
+                               known)
 
 
 @kernel_test
-@pytest.mark.parametrize("old, new", [
-    ("K = tl.where(ri == ci, diagonal, -off)", "K = tl.where(ri == ci, diagonal, off)"),  # the Hessian's sign
-    ("Pu = tl.sum(P * u, axis=1)", "Pu = 0.0 * tl.sum(P * u, axis=1)"),  # the backward's implicit term dropped
-], ids=["hessian-sign", "backward-implicit"])
-def test_kernel_mutant_fails_the_comparison(rng, monkeypatch, tmp_path, old, new):
+@pytest.mark.parametrize("old, new, k", [
+    ("K = tl.where(ri == ci, diagonal, -off)", "K = tl.where(ri == ci, diagonal, off)", 4),  # the Hessian's sign
+    # the backward's implicit term dropped: in (BLOCK, KP) tiles (k + 1 > 8 anchors), with the anchors unrolled
+    ("Pu = tl.sum(P * u, axis=1)", "Pu = 0.0 * tl.sum(P * u, axis=1)", 9),
+    ("Pu += P[r] * u_r", "Pu += 0.0 * P[r] * u_r", 4),
+], ids=["hessian-sign", "backward-implicit-tiles", "backward-implicit-unrolled"])
+def test_kernel_mutant_fails_the_comparison(rng, monkeypatch, tmp_path, old, new, k):
     x, _ = _scores(rng, 2, 200, torch.float32)
-    assert_matches_torch(x, 4, rng, epsilon=0.2)  # the kernels as they are pass
+    assert_matches_torch(x, k, rng, epsilon=0.2)  # the kernels as they are pass
     load_mutant(sorted_soft_topk_op, monkeypatch, tmp_path, old, new)
     with pytest.raises(AssertionError):
-        assert_matches_torch(x, 4, rng, epsilon=0.2)
+        assert_matches_torch(x, k, rng, epsilon=0.2)
 
 
 @kernel_test

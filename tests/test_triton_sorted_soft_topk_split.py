@@ -35,10 +35,8 @@ def split(monkeypatch):
     monkeypatch.setattr(split_op, "INTERPRETER_CHUNK", 128)
     monkeypatch.setattr(sorted_soft_topk_op, "MAX_TILE", 1024)
     monkeypatch.setattr(sorted_soft_topk_op, "INTERPRETER_MAX_TILE", 1024)
-    monkeypatch.setattr(split_op, "MAX_TILE", 1024)
-    monkeypatch.setattr(split_op, "INTERPRETER_MAX_TILE", 1024)
-    monkeypatch.setattr(split_op, "UNROLLED_BLOCK", 32)
-    monkeypatch.setattr(split_op, "INTERPRETER_UNROLLED_BLOCK", 32)
+    monkeypatch.setattr(sorted_soft_topk_op, "UNROLLED_BLOCK", 32)
+    monkeypatch.setattr(sorted_soft_topk_op, "INTERPRETER_UNROLLED_BLOCK", 32)
     calls, forward = [], split_op.launch_split_forward
 
     def counted(*args):
@@ -179,15 +177,31 @@ def test_kernel_ops_pass_opcheck(rng, split):
 @pytest.mark.parametrize("old, new", [
     ("        counts += tl.load(part + lane)\n", "        counts += tl.where(c == 0, tl.load(part + lane), 0.0)\n"),
     ("tl.store(scalars + ERR_AT, err)", "tl.store(scalars + ERR_AT, err * 0.0)"),
-    ("added + (b[r] + (PG[r]", "added + (b[r] - (PG[r]"),
-    ("tl.cast(K1 - 1 - r, tl.float64) * (LOG2E / eps)", "tl.cast(K1 - 1 - r, tl.float64) * (1.5 * LOG2E / eps)"),
-    ("((ri == r) & (ci == s)) | ((ri == s) & (ci == r))", "((ri == r) & (ci == s))"),
-], ids=["reduce-first-chunk-only", "error-not-kept-between-rounds", "backward-rhs-sign", "unrolled-anchor-slope",
-        "unrolled-gram-one-triangle"])
+    ("_backward_sums(PLAN, GRAD, first, first + CHUNK,", "_backward_sums(PLAN, GRAD, first, first + CHUNK // 2,"),
+], ids=["reduce-first-chunk-only", "error-not-kept-between-rounds", "backward-sums-half-chunk"])
 def test_kernel_mutant_fails_the_comparison(rng, split, monkeypatch, tmp_path, old, new):
     x, _ = _scores(rng, 2, 300, torch.float32)
     assert_matches_torch(x, 4, rng, epsilon=0.2)  # the kernels as they are pass
     load_mutant(split_op, monkeypatch, tmp_path, old, new)
+    with pytest.raises(AssertionError):
+        assert_matches_torch(x, 4, rng, epsilon=0.2)
+
+
+@kernel_test
+@pytest.mark.parametrize("old, new", [
+    ("added = added + (b_lanes[r] + (PG[r]", "added = added + (b_lanes[r] - (PG[r]"),
+    ("return _lane(tl.reshape(y_eps2, (KP,)), K1 - 2, KP), shifts",
+     "return 1.5 * _lane(tl.reshape(y_eps2, (KP,)), K1 - 2, KP), shifts"),
+    ("((ri == r) & (ci == s)) | ((ri == s) & (ci == r))", "((ri == r) & (ci == s))"),
+    ("added = added + (counts[r] + P[r].to(tl.float64),)", "added = added + (counts[r] + P[K1 - 1 - r].to(tl.float64),)"),
+], ids=["backward-rhs-sign", "anchor-slope", "gram-one-triangle", "counts-anchors-reversed"])
+def test_kernel_unrolled_pass_mutant_fails_the_comparison(rng, split, monkeypatch, tmp_path, old, new):
+    """The passes with the anchors unrolled (k + 1 <= 8; device functions of the one-program kernels' file, which
+    the split kernels import): a mutant of each fails the torch path's comparison."""
+    assert sorted_soft_topk_op.unrolled_anchors(4) == 5
+    x, _ = _scores(rng, 2, 300, torch.float32)
+    assert_matches_torch(x, 4, rng, epsilon=0.2)  # the kernels as they are pass
+    load_mutant(sorted_soft_topk_op, monkeypatch, tmp_path, old, new, importers=[split_op])
     with pytest.raises(AssertionError):
         assert_matches_torch(x, 4, rng, epsilon=0.2)
 
@@ -255,7 +269,7 @@ def test_every_split_kernel_compiles_for_the_gpu_without_spills(arch, dtype, k, 
     module = split_op.kernel_module()
     lanes = sorted_soft_topk_op.anchor_lanes(k)
     block, chunk, chunks, pass_options = split_op.pass_geometry(10 ** 6, k, interpret=False)
-    assert pass_options["K1"] == (k + 1 if k + 1 <= split_op.UNROLL_MAX_ANCHORS else 0)
+    assert pass_options["K1"] == (k + 1 if k + 1 <= sorted_soft_topk_op.UNROLL_MAX_ANCHORS else 0)
     for name, signature in split_op.KERNEL_SIGNATURES.items():
         kernel = getattr(module, name)
         constexprs = {"KP": lanes}

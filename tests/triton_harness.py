@@ -84,13 +84,20 @@ def compile_without_spills(kernel, signature: Dict[str, str], constexprs: dict, 
     assert spills <= allowed_spill_bytes, (name, arch, dtype, constexprs, spills)
 
 
-def load_mutant(op_module, monkeypatch, tmp_path: Path, old: str, new: str) -> None:
+def load_mutant(op_module, monkeypatch, tmp_path: Path, old: str, new: str, importers=()) -> None:
     """From now on (until ``monkeypatch`` undoes it) ``op_module`` loads its kernels from a copy of its kernel file
     (``KERNEL_FILE``) with ``old``, which must occur exactly once, replaced by ``new``: a mutant the tests must
-    catch."""
+    catch. ``importers``: op modules whose kernel files import device functions from this one by its module name
+    (the split kernels import the one-program kernels'): the mutant stands in for that module in ``sys.modules``
+    and they load their kernels again, on it."""
     source = op_module.KERNEL_FILE.read_text()
     assert source.count(old) == 1, old
     path = tmp_path / op_module.KERNEL_FILE.name
     path.write_text(source.replace(old, new))
     monkeypatch.setattr(op_module, "KERNEL_FILE", path)
     monkeypatch.setattr(op_module, "_kernel_modules", {})
+    if importers:
+        mutant = op_module.kernel_module()
+        monkeypatch.setitem(sys.modules, mutant.__name__, mutant)
+        for importer in importers:
+            monkeypatch.setattr(importer, "_kernel_modules", {})

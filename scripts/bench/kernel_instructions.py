@@ -116,7 +116,7 @@ def count_pass(kernel_name: str, k: int, unroll: bool, dtype: str, arch: int, wo
 
 def table(ks: Sequence[int], dtypes: Sequence[str], arch: int) -> List[Dict[str, object]]:
     """Every pass, both paths where k allows unrolling, each ``(k, dtype)``; the tiles' rows carry ``ratio``."""
-    from fairseq_softtopk.ops.kernels import sorted_soft_topk_split_op as split_op
+    from fairseq_softtopk.ops.kernels.sorted_soft_topk_op import unrolled_anchors
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -124,7 +124,7 @@ def table(ks: Sequence[int], dtypes: Sequence[str], arch: int) -> List[Dict[str,
             for dtype in dtypes:
                 for label, kernel_name in PASSES:
                     unrolled = None
-                    for unroll in ([True, False] if split_op.unrolled_anchors(k) else [False]):
+                    for unroll in ([True, False] if unrolled_anchors(k) else [False]):
                         row = {"pass": label, "k": k, "dtype": dtype,
                                **count_pass(kernel_name, k, unroll, dtype, arch, Path(tmp))}
                         if unroll:

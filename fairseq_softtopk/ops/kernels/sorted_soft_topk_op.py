@@ -41,6 +41,15 @@ MAX_K = 31
 MAX_TILE = 1024
 #: ... and under the interpreter, whose cost grows with the block iterations, not the entries
 INTERPRETER_MAX_TILE = 1 << 17
+#: rows of at most this many anchors (k + 1) take the passes over entries with the anchors unrolled (one entry a
+#: thread, every anchor's values in registers of their own, no padded lane): every pass of the many-programs-a-row
+#: kernels, the one-program backward and the one-program forward's plan (its solve keeps the tiles: unrolled beside
+#: the solver's state it spills on sm_90). More anchors take the (BLOCK, KP) tiles. At 8 anchors a float64 pass
+#: holds its 36 Gram terms and 8 counts in registers without spilling on sm_90 and sm_80 (the compile tests)
+UNROLL_MAX_ANCHORS = 8
+#: entries per iteration of the unrolled passes at most: one a thread of 4 warps; and under the interpreter
+UNROLLED_BLOCK = 128
+INTERPRETER_UNROLLED_BLOCK = 1 << 15
 #: rows longer than this solve on the torch path's candidate window (see ``_sorted_forward_kernel``): the entries
 #: at or above the row's floor, up to WINDOW_MAX of them, compacted into scratch memory; more: the whole row. At
 #: the beam search's shape (38,840 candidates, k = 5, epsilon 0.03, log-probabilities) windows hold about 100
@@ -73,10 +82,28 @@ def anchor_lanes(k: int) -> int:
     return max(16, 1 << k.bit_length())
 
 
-def block_size(n: int, k: int, interpret: bool) -> int:
-    """Entries per block iteration: the next power of two of ``n``, at least 16, at most a tile's entries / KP."""
-    cap = (INTERPRETER_MAX_TILE if interpret else MAX_TILE) // anchor_lanes(k)
+def unrolled_anchors(k: int) -> int:
+    """The kernels' ``K1``: ``k + 1`` where the passes unroll the anchors, 0 where they take ``(BLOCK, KP)`` tiles."""
+    return k + 1 if k + 1 <= UNROLL_MAX_ANCHORS else 0
+
+
+def block_size(n: int, k: int, interpret: bool, unroll: bool = False) -> int:
+    """Entries per block iteration: the next power of two of ``n``, at least 16, at most a tile's entries / KP (with
+    ``unroll`` and k's anchors unrolled: at most ``UNROLLED_BLOCK``)."""
+    if unroll and unrolled_anchors(k):
+        cap = INTERPRETER_UNROLLED_BLOCK if interpret else UNROLLED_BLOCK
+    else:
+        cap = (INTERPRETER_MAX_TILE if interpret else MAX_TILE) // anchor_lanes(k)
     return max(16, min(1 << max(n - 1, 0).bit_length(), cap))
+
+
+def pass_options(block: int, k: int, unroll: bool = True) -> dict:
+    """The constexpr ``K1`` and the compiler options of a kernel whose passes take ``block`` entries an iteration:
+    with the anchors unrolled one entry a thread (warps: ``block / 32``, 1 to 8), in tiles by the tile's size."""
+    anchors = unrolled_anchors(k) if unroll else 0
+    if anchors:
+        return dict(K1=anchors, num_warps=max(1, min(8, block // 32)), enable_fp_fusion=True)
+    return dict(K1=0, **_launch_options(block * anchor_lanes(k)))
 
 
 def _kernels_for(t: Tensor):
@@ -115,7 +142,7 @@ def launch_forward(z: Tensor, valid: Tensor, eps: Tensor, top: Tensor, n_valid: 
         z, valid.contiguous().view(torch.uint8), eps.reshape(rows).contiguous(), n_valid.contiguous(), g0, floor,
         margin, scratch, plan, n_iter, err, n, k, tol_hi, tol_lo, max_iter, subnormal_cut(z.dtype, k),
         _ridge(z.dtype), HAS_MASK=has_mask, BLOCK=block, KP=anchor_lanes(k), WMAX=wmax,
-        **_launch_options(block * anchor_lanes(k)))
+        K1=unrolled_anchors(k), **_launch_options(block * anchor_lanes(k)))
     return plan, n_iter, err
 
 
@@ -146,10 +173,10 @@ def launch_backward(plan: Tensor, grad: Tensor, eps: Tensor, no_rest: Tensor) ->
     if rows == 0:
         return grad_z
     module, interpret = _kernels_for(plan)
-    block = block_size(n, k, interpret)
+    block = block_size(n, k, interpret, unroll=True)
     launch(module._sorted_backward_kernel, (rows,),
         plan, grad, eps.reshape(rows).to(plan.dtype).contiguous(), no_rest.contiguous().view(torch.uint8), grad_z,
-        n, k, _ridge(plan.dtype), BLOCK=block, KP=anchor_lanes(k), **_launch_options(block * anchor_lanes(k)))
+        n, k, _ridge(plan.dtype), BLOCK=block, KP=anchor_lanes(k), **pass_options(block, k))
     return grad_z
 
 

@@ -27,23 +27,16 @@ from torch import Tensor
 from ..semi_dual import subnormal_cut
 from ..semi_dual_warm_start import hard_start
 from .loading import check_device, launch, load_kernels
-from .soft_topk_op import _float32_halves, _launch_options
-from .sorted_soft_topk_op import (INTERPRETER_MAX_TILE, MAX_TILE, _ridge, _setup_context, anchor_lanes,
-                                  implicit_backward)
+from .soft_topk_op import _float32_halves
+from .sorted_soft_topk_op import (_ridge, _setup_context, anchor_lanes, block_size, implicit_backward,
+                                  pass_options)
 
 KERNEL_FILE = Path(__file__).with_name("sorted_soft_topk_split_triton.py")
-#: entries of a row per program on a GPU (BLOCK = MAX_TILE / KP of them per iteration: 32 iterations at KP = 16);
-#: a row of 1e6 entries runs on 489 programs
+#: entries of a row per program on a GPU (16 iterations of BLOCK = 128 with the anchors unrolled, 32 of 64 in KP = 16
+#: tiles); a row of 1e6 entries runs on 489 programs
 CHUNK = 2048
 #: ... and under the interpreter (whose cost is per iteration and per program)
 INTERPRETER_CHUNK = 1 << 17
-#: rows of at most this many anchors (k + 1) take the passes with the anchors unrolled, one value each a thread (no
-#: padded lane); more anchors take the one-program kernels' (BLOCK, KP) tiles. At 8 anchors a float64 pass holds its
-#: 36 Gram terms and 8 counts in registers without spilling on sm_90 and sm_80 (tests/test_triton_sorted_soft_topk_split.py)
-UNROLL_MAX_ANCHORS = 8
-#: entries per iteration of the unrolled passes: one a thread of 4 warps; and under the interpreter
-UNROLLED_BLOCK = 128
-INTERPRETER_UNROLLED_BLOCK = 1 << 15
 #: rows at least this long, in calls of at most SPLIT_MAX_ROWS rows, take these kernels (the one-program kernels'
 #: grid would have fewer programs than an H100 has SMs); not yet tuned on a GPU
 SPLIT_MIN_LENGTH = 16384
@@ -110,27 +103,14 @@ def sync_free_rounds(max_iter: int) -> int:
     return 1 + 2 * max_iter
 
 
-def unrolled_anchors(k: int) -> int:
-    """The kernels' ``K1``: ``k + 1`` where the passes unroll the anchors, 0 where they take ``(BLOCK, KP)`` tiles."""
-    return k + 1 if k + 1 <= UNROLL_MAX_ANCHORS else 0
-
-
 def pass_geometry(n: int, k: int, interpret: bool, unroll: bool = True) -> Tuple[int, int, int, dict]:
     """``(BLOCK, CHUNK, chunks, pass options)``: entries per iteration and per program (CHUNK a multiple of BLOCK),
     programs a row, the compile options of the passes over entries (``K1`` and the launch options); ``unroll=False``:
     the (BLOCK, KP) tiles whatever k (the instruction counts compare both)."""
-    kp = anchor_lanes(k)
     chunk = INTERPRETER_CHUNK if interpret else CHUNK
-    anchors = unrolled_anchors(k) if unroll else 0
-    if anchors:
-        block = INTERPRETER_UNROLLED_BLOCK if interpret else UNROLLED_BLOCK
-    else:
-        block = (INTERPRETER_MAX_TILE if interpret else MAX_TILE) // kp
-    block = max(16, min(block, chunk))
+    block = block_size(chunk, k, interpret, unroll)
     chunk = max(chunk, block)
-    options = (dict(num_warps=max(1, min(8, block // 32)), enable_fp_fusion=True) if anchors else
-               _launch_options(block * kp))
-    return block, chunk, max(1, math.ceil(n / chunk)), dict(K1=anchors, **options)
+    return block, chunk, max(1, math.ceil(n / chunk)), pass_options(block, k, unroll)
 
 
 def row_options(kp: int) -> dict:

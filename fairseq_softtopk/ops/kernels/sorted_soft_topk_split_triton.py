@@ -30,10 +30,9 @@ one-program kernels' device functions.
 import triton
 import triton.language as tl
 
-from fairseq_softtopk.ops.kernels.sorted_soft_topk_triton import (LOG2E, _backward_grad_tile, _backward_sums_tile,
-                                                                  _div, _evaluate, _hessian, _judge_trial, _marginal_error,
-                                                                  _next_trial, _plan_tile, _row_constants,
-                                                                  _solve_ridged, _targets)
+from fairseq_softtopk.ops.kernels.sorted_soft_topk_triton import (_backward_grad, _backward_sums, _evaluate, _hessian,
+                                                                  _judge_trial, _marginal_error, _next_trial,
+                                                                  _plan_pass, _row_constants, _solve_ridged, _targets)
 
 # The per-row state, float64, offsets in units of KP (vectors) then scalars after the Gram matrix; the launcher
 # reads ACTIVE_AT (whether the row's solve goes on) and allocates state_size(KP) entries a row.
@@ -58,118 +57,6 @@ def _row_state(STATE, row, KP: tl.constexpr):
 
 
 @triton.jit
-def _anchor_terms(G, EPS, N_VALID, row, K1: tl.constexpr):
-    """``(slopes, shifts)``, tuples of ``K1`` float64 scalars: anchor r's logit of score z is ``z * slopes[r] +
-    shifts[r]`` in log2 units, ``y_r / eps`` and ``g_r`` (G ``(K1,)``, the rest anchor's ``-inf`` in rows without
-    one), as the one-program kernels' ``_row_constants`` and shift compute them, lane by lane."""
-    eps = tl.load(EPS + row).to(tl.float64)
-    no_rest = tl.load(N_VALID + row).to(tl.float64) == tl.cast(K1 - 1, tl.float64)
-    slopes = ()
-    shifts = ()
-    for r in tl.static_range(K1):
-        slopes = slopes + (tl.cast(K1 - 1 - r, tl.float64) * (LOG2E / eps),)
-        if r == K1 - 1:
-            shifts = shifts + ((tl.load(G + r) + tl.where(no_rest, float("-inf"), 0.0)) * LOG2E,)
-        else:
-            shifts = shifts + (tl.load(G + r) * LOG2E,)
-    return slopes, shifts
-
-
-@triton.jit
-def _entry_plan(Z, VALID, offs, n, slopes, shifts, CUT, HAS_MASK: tl.constexpr, K1: tl.constexpr):
-    """``(P, valid, log2 normaliser)`` of the entries ``offs`` ``(BLOCK,)``, ``P`` a tuple of ``K1`` ``(BLOCK,)``
-    vectors in the scores' dtype: ``_plan_tile``'s softmax over the anchors (the same operations, its clamp at
-    ``CUT``, 0 on excluded entries, NaN for NaN scores), one anchor at a time."""
-    inside = offs < n
-    z = tl.load(Z + offs, mask=inside, other=0.0)
-    valid = inside
-    if HAS_MASK:
-        valid = valid & (tl.load(VALID + offs, mask=inside, other=1) != 0)
-    logits = ()
-    for r in tl.static_range(K1):
-        logits = logits + (z.to(tl.float64) * slopes[r] + shifts[r],)
-    top = logits[0]
-    for r in tl.static_range(1, K1):
-        top = tl.maximum(top, logits[r])
-    e = ()
-    total = tl.zeros(z.shape, dtype=z.dtype)
-    for r in tl.static_range(K1):
-        e = e + (tl.exp2(tl.maximum((logits[r] - top).to(z.dtype), CUT)),)
-        total += e[r]
-    total = tl.where(valid, total, float("inf"))  # excluded entries: P = e / inf = 0
-    P = ()
-    for r in tl.static_range(K1):
-        P = P + (tl.where(z == z, _div(e[r], total), float("nan")),)
-    return P, valid, tl.log2(total.to(tl.float64)) + top
-
-
-@triton.jit
-def _zeros_tuple(count: tl.constexpr, BLOCK: tl.constexpr, dtype: tl.constexpr):
-    """``count`` zero ``(BLOCK,)`` vectors of ``dtype``: per-lane accumulators, one a sum."""
-    out = ()
-    for unused in tl.static_range(count):
-        out = out + (tl.zeros((BLOCK,), dtype=dtype),)
-    return out
-
-
-@triton.jit
-def _add_gram(gram, P, K1: tl.constexpr):
-    """``gram`` plus the entries' ``P_r P_s``, entry by entry: the kept Gram terms ``(r, s)``, ``r <= s``, a tuple
-    of ``K1 (K1 + 1) / 2`` in row order (term ``(r, s)`` at ``r K1 - r (r - 1) / 2 + s - r``)."""
-    out = ()
-    for r in tl.static_range(K1):
-        for s in tl.static_range(r, K1):
-            out = out + (gram[len(out)] + P[r] * P[s],)
-    return out
-
-
-@triton.jit
-def _evaluate_unrolled(Z, VALID, first, stop, n, slopes, shifts, CUT, HAS_MASK: tl.constexpr, BLOCK: tl.constexpr,
-                       K1: tl.constexpr):
-    """``_evaluate`` over the entries ``first`` to ``stop`` with the anchors unrolled: ``(counts, sum_i lse_i, gram)``,
-    ``counts`` a tuple of ``K1`` float64 ``(BLOCK,)`` sums, ``gram`` of the ``K1 (K1 + 1) / 2`` Gram terms
-    (:func:`_add_gram`'s order) in the scores' dtype, each summed per entry lane (reduced by :func:`_as_tiles`)."""
-    counts = _zeros_tuple(K1, BLOCK, tl.float64)
-    gram = _zeros_tuple(K1 * (K1 + 1) // 2, BLOCK, Z.dtype.element_ty)
-    lse = tl.zeros((BLOCK,), dtype=tl.float64)
-    for start in range(first, stop, BLOCK):
-        P, valid, lse_i = _entry_plan(Z, VALID, start + tl.arange(0, BLOCK), n, slopes, shifts, CUT, HAS_MASK, K1)
-        lse += tl.where(valid, lse_i, 0.0)
-        added = ()
-        for r in tl.static_range(K1):
-            added = added + (counts[r] + P[r].to(tl.float64),)
-        counts = added
-        gram = _add_gram(gram, P, K1)
-    return counts, tl.sum(lse, axis=0), gram
-
-
-@triton.jit
-def _as_tiles(sums, gram, K1: tl.constexpr, KP: tl.constexpr):
-    """The per-lane sums reduced into the KP layout the step kernels read: ``sums`` (a tuple of ``K1`` float64, or
-    of fewer) as a ``(KP,)`` vector, ``gram`` as the symmetric ``(KP, KP)`` float64 matrix (0 on padding).
-
-    The vector's lanes after the sums hold 0, or NaN where a sum is NaN: as the tiles' padded lanes do (their plan
-    is NaN on every lane of a NaN score), so that a NaN row's marginal error is NaN, not the max of its finite
-    lanes (a reduction's max drops NaN)."""
-    lane = tl.arange(0, KP)
-    ri = lane[:, None]
-    ci = lane[None, :]
-    vector = tl.zeros((KP,), dtype=tl.float64)
-    padding = tl.cast(0.0, tl.float64)
-    for r in tl.static_range(len(sums)):
-        total = tl.sum(sums[r], axis=0)
-        vector = tl.where(lane == r, total, vector)
-        padding += 0.0 * total
-    vector = tl.where(lane >= len(sums), padding, vector)
-    matrix = tl.zeros((KP, KP), dtype=tl.float64)
-    for r in tl.static_range(K1):
-        for s in tl.static_range(r, K1):
-            matrix = tl.where(((ri == r) & (ci == s)) | ((ri == s) & (ci == r)),
-                              tl.sum(gram[r * K1 - r * (r - 1) // 2 + s - r], axis=0).to(tl.float64), matrix)
-    return vector, matrix
-
-
-@triton.jit
 def _split_evaluate_kernel(Z, VALID, EPS, N_VALID, STATE, PART, n, k, CUT, HAS_MASK: tl.constexpr,
                            BLOCK: tl.constexpr, KP: tl.constexpr, CHUNK: tl.constexpr, K1: tl.constexpr):
     """Program ``(row, chunk)``: the plan's sums over the chunk's ``CHUNK`` entries at the row's trial potentials.
@@ -185,16 +72,10 @@ def _split_evaluate_kernel(Z, VALID, EPS, N_VALID, STATE, PART, n, k, CUT, HAS_M
     state, scalars = _row_state(STATE, row, KP)
     if tl.load(scalars + ACTIVE_AT) != 0:
         first = chunk * CHUNK
-        if K1 > 0:
-            slopes, shifts = _anchor_terms(state + TRIAL_AT * KP, EPS, N_VALID, row, K1)
-            sums, lse, terms = _evaluate_unrolled(Z + row * n, VALID + row * n, first, first + CHUNK, n, slopes,
-                                                  shifts, CUT, HAS_MASK, BLOCK, K1)
-            counts, gram = _as_tiles(sums, terms, K1, KP)
-        else:
-            y_eps2, rest_bias, no_rest, n_valid, anchor = _row_constants(EPS, N_VALID, row, k, KP)
-            counts, lse, gram = _evaluate(Z + row * n, VALID + row * n, first, first + CHUNK, n, True,
-                                          tl.load(state + TRIAL_AT * KP + tl.arange(0, KP)), y_eps2, rest_bias,
-                                          anchor, k, CUT, HAS_MASK, BLOCK, KP)
+        y_eps2, rest_bias, no_rest, n_valid, anchor = _row_constants(EPS, N_VALID, row, k, KP)
+        counts, lse, gram = _evaluate(Z + row * n, VALID + row * n, first, first + CHUNK, n, True,
+                                      tl.load(state + TRIAL_AT * KP + tl.arange(0, KP)), y_eps2, rest_bias, anchor, k,
+                                      CUT, HAS_MASK, BLOCK, KP, K1)
         _store_part(PART + (row * chunks + chunk) * (KP + 1 + KP * KP), counts, lse, gram, KP)
 
 
@@ -303,23 +184,11 @@ def _split_plan_kernel(Z, VALID, EPS, N_VALID, STATE, PLAN, n, k, CUT, HAS_MASK:
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     state, scalars = _row_state(STATE, row, KP)
-    PLAN += row * (k + 1) * n
-    if K1 > 0:
-        slopes, shifts = _anchor_terms(state + G_AT * KP, EPS, N_VALID, row, K1)
-        for start in range(0, CHUNK, BLOCK):
-            offs = chunk * CHUNK + start + tl.arange(0, BLOCK)
-            P, valid, lse_i = _entry_plan(Z + row * n, VALID + row * n, offs, n, slopes, shifts, CUT, HAS_MASK, K1)
-            for r in tl.static_range(K1):
-                tl.store(PLAN + r * n + offs, P[r], mask=offs < n)
-    else:
-        y_eps2, rest_bias, no_rest, n_valid, anchor = _row_constants(EPS, N_VALID, row, k, KP)
-        g = tl.load(state + G_AT * KP + tl.arange(0, KP))
-        shift = ((g + rest_bias) * LOG2E)[None, :]
-        for start in range(0, CHUNK, BLOCK):
-            offs = chunk * CHUNK + start + tl.arange(0, BLOCK)
-            P, valid, lse_i = _plan_tile(Z + row * n, VALID + row * n, offs, n, True, y_eps2, shift, anchor, k, CUT,
-                                         HAS_MASK)
-            tl.store(PLAN + anchor * n + offs[:, None], P, mask=(offs < n)[:, None] & (anchor <= k))
+    y_eps2, rest_bias, no_rest, n_valid, anchor = _row_constants(EPS, N_VALID, row, k, KP)
+    first = chunk * CHUNK
+    _plan_pass(Z + row * n, VALID + row * n, PLAN + row * (k + 1) * n, first, first + CHUNK, n,
+               tl.load(state + G_AT * KP + tl.arange(0, KP)), y_eps2, rest_bias, anchor, k, CUT, 0, 0.0, HAS_MASK,
+               False, BLOCK, KP, K1)
 
 
 @triton.jit
@@ -331,47 +200,9 @@ def _split_backward_sums_kernel(PLAN, GRAD, PART, n, k, BLOCK: tl.constexpr, KP:
     chunk = tl.program_id(1)
     PLAN += row * (k + 1) * n
     GRAD += row * (k + 1) * n
-    part = PART + (row * tl.num_programs(1) + chunk) * (KP + 1 + KP * KP)
-    if K1 > 0:
-        # b over the ranks (the rest anchor's is 0), the Gram terms over every anchor, per entry lane
-        b = _zeros_tuple(K1 - 1, BLOCK, tl.float64)
-        terms = _zeros_tuple(K1 * (K1 + 1) // 2, BLOCK, PLAN.dtype.element_ty)
-        for start in range(0, CHUNK, BLOCK):
-            offs = chunk * CHUNK + start + tl.arange(0, BLOCK)
-            P, PG, G_bar = _entry_plan_and_gradient(PLAN, GRAD, offs, n, K1)
-            added = ()
-            for r in tl.static_range(K1 - 1):
-                added = added + (b[r] + (PG[r].to(tl.float64) - (P[r] * G_bar).to(tl.float64)),)
-            b = added
-            terms = _add_gram(terms, P, K1)
-        b, gram = _as_tiles(b, terms, K1, KP)
-    else:
-        lane = tl.arange(0, KP)
-        b = tl.zeros((KP,), dtype=tl.float64)
-        gram = tl.zeros((KP, KP), dtype=PLAN.dtype.element_ty)
-        for start in range(0, CHUNK, BLOCK):
-            b_tile, gram_tile = _backward_sums_tile(PLAN, GRAD, chunk * CHUNK + start + tl.arange(0, BLOCK), n,
-                                                    lane[None, :], k)
-            b += b_tile
-            gram += gram_tile
-    _store_part(part, b, 0.0, gram, KP)
-
-
-@triton.jit
-def _entry_plan_and_gradient(PLAN, GRAD, offs, n, K1: tl.constexpr):
-    """``(P, PG, Gbar)`` of the entries ``offs`` of a row's plan ``(K1, n)`` and its gradient, anchor by anchor:
-    ``P`` a tuple of ``K1`` ``(BLOCK,)`` vectors (0 outside the row), ``PG`` of ``K1 - 1``, ``P_ir G_ir`` on the
-    ranks, ``Gbar_i = sum_r P_ir G_ir``."""
-    inside = offs < n
-    P = ()
-    PG = ()
-    for r in tl.static_range(K1):
-        P = P + (tl.load(PLAN + r * n + offs, mask=inside, other=0.0),)
-    G_bar = tl.zeros(P[0].shape, dtype=P[0].dtype)
-    for r in tl.static_range(K1 - 1):
-        PG = PG + (P[r] * tl.load(GRAD + r * n + offs, mask=inside, other=0.0),)
-        G_bar += PG[r]
-    return P, PG, G_bar
+    first = chunk * CHUNK
+    b, gram = _backward_sums(PLAN, GRAD, first, first + CHUNK, n, k, BLOCK, KP, K1)
+    _store_part(PART + (row * tl.num_programs(1) + chunk) * (KP + 1 + KP * KP), b, 0.0, gram, KP)
 
 
 @triton.jit
@@ -394,25 +225,6 @@ def _split_backward_grad_kernel(PLAN, GRAD, U, EPS, GRAD_Z, n, k, BLOCK: tl.cons
     GRAD += row * (k + 1) * n
     GRAD_Z += row * n
     eps = tl.load(EPS + row)
-    if K1 > 0:
-        # _backward_grad_tile's sums over the ranks, anchor by anchor (y_r = k - r)
-        for start in range(0, CHUNK, BLOCK):
-            offs = chunk * CHUNK + start + tl.arange(0, BLOCK)
-            P, PG, G_bar = _entry_plan_and_gradient(PLAN, GRAD, offs, n, K1)
-            y_bar = tl.zeros(G_bar.shape, dtype=G_bar.dtype)
-            direct_minus_implicit = tl.zeros(G_bar.shape, dtype=G_bar.dtype)
-            Pu = tl.zeros(G_bar.shape, dtype=G_bar.dtype)
-            for r in tl.static_range(K1 - 1):
-                u_r = tl.load(U + row * KP + r).to(PLAN.dtype.element_ty)
-                y_r = tl.cast(K1 - 1 - r, PLAN.dtype.element_ty)
-                y_bar += P[r] * y_r
-                direct_minus_implicit += y_r * (PG[r] - P[r] * u_r)
-                Pu += P[r] * u_r
-            tl.store(GRAD_Z + offs, _div(direct_minus_implicit - y_bar * (G_bar - Pu), eps), mask=offs < n)
-    else:
-        lane = tl.arange(0, KP)
-        u = tl.load(U + row * KP + lane).to(PLAN.dtype.element_ty)[None, :]
-        for start in range(0, CHUNK, BLOCK):
-            offs = chunk * CHUNK + start + tl.arange(0, BLOCK)
-            tl.store(GRAD_Z + offs, _backward_grad_tile(PLAN, GRAD, offs, n, lane[None, :], k, u, eps),
-                     mask=offs < n)
+    first = chunk * CHUNK
+    _backward_grad(PLAN, GRAD, GRAD_Z, first, first + CHUNK, n, k,
+                   tl.load(U + row * KP + tl.arange(0, KP)).to(PLAN.dtype.element_ty), eps, BLOCK, KP, K1)

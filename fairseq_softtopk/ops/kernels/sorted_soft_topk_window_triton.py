@@ -74,7 +74,7 @@ def _window_forward_kernel(TOP, Z, VALID, PLAN, OVERFLOW, NO_REST, N_ITER, ERR, 
     rest_bias = tl.where(lane == k, tl.where(no_rest, float("-inf"), 0.0), 0.0)
     target, inv_target = _targets(n_valid, no_rest, k, KP)
     g, err, used = _newton(Z, VALID, W, True, g0, target, inv_target, no_rest, y_eps2, rest_bias, anchor, k, tol,
-                           max_iter, CUT, RIDGE, True, BLOCK, KP)
+                           max_iter, CUT, RIDGE, True, BLOCK, KP, 0)  # windows of <= 512: (BLOCK, KP) tiles
     tl.store(N_ITER + row, used)
     tl.store(ERR + row, err)
     tl.store(NO_REST + row, no_rest.to(tl.uint8))
