@@ -12,8 +12,8 @@ import math
 import pytest
 import torch
 
-from triton_harness import (DEVICE, compile_without_spills, interpreter_runner, kernel_test, load_mutant, needs_triton,
-                            run_under_the_interpreter)
+from triton_harness import (DEVICE, compile_without_spills, interpreter_runner, kernel_test, load_mutant,
+                            load_shared_mutant, needs_triton, run_under_the_interpreter)
 from fairseq_softtopk.ops import sorted_soft_topk
 from fairseq_softtopk.ops.kernels import (KernelFallbackWarning, backend as backend_module, fallback_counts,
                                           reset_fallback_counts)
@@ -423,14 +423,18 @@ def test_every_kernel_compiles_for_the_gpu(arch, dtype, k, monkeypatch, tmp_path
 @kernel_test
 @pytest.mark.parametrize("old, new, k", [
     ("K = tl.where(ri == ci, diagonal, -off)", "K = tl.where(ri == ci, diagonal, off)", 4),  # the Hessian's sign
-    # the backward's implicit term dropped: in (BLOCK, KP) tiles (k + 1 > 8 anchors), with the anchors unrolled
+    # the backward's implicit term dropped (the passes' file): in (BLOCK, KP) tiles (k + 1 > 8 anchors), unrolled
     ("Pu = tl.sum(P * u, axis=1)", "Pu = 0.0 * tl.sum(P * u, axis=1)", 9),
     ("Pu += P[r] * u_r", "Pu += 0.0 * P[r] * u_r", 4),
 ], ids=["hessian-sign", "backward-implicit-tiles", "backward-implicit-unrolled"])
 def test_kernel_mutant_fails_the_comparison(rng, monkeypatch, tmp_path, old, new, k):
     x, _ = _scores(rng, 2, 200, torch.float32)
     assert_matches_torch(x, k, rng, epsilon=0.2)  # the kernels as they are pass
-    load_mutant(sorted_soft_topk_op, monkeypatch, tmp_path, old, new)
+    if old in sorted_soft_topk_op.PASSES_FILE.read_text():
+        load_shared_mutant(sorted_soft_topk_op.PASSES_FILE, "_evaluate", [sorted_soft_topk_op], monkeypatch, tmp_path,
+                           old, new)
+    else:
+        load_mutant(sorted_soft_topk_op, monkeypatch, tmp_path, old, new)
     with pytest.raises(AssertionError):
         assert_matches_torch(x, k, rng, epsilon=0.2)
 

@@ -84,20 +84,32 @@ def compile_without_spills(kernel, signature: Dict[str, str], constexprs: dict, 
     assert spills <= allowed_spill_bytes, (name, arch, dtype, constexprs, spills)
 
 
-def load_mutant(op_module, monkeypatch, tmp_path: Path, old: str, new: str, importers=()) -> None:
+def _mutated_copy(kernel_file: Path, tmp_path: Path, old: str, new: str) -> Path:
+    """A copy of ``kernel_file`` in ``tmp_path`` with ``old``, which must occur exactly once, replaced by ``new``."""
+    source = kernel_file.read_text()
+    assert source.count(old) == 1, old
+    path = tmp_path / kernel_file.name
+    path.write_text(source.replace(old, new))
+    return path
+
+
+def load_mutant(op_module, monkeypatch, tmp_path: Path, old: str, new: str) -> None:
     """From now on (until ``monkeypatch`` undoes it) ``op_module`` loads its kernels from a copy of its kernel file
     (``KERNEL_FILE``) with ``old``, which must occur exactly once, replaced by ``new``: a mutant the tests must
-    catch. ``importers``: op modules whose kernel files import device functions from this one by its module name
-    (the split kernels import the one-program kernels'): the mutant stands in for that module in ``sys.modules``
-    and they load their kernels again, on it."""
-    source = op_module.KERNEL_FILE.read_text()
-    assert source.count(old) == 1, old
-    path = tmp_path / op_module.KERNEL_FILE.name
-    path.write_text(source.replace(old, new))
-    monkeypatch.setattr(op_module, "KERNEL_FILE", path)
+    catch."""
+    monkeypatch.setattr(op_module, "KERNEL_FILE", _mutated_copy(op_module.KERNEL_FILE, tmp_path, old, new))
     monkeypatch.setattr(op_module, "_kernel_modules", {})
-    if importers:
-        mutant = op_module.kernel_module()
-        monkeypatch.setitem(sys.modules, mutant.__name__, mutant)
-        for importer in importers:
-            monkeypatch.setattr(importer, "_kernel_modules", {})
+
+
+def load_shared_mutant(kernel_file: Path, probe: str, importers, monkeypatch, tmp_path: Path, old: str,
+                       new: str) -> None:
+    """A mutant of a file of device functions that kernel files import by module name (``kernel_file``, imported as
+    ``fairseq_softtopk.ops.kernels.<its stem>``; ``probe``: one of its Triton functions): loaded from a mutated copy
+    into ``sys.modules`` in that module's place, and the ``importers`` (op modules) load their kernels again, on it
+    (until ``monkeypatch`` undoes it)."""
+    from fairseq_softtopk.ops.kernels.loading import load_kernels
+
+    name = f"fairseq_softtopk.ops.kernels.{kernel_file.stem}"
+    monkeypatch.setitem(sys.modules, name, load_kernels(_mutated_copy(kernel_file, tmp_path, old, new), name, probe))
+    for importer in importers:
+        monkeypatch.setattr(importer, "_kernel_modules", {})

@@ -29,6 +29,8 @@ from .loading import check_device, launch, load_kernels
 from .soft_topk_op import _float32_halves, _launch_options
 
 KERNEL_FILE = Path(__file__).with_name("sorted_soft_topk_triton.py")
+#: the passes over entries every sorted kernel family imports (device functions only)
+PASSES_FILE = Path(__file__).with_name("sorted_soft_topk_passes_triton.py")
 #: the largest k the kernels take: the programs hold the k x k Newton system, the Gram matrix and its trial copy
 #: as (KP, KP) float64/float32 register tiles, KP the next power of two >= k + 1. Compiled for sm_90 (Triton 3.9,
 #: MAX_TILE entries, 4 warps), KP = 32 takes 230-255 registers a thread without spilling in both dtypes; at

@@ -15,24 +15,21 @@ the solver's decision:
   :func:`_split_backward_solve_kernel` (one program a row: ``u = K^{-1} b``), :func:`_split_backward_grad_kernel`
   (the gradient per chunk).
 
-The passes over entries take a row's anchors one of two ways. With ``K1 = k + 1`` anchors given (``K1 > 0``: small k,
-the beam search's), they are unrolled: each entry is one lane of a ``(BLOCK,)`` vector, one entry a thread, and
-every anchor's logit, plan entry, count and Gram term a value of its own (Triton tuples, :func:`_entry_plan`,
-:func:`_evaluate_unrolled`): no padded anchor lane computes anything, the plan and its gradient are read and
-written one anchor row at a time (contiguous), and the per-entry sums are reduced once a program. With ``K1 = 0``
-the one-program kernels' ``(BLOCK, KP)`` tiles are used (``KP`` a power of two, at least 16: ``tl.dot``'s), for
-any k. The per-row state and the partial sums keep the ``KP`` layout either way (the step kernel reads them).
+The passes over entries are ``sorted_soft_topk_passes_triton``'s: with ``K1 = k + 1`` (small k) the anchors unrolled,
+one entry a thread, with ``K1 = 0`` ``(BLOCK, KP)`` tiles. The per-row state and the partial sums keep the ``KP``
+layout either way (the step kernel reads them).
 
-The launcher (``sorted_soft_topk_split_op``) decides how many rounds run. This module imports ``triton`` and the
-one-program kernels' device functions.
+The launcher (``sorted_soft_topk_split_op``) decides how many rounds run. This module imports ``triton``, the passes
+and the one-program kernels' solver steps.
 """
 
 import triton
 import triton.language as tl
 
-from fairseq_softtopk.ops.kernels.sorted_soft_topk_triton import (_backward_grad, _backward_sums, _evaluate, _hessian,
-                                                                  _judge_trial, _marginal_error, _next_trial,
-                                                                  _plan_pass, _row_constants, _solve_ridged, _targets)
+from fairseq_softtopk.ops.kernels.sorted_soft_topk_passes_triton import (_backward_grad, _backward_sums, _evaluate,
+                                                                         _plan_pass, _row_constants)
+from fairseq_softtopk.ops.kernels.sorted_soft_topk_triton import (_hessian, _judge_trial, _marginal_error, _next_trial,
+                                                                  _solve_ridged, _targets)
 
 # The per-row state, float64, offsets in units of KP (vectors) then scalars after the Gram matrix; the launcher
 # reads ACTIVE_AT (whether the row's solve goes on) and allocates state_size(KP) entries a row.

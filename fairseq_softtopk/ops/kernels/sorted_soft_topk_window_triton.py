@@ -20,8 +20,8 @@ on the first launch.
 import triton
 import triton.language as tl
 
-from fairseq_softtopk.ops.kernels.sorted_soft_topk_triton import (LOG2E, _div, _hessian, _newton, _plan_tile,
-                                                                  _solve_ridged, _targets)
+from fairseq_softtopk.ops.kernels.sorted_soft_topk_passes_triton import LOG2E, _div, _plan_tile
+from fairseq_softtopk.ops.kernels.sorted_soft_topk_triton import _hessian, _newton, _solve_ridged, _targets
 
 
 @triton.jit
