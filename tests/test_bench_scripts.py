@@ -461,17 +461,19 @@ def test_bench_ops_window_kernel_row_asks_for_the_kernels_with_the_skip_lifted(m
     assert set(asked["sorted_soft_topk_window"]) == {"torch", "triton"}
 
 
-def test_bench_ops_times_both_kernel_families_on_few_long_rows(monkeypatch, capsys):
+def test_bench_ops_times_both_kernel_families_on_long_rows(monkeypatch, capsys):
     """A call the split kernels take (few long rows of the sorted operator) gets a second kernel row,
-    ``ours_triton_rows``, whose call runs under ``one_program_a_row``; a call of many rows gets none. The operator is
-    spied on and runs on the torch path (the kernels' own tests are tests/test_triton_*.py)."""
+    ``ours_triton_rows``, whose call runs under ``one_program_a_row``; a call of more rows as long gets
+    ``ours_triton_split``, under ``split_for_long_rows``. The operator is spied on and runs on the torch path (the
+    kernels' own tests are tests/test_triton_*.py)."""
     from fairseq_softtopk.ops.kernels import sorted_soft_topk_split_op
 
     bench_ops = script_module("bench/bench_ops.py")
     asked, real = [], bench_ops.sorted_soft_topk
 
     def spy(*args, backend, **options):
-        asked.append((backend, sorted_soft_topk_split_op.use_split_kernels(1, 2000)))
+        asked.append((backend, sorted_soft_topk_split_op.use_split_kernels(1, 2000),
+                      sorted_soft_topk_split_op.use_split_kernels(3, 2000)))
         return real(*args, backend="torch", **options)
 
     monkeypatch.setattr(bench_ops, "triton_skip_reason", lambda device: "")
@@ -485,10 +487,12 @@ def test_bench_ops_times_both_kernel_families_on_few_long_rows(monkeypatch, caps
     rows = [[c.strip() for c in line.split("|")[1:-1]] for line in capsys.readouterr().out.splitlines()
             if line.startswith("| sorted n=")]
     assert [r[1] for r in rows] == ["ours", "ours_triton", "ours_triton_rows", "paper", "unrolled", "topk",
-                                    "ours", "ours_triton", "paper", "unrolled", "topk"]
+                                    "ours", "ours_triton", "ours_triton_split", "paper", "unrolled", "topk"]
     assert rows[1][8].endswith("; split kernels") and rows[2][8].endswith("; one program a row")
-    assert rows[7][8].endswith(" it")
-    assert ("triton", True) in asked and ("triton", False) in asked
+    assert rows[7][8].endswith(" it") and rows[8][8].endswith("; split kernels")
+    # as the calls were made: the default (few rows split, more not), one program forced, split forced
+    assert {("triton", True, False), ("triton", False, False), ("triton", True, True)} <= set(asked)
+    assert not sorted_soft_topk_split_op.use_split_kernels(3, 2000)  # the forcing ended with its block
 
 
 def test_bench_ops_refuses_the_window_without_the_linear_cost(capsys):

@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from triton_harness import (DEVICE, compile_without_spills, interpreter_runner, kernel_test, load_mutant, needs_triton,
-                            run_under_the_interpreter)
+from triton_harness import (DEVICE, compile_without_spills, interpreter_runner, kernel_test, load_mutant,
+                            load_shared_mutant, needs_triton, run_under_the_interpreter)
 from fairseq_softtopk.ops import sorted_soft_topk
 from fairseq_softtopk.ops.kernels import backend as backend_module, soft_topk_op, sorted_soft_topk_op
 from fairseq_softtopk.ops.kernels import sorted_soft_topk_split_op as split_op
@@ -196,12 +196,13 @@ def test_kernel_mutant_fails_the_comparison(rng, split, monkeypatch, tmp_path, o
     ("added = added + (counts[r] + P[r].to(tl.float64),)", "added = added + (counts[r] + P[K1 - 1 - r].to(tl.float64),)"),
 ], ids=["backward-rhs-sign", "anchor-slope", "gram-one-triangle", "counts-anchors-reversed"])
 def test_kernel_unrolled_pass_mutant_fails_the_comparison(rng, split, monkeypatch, tmp_path, old, new):
-    """The passes with the anchors unrolled (k + 1 <= 8; device functions of the one-program kernels' file, which
-    the split kernels import): a mutant of each fails the torch path's comparison."""
+    """The passes with the anchors unrolled (k + 1 <= 8; sorted_soft_topk_passes_triton's device functions, which
+    every sorted kernel family imports): a mutant of each fails the torch path's comparison."""
     assert sorted_soft_topk_op.unrolled_anchors(4) == 5
     x, _ = _scores(rng, 2, 300, torch.float32)
     assert_matches_torch(x, 4, rng, epsilon=0.2)  # the kernels as they are pass
-    load_mutant(sorted_soft_topk_op, monkeypatch, tmp_path, old, new, importers=[split_op])
+    load_shared_mutant(sorted_soft_topk_op.PASSES_FILE, "_evaluate", [sorted_soft_topk_op, split_op], monkeypatch,
+                       tmp_path, old, new)
     with pytest.raises(AssertionError):
         assert_matches_torch(x, 4, rng, epsilon=0.2)
 
@@ -241,6 +242,13 @@ def test_the_split_kernels_take_few_long_rows():
     assert not split_op.use_split_kernels(split_op.SPLIT_MAX_ROWS + 1, 10 ** 6)
     assert not split_op.use_split_kernels(1, split_op.SPLIT_MIN_LENGTH - 1)
     assert not split_op.use_split_kernels(0, 10 ** 6)
+    with split_op.split_for_long_rows():
+        assert split_op.use_split_kernels(split_op.SPLIT_MAX_ROWS + 1, split_op.SPLIT_MIN_LENGTH)
+        assert not split_op.use_split_kernels(10 ** 4, split_op.SPLIT_MIN_LENGTH - 1)
+        with split_op.one_program_a_row():
+            assert not split_op.use_split_kernels(1, 10 ** 6)
+        assert split_op.use_split_kernels(10 ** 4, 10 ** 6)
+    assert not split_op.use_split_kernels(split_op.SPLIT_MAX_ROWS + 1, 10 ** 6)
     assert split_op.sync_free_rounds(10) == 21
 
 

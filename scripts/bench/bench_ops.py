@@ -23,7 +23,8 @@ Methods:
   only: on the CPU the kernels run under Triton's interpreter, which is no speed to report, and the rows
   say so. ``ours``, ``ours_fixed`` and ``sparse`` are the torch path (``backend="torch"``) on every device.
   The sorted operator's calls of few long rows take the many-programs-a-row kernels (the note says "split
-  kernels"); for them ``ours_triton_rows`` times the same call on the one-program-a-row kernels;
+  kernels"); for them ``ours_triton_rows`` times the same call on the one-program-a-row kernels, and for calls of
+  more rows as long ``ours_triton_split`` times it on the split kernels (the row limit is not yet set on a GPU);
 * with ``--fixed-iterations N``, ``ours_fixed``: ours with ``fixed_iterations=True`` and
   ``max_iter=N`` (no host synchronisation: N iterations on all n entries, the GPU path), and
   with ``--compile MODE`` also ``ours_compiled``: that call under
@@ -215,6 +216,13 @@ def bench_case(n: int, k: int, eps: float, sorted_op: bool, repeats: int, tol: f
         info_box["ours_triton_rows"] = info
         return out
 
+    def ours_triton_split():  # the split kernels, where the call of many long rows would take the one-program ones
+        with sorted_soft_topk_split_op.split_for_long_rows():
+            out, info = op(x, k, epsilon=eps, cost=cost, tol=tol, largest=sorted_op, return_info=True,
+                           backend="triton")
+        info_box["ours_triton_split"] = info
+        return out
+
     def ours_fixed():
         out, info = fixed_call(x)
         info_box["ours_fixed"] = info
@@ -264,6 +272,8 @@ def bench_case(n: int, k: int, eps: float, sorted_op: bool, repeats: int, tol: f
         methods["ours_triton"] = ours_triton
         if split_rows:
             methods["ours_triton_rows"] = ours_triton_rows
+        elif sorted_op and n >= sorted_soft_topk_split_op.SPLIT_MIN_LENGTH:
+            methods["ours_triton_split"] = ours_triton_split
     if fixed_iterations is not None:
         methods["ours_fixed"] = ours_fixed
         if compile_mode is not None:
@@ -284,7 +294,7 @@ def bench_case(n: int, k: int, eps: float, sorted_op: bool, repeats: int, tol: f
             rows.append(dict(method=name, seconds=None, best=None, mbytes=None, err=None,
                              note="skipped: the sorted operator with the linear cost only"))
             continue
-        if name in ("ours_triton", "ours_triton_rows", "sparse_triton", "ours_window_triton") and \
+        if name in ("ours_triton", "ours_triton_rows", "ours_triton_split", "sparse_triton", "ours_window_triton") and \
                 triton_skip_reason(device):
             rows.append(dict(method=name, seconds=None, best=None, mbytes=None, err=None,
                              note=triton_skip_reason(device)))
@@ -303,10 +313,12 @@ def bench_case(n: int, k: int, eps: float, sorted_op: bool, repeats: int, tol: f
         seconds, best, nbytes, outputs[name] = _time(fn, x, repeats, device)
         err = info_box.get(name)
         note = ""
-        if name in ("ours", "ours_fixed", "ours_triton", "ours_triton_rows"):
+        if name in ("ours", "ours_fixed", "ours_triton", "ours_triton_rows", "ours_triton_split"):
             note = f"{int(err.n_iter)} it" + ("" if bool(err.converged) else " NOT CONVERGED")
             if name == "ours_triton_rows":
                 note += "; one program a row"
+            elif name == "ours_triton_split":
+                note += "; split kernels"
             elif name == "ours_triton" and split_rows:
                 note += "; split kernels"
             err = float(err.marginal_error)

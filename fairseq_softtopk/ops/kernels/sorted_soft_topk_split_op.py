@@ -19,7 +19,7 @@ import contextlib
 import math
 import threading
 from pathlib import Path
-from typing import Iterator, Tuple
+from typing import ContextManager, Iterator, Tuple
 
 import torch
 from torch import Tensor
@@ -61,7 +61,7 @@ KERNEL_SIGNATURES = {
 }
 
 _kernel_modules = {}
-_one_program = threading.local()  # one_program_a_row's flag
+_forced = threading.local()  # the family one_program_a_row / split_for_long_rows force: "one", "split" or none
 # the per-row state's layout (sorted_soft_topk_split_triton): four KP vectors, the KP x KP Gram matrix, 16 scalars
 _TRIAL_AT, _ERR, _FRESH, _ACTIVE = 1, 1, 5, 12
 
@@ -81,21 +81,35 @@ def state_size(kp: int) -> int:
 
 def use_split_kernels(rows: int, n: int) -> bool:
     """Whether a call of ``rows`` rows of ``n`` entries runs on these kernels rather than the one-program ones."""
-    if getattr(_one_program, "forced", False):
+    forced = getattr(_forced, "family", None)
+    if forced == "one":
         return False
+    if forced == "split":
+        return n >= SPLIT_MIN_LENGTH and rows > 0
     return n >= SPLIT_MIN_LENGTH and 0 < rows <= SPLIT_MAX_ROWS
 
 
 @contextlib.contextmanager
-def one_program_a_row() -> Iterator[None]:
-    """Inside the block (this thread), sorted_soft_topk's kernels run one program a row whatever the shape: the
-    benchmarks time both families on the same rows."""
-    before = getattr(_one_program, "forced", False)
-    _one_program.forced = True
+def _forcing(family: str) -> Iterator[None]:
+    before = getattr(_forced, "family", None)
+    _forced.family = family
     try:
         yield
     finally:
-        _one_program.forced = before
+        _forced.family = before
+
+
+def one_program_a_row() -> ContextManager[None]:
+    """Inside the block (this thread), sorted_soft_topk's kernels run one program a row whatever the shape: the
+    benchmarks time both families on the same rows."""
+    return _forcing("one")
+
+
+def split_for_long_rows() -> ContextManager[None]:
+    """Inside the block (this thread), calls of rows at least ``SPLIT_MIN_LENGTH`` long run on these kernels however
+    many rows they have (``SPLIT_MAX_ROWS`` is not yet set from a GPU): the benchmarks time both families on the same
+    rows (the beam search's 64 rows of 38,840 candidates, say)."""
+    return _forcing("split")
 
 
 def sync_free_rounds(max_iter: int) -> int:
