@@ -74,14 +74,18 @@ def test_kernel_window_is_the_torch_path(rng, dtype, grad_cap):
 
 @kernel_test
 def test_kernel_gradient_passes_gradcheck_in_float64(rng):
-    """The backward kernel is the forward kernel's derivative (finite differences, float64), zero outside."""
+    """The backward kernel is the forward kernel's derivative (finite differences, float64), zero outside: the
+    fast mode's random directions, three of them (the full Jacobian, 180 x 144, took minutes of the suite under the
+    interpreter)."""
     x = (torch.randn(3, 60, generator=rng, dtype=torch.float64) * 2).log_softmax(-1).to(DEVICE).requires_grad_()
 
     def ranks(scores):
         return sorted_soft_topk_window(scores, 3, epsilon=0.2, width=16, tol=1e-12, max_iter=60,
                                        backend="triton")[0]
 
-    assert torch.autograd.gradcheck(ranks, (x,), eps=1e-6, atol=1e-6, rtol=1e-5)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        assert torch.autograd.gradcheck(ranks, (x,), eps=1e-6, atol=1e-6, rtol=1e-5, fast_mode=True)
 
 
 @kernel_test
