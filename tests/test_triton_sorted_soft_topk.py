@@ -425,7 +425,7 @@ def test_every_kernel_compiles_for_the_gpu(arch, dtype, k, monkeypatch, tmp_path
     ("K = tl.where(ri == ci, diagonal, -off)", "K = tl.where(ri == ci, diagonal, off)", 4),  # the Hessian's sign
     # the backward's implicit term dropped (the passes' file): in (BLOCK, KP) tiles (k + 1 > 8 anchors), unrolled
     ("Pu = tl.sum(P * u, axis=1)", "Pu = 0.0 * tl.sum(P * u, axis=1)", 9),
-    ("Pu += P[r] * u_r", "Pu += 0.0 * P[r] * u_r", 4),
+    ("Pu += P[r] * u_lanes[r]", "Pu += 0.0 * P[r] * u_lanes[r]", 4),
 ], ids=["hessian-sign", "backward-implicit-tiles", "backward-implicit-unrolled"])
 def test_kernel_mutant_fails_the_comparison(rng, monkeypatch, tmp_path, old, new, k):
     x, _ = _scores(rng, 2, 200, torch.float32)

@@ -344,6 +344,9 @@ def _backward_grad(PLAN, GRAD, GRAD_Z, first, stop, n, k, u, eps, BLOCK: tl.cons
     b`` ``(KP,)`` in the plan's dtype (see :func:`_sorted_backward_kernel`). ``K1 > 0``: the anchors unrolled
     (:func:`_backward_grad_tile`'s sums over the ranks, ``y_r = k - r``), else ``(BLOCK, KP)`` tiles."""
     if K1 > 0:
+        u_lanes = ()  # u's rank lanes as scalars, once a pass (not a reduction each block)
+        for r in tl.static_range(K1 - 1):
+            u_lanes = u_lanes + (_lane(u, r, KP),)
         for start in range(first, stop, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             P, PG, G_bar = _entry_plan_and_gradient(PLAN, GRAD, offs, n, K1)
@@ -351,11 +354,10 @@ def _backward_grad(PLAN, GRAD, GRAD_Z, first, stop, n, k, u, eps, BLOCK: tl.cons
             direct_minus_implicit = tl.zeros(G_bar.shape, dtype=G_bar.dtype)
             Pu = tl.zeros(G_bar.shape, dtype=G_bar.dtype)
             for r in tl.static_range(K1 - 1):
-                u_r = _lane(u, r, KP)
                 y_r = tl.cast(K1 - 1 - r, PLAN.dtype.element_ty)
                 y_bar += P[r] * y_r
-                direct_minus_implicit += y_r * (PG[r] - P[r] * u_r)
-                Pu += P[r] * u_r
+                direct_minus_implicit += y_r * (PG[r] - P[r] * u_lanes[r])
+                Pu += P[r] * u_lanes[r]
             tl.store(GRAD_Z + offs, _div(direct_minus_implicit - y_bar * (G_bar - Pu), eps), mask=offs < n)
     else:
         anchor = tl.arange(0, KP)[None, :]
