@@ -61,6 +61,7 @@ Usage::
 """
 
 import argparse
+import contextlib
 import platform
 import statistics
 import sys
@@ -204,24 +205,21 @@ def bench_case(n: int, k: int, eps: float, sorted_op: bool, repeats: int, tol: f
         return op(v, k, epsilon=eps, cost=cost, tol=tol, largest=sorted_op, return_info=True,
                   max_iter=fixed_iterations, fixed_iterations=True, backend="torch")
 
-    def ours_triton():
-        out, info = op(x, k, epsilon=eps, cost=cost, tol=tol, largest=sorted_op, return_info=True, backend="triton")
-        info_box["ours_triton"] = info
-        return out
+    def triton_call(name, family=contextlib.nullcontext):
+        """The kernels' call, recorded as ``name``, inside ``family()``: the kernel family the shape takes, or
+        another forced (``ours_triton_rows``: one program a row, where the call would take the split kernels;
+        ``ours_triton_split``: the split kernels, where a call of many long rows would take the one-program ones)."""
+        def call():
+            with family():
+                out, info = op(x, k, epsilon=eps, cost=cost, tol=tol, largest=sorted_op, return_info=True,
+                               backend="triton")
+            info_box[name] = info
+            return out
+        return call
 
-    def ours_triton_rows():  # the one-program-a-row kernels, where the call would take the split ones
-        with sorted_soft_topk_split_op.one_program_a_row():
-            out, info = op(x, k, epsilon=eps, cost=cost, tol=tol, largest=sorted_op, return_info=True,
-                           backend="triton")
-        info_box["ours_triton_rows"] = info
-        return out
-
-    def ours_triton_split():  # the split kernels, where the call of many long rows would take the one-program ones
-        with sorted_soft_topk_split_op.split_for_long_rows():
-            out, info = op(x, k, epsilon=eps, cost=cost, tol=tol, largest=sorted_op, return_info=True,
-                           backend="triton")
-        info_box["ours_triton_split"] = info
-        return out
+    ours_triton = triton_call("ours_triton")
+    ours_triton_rows = triton_call("ours_triton_rows", sorted_soft_topk_split_op.one_program_a_row)
+    ours_triton_split = triton_call("ours_triton_split", sorted_soft_topk_split_op.split_for_long_rows)
 
     def ours_fixed():
         out, info = fixed_call(x)
