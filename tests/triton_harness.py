@@ -5,16 +5,15 @@ Triton fixes its mode (compiled or interpreted) when it is first imported, and t
 interpreter must be chosen before the test process imports anything, in a child process of its own.
 """
 
-import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict
 
 import pytest
 import torch
 
-from conftest import clean_env
+from conftest import clean_env, script_module
 from fairseq_softtopk.ops.kernels import backend as backend_module, triton_available
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -43,42 +42,18 @@ def run_under_the_interpreter(test_file: str, repo_root, selection: str) -> None
     assert "passed" in summary and "skipped" not in summary, proc.stdout[-3000:]
 
 
-def spill_stores(ptx: str, arch: int, tmp_path: Path) -> Optional[int]:
-    """Bytes of register spill stores ``ptxas -v`` reports for ``ptx`` (Triton's bundled assemblers: the first
-    that takes this PTX version), None where none is found."""
-    import triton
-
-    source = tmp_path / "kernel.ptx"
-    source.write_text(ptx)
-    gpu = f"sm_{arch}a" if arch == 90 else f"sm_{arch}"
-    for name in ("ptxas", "ptxas-blackwell"):
-        binary = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
-        if not binary.is_file():
-            continue
-        run = subprocess.run([str(binary), "-v", f"--gpu-name={gpu}", str(source), "-o", str(tmp_path / "out.cubin")],
-                             capture_output=True, text=True)
-        found = re.findall(r"(\d+) bytes spill stores", run.stderr)
-        if run.returncode == 0 and found:
-            return sum(int(n) for n in found)
-    return None
-
-
 def compile_without_spills(kernel, signature: Dict[str, str], constexprs: dict, arch: int, dtype: str,
                            options: dict, tmp_path: Path, name: str = "", allowed_spill_bytes: int = 0) -> None:
     """Compiles ``kernel`` ahead of time for ``sm_{arch}`` (no GPU needed; ``D`` in ``signature``'s types is
     ``dtype``) and asserts a cubin and, by ``ptxas -v``, no register spill (skips where no bundled ptxas takes
     the PTX; ``allowed_spill_bytes``: a known spill, which must not grow). The caller sets ``TRITON_CACHE_DIR`` to a
-    fresh directory, so that nothing comes from a cache."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, compile as triton_compile
-
+    fresh directory, so that nothing comes from a cache. The compile and ``ptxas -v`` are
+    scripts/bench/kernel_instructions.py's."""
+    instructions = script_module("bench/kernel_instructions.py")
     assert set(kernel.arg_names) == set(signature) | set(constexprs), kernel.arg_names
-    types = {arg: kind.replace("D", dtype) for arg, kind in signature.items()}
-    types.update({arg: "constexpr" for arg in constexprs})
-    compiled = triton_compile(ASTSource(fn=kernel, signature=types, constexprs=constexprs),
-                              target=GPUTarget("cuda", arch, 32), options=options)
+    compiled = instructions.compile_ahead(kernel, signature, constexprs, arch, dtype, options)
     assert compiled.asm["cubin"], (name, arch, dtype, constexprs)
-    spills = spill_stores(compiled.asm["ptx"], arch, tmp_path)
+    _, spills = instructions.ptxas_usage(compiled.asm["ptx"], arch, tmp_path)
     if spills is None:
         pytest.skip("no bundled ptxas takes this PTX: the spill check needs one")
     assert spills <= allowed_spill_bytes, (name, arch, dtype, constexprs, spills)

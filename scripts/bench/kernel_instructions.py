@@ -67,6 +67,18 @@ def ptxas_usage(ptx: str, arch: int, workdir: Path) -> Tuple[Optional[int], Opti
     return None, None
 
 
+def compile_ahead(kernel, signature: Dict[str, str], constexprs: dict, arch: int, dtype: str, options: dict):
+    """``kernel`` compiled ahead of time for ``sm_{arch}`` (no GPU needed), its run-time arguments typed by
+    ``signature`` (``D``: ``dtype``), with ``constexprs`` and the compiler ``options``."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile as triton_compile
+
+    types = {arg: kind.replace("D", dtype) for arg, kind in signature.items()}
+    types.update({arg: "constexpr" for arg in constexprs})
+    return triton_compile(ASTSource(fn=kernel, signature=types, constexprs=constexprs),
+                          target=GPUTarget("cuda", arch, 32), options=options)
+
+
 def main_loop(sass: str) -> List[str]:
     """The opcodes (predicate and modifiers dropped) of the longest loop in ``sass`` (``cuobjdump -sass`` text):
     the instructions from a backward branch's target to the branch."""
@@ -83,9 +95,6 @@ def main_loop(sass: str) -> List[str]:
 def count_pass(kernel_name: str, k: int, unroll: bool, dtype: str, arch: int, workdir: Path) -> Dict[str, object]:
     """One pass compiled as the launcher would launch it on a GPU (k anchors + 1, unrolled or in tiles, ``dtype``
     scores, a mask where the pass reads one), and its counts (see the module's docstring)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, compile as triton_compile
-
     from fairseq_softtopk.ops.kernels import sorted_soft_topk_op, sorted_soft_topk_split_op as split_op
 
     kernel = getattr(split_op.kernel_module(), kernel_name)
@@ -94,10 +103,7 @@ def count_pass(kernel_name: str, k: int, unroll: bool, dtype: str, arch: int, wo
     constexprs = dict(BLOCK=block, KP=sorted_soft_topk_op.anchor_lanes(k), CHUNK=chunk, K1=options.pop("K1"))
     if "HAS_MASK" in kernel.arg_names:
         constexprs["HAS_MASK"] = True
-    types = {arg: kind.replace("D", dtype) for arg, kind in split_op.KERNEL_SIGNATURES[kernel_name].items()}
-    types.update({arg: "constexpr" for arg in constexprs})
-    compiled = triton_compile(ASTSource(fn=kernel, signature=types, constexprs=constexprs),
-                              target=GPUTarget("cuda", arch, 32), options=options)
+    compiled = compile_ahead(kernel, split_op.KERNEL_SIGNATURES[kernel_name], constexprs, arch, dtype, options)
     registers, spills = ptxas_usage(compiled.asm["ptx"], arch, workdir)
     (workdir / "pass.cubin").write_bytes(compiled.asm["cubin"])
     sass = subprocess.run([str(_tool("cuobjdump")), "-sass", str(workdir / "pass.cubin")], capture_output=True,
